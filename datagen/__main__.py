@@ -1,0 +1,3 @@
+from datagen.cli import main
+import sys
+sys.exit(main())

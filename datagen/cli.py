@@ -1,0 +1,79 @@
+"""The `datagen` command line: one sub-command per step.
+
+Each step module under ``datagen`` exposes:
+
+    HELP: str                                   one line for `datagen --help`
+    def add_arguments(parser) -> None           its options (argparse)
+    def main(args) -> dict                      runs the step, returns its result record
+
+The result record is printed as the last line of stdout, prefixed with
+``datagen-result: `` so a runner (subprocess or container) can read it. Errors
+derived from ``DatagenError`` print their message and hint (no traceback) and
+exit with the error's code; the codes are in ``datagen.errors``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+
+from datagen.errors import EXIT_FAILED, EXIT_OK, DatagenError
+
+# command name -> module. The same step name is used for module, task, image and log lines.
+STEPS = {
+    "extract": "datagen.extract",
+    "env-check": "datagen.env_check",
+    "download": "datagen.download",
+    "validate": "datagen.validate",
+    "publish": "datagen.publish",
+    "export": "datagen.export",
+    "make-tiny": "datagen.tiny",
+}
+RESULT_PREFIX = "datagen-result: "
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="datagen", description="EAGLE-3 hidden-state datasets: extract, check, publish."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="STEP")
+    for name, module_name in STEPS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name == module_name:
+                continue  # step not built in this version
+            raise
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(p)
+        p.set_defaults(_module=module, _step=name)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format=f"%(asctime)s {args._step} %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+    try:
+        result = args._module.main(args)
+    except DatagenError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    print(RESULT_PREFIX + json.dumps(result or {}, sort_keys=True, default=str), flush=True)
+    return EXIT_OK if result is None or not result.get("failed") else EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
