@@ -15,9 +15,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+from datagen.cli import RESULT_PREFIX
 from datagen.errors import EXIT_OK, EXIT_TRANSIENT
-
-RESULT_PREFIX = "datagen-result: "
 
 # Exit codes of infrastructure failures, not of the step's own logic:
 # 137 = SIGKILL (docker kill, OOM killer), 143 = SIGTERM, 125 = docker could not run the container.
