@@ -24,6 +24,7 @@ from datagen.errors import EXIT_FAILED, EXIT_OK, DatagenError
 
 # command name -> module. The same step name is used for module, task, image and log lines.
 STEPS = {
+    "plan": "datagen.plan",
     "extract": "datagen.extract",
     "env-check": "datagen.env_check",
     "download": "datagen.download",

@@ -124,9 +124,10 @@ def model_check(model_dir: str, workaround: bool) -> None:
     torch.manual_seed(1)
     ids = torch.randint(2, 500, (16,)).tolist()
     llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, enable_prefix_caching=False,
-              async_scheduling=False, max_model_len=256, gpu_memory_utilization=0.3, seed=0)
+              async_scheduling=False, max_model_len=256, gpu_memory_utilization=0.3, seed=0,
+              skip_tokenizer_init=True)
     llm.collective_rpc(_install)
-    llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1), use_tqdm=False)
+    llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
     got = llm.collective_rpc(_fetch)[0]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
