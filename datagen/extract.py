@@ -164,16 +164,52 @@ def completed_shards(p: Plan) -> dict[int, ShardRecord]:
     done = {}
     for k in range(p.num_shards):
         rec_path = _record_path(out, k)
-        if not rec_path.exists():
-            continue
-        try:
-            rec = ShardRecord.model_validate_json(rec_path.read_text())
-        except ValueError:
+        rec = None
+        if rec_path.exists():
+            try:
+                rec = ShardRecord.model_validate_json(rec_path.read_text())
+            except ValueError:
+                rec = None
+        if rec is None:
+            # A crash between the shard's rename and its record's: the file is complete (atomic),
+            # and its header names its key, so rebuild the record from the file.
+            rec = recover_record(p, k)
+            if rec is not None:
+                atomic_write_json(rec_path, rec.model_dump(mode="json"))
+        if rec is None:
             continue
         f = out / rec.path
         if rec.shard_key == p.shard_key(k) and f.is_file() and f.stat().st_size == rec.bytes:
             done[k] = rec
     return done
+
+
+def recover_record(p: Plan, k: int) -> ShardRecord | None:
+    """The record of shard k rebuilt from its file, when the file is this plan's shard k."""
+    import json
+
+    from safetensors import safe_open
+
+    from datagen.shards import file_sha256, layer_stats
+
+    f = Path(p.spec.out) / shard_name(k)
+    if not f.is_file():
+        return None
+    try:
+        with safe_open(str(f), "pt") as st:
+            meta = json.loads((st.metadata() or {}).get("datagen", "{}"))
+            if meta.get("shard_key") != p.shard_key(k):
+                return None
+            hs = st.get_tensor("hidden_states")
+            samples = st.get_slice("sample_index").get_shape()[0]
+    except Exception:  # unreadable: not a complete shard of ours, extract it again
+        return None
+    first, count = p.shard_range(k)
+    return ShardRecord(
+        index=k, path=shard_name(k), first_sample=first, rows=count, samples=samples, tokens=hs.shape[0],
+        bytes=f.stat().st_size, sha256=file_sha256(f), shard_key=p.shard_key(k),
+        layer_stats=layer_stats(hs, p.layer_ids),
+    )
 
 
 def _remove_stale(p: Plan) -> None:
@@ -332,6 +368,8 @@ def run(spec: ExtractSpec, *, shards: tuple[int, int] | None = None) -> dict:
                     job = build_job(p, k)
                     engine.submit(job)
                     progress.advance(job.tokens)
+                    if settings.test_slow_shard_s():
+                        time.sleep(settings.test_slow_shard_s())
                     _save_records(out, engine.completed(), records)
                 _save_records(out, engine.finish(), records)
             progress.close()

@@ -41,6 +41,12 @@ def progress_interval_s() -> float:
     return _float("DATAGEN_PROGRESS_INTERVAL", 10.0)
 
 
+def test_slow_shard_s() -> float:
+    """DATAGEN_TEST_SLOW_SHARD_S: TEST HOOK. Seconds to pause after each shard is submitted, so
+    that fault tests can kill a run in the middle. Never set it in production."""
+    return _float("DATAGEN_TEST_SLOW_SHARD_S", 0.0)
+
+
 def _cuda() -> bool:
     try:
         import torch
@@ -48,3 +54,34 @@ def _cuda() -> bool:
         return torch.cuda.is_available()
     except ImportError:
         return False
+
+
+# -- S3 transfers (datagen.s3). Endpoint, region and credentials are NOT read here: boto3 reads
+# the standard AWS variables itself (AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, AWS_REGION /
+# AWS_DEFAULT_REGION, AWS_PROFILE, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, instance roles), so
+# every credential source boto3 supports works and no secret passes through datagen.
+
+
+def s3_chunk_bytes() -> int:
+    """DATAGEN_S3_CHUNK_MB: multipart part size (and ranged-download chunk) in MiB."""
+    return _int("DATAGEN_S3_CHUNK_MB", 64) * 1024 * 1024
+
+
+def s3_max_concurrency() -> int:
+    """DATAGEN_S3_MAX_CONCURRENCY: parallel part transfers in flight across all files."""
+    return _int("DATAGEN_S3_MAX_CONCURRENCY", 16)
+
+
+def s3_max_attempts() -> int:
+    """DATAGEN_S3_MAX_ATTEMPTS: attempts per S3 request (botocore standard retry mode)."""
+    return _int("DATAGEN_S3_MAX_ATTEMPTS", 5)
+
+
+def s3_connect_timeout_s() -> float:
+    """DATAGEN_S3_CONNECT_TIMEOUT: seconds to open a connection to the S3 endpoint."""
+    return _float("DATAGEN_S3_CONNECT_TIMEOUT", 10.0)
+
+
+def s3_read_timeout_s() -> float:
+    """DATAGEN_S3_READ_TIMEOUT: seconds without a byte from the S3 endpoint before a retry."""
+    return _float("DATAGEN_S3_READ_TIMEOUT", 60.0)

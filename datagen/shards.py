@@ -164,10 +164,13 @@ def write_shard(job: ShardJob, per_sample_states: list[torch.Tensor]) -> ShardRe
     save_file(
         tensors,
         str(tmp),
+        # One metadata key: safetensors writes a map's keys in no fixed order, and shards must be
+        # byte-identical across runs.
         metadata={
-            "format": SHARD_FORMAT,
-            "shard_key": job.shard_key,
-            "layer_ids": ",".join(map(str, job.layer_ids)),
+            "datagen": json.dumps(
+                {"format": SHARD_FORMAT, "shard_key": job.shard_key, "layer_ids": list(job.layer_ids)},
+                sort_keys=True,
+            )
         },
     )
     os.chmod(tmp, 0o644)  # safetensors creates 0600; the dataset is meant to be read by others

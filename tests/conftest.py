@@ -1,0 +1,24 @@
+"""Shared fixtures: tiny random-weight models made at test time (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.builders import make_model_dir
+
+# The CPU engine's KV cache: small, the tests' sequences are short.
+os.environ.setdefault("DATAGEN_CPU_KVCACHE_GIB", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A 6-layer random Llama with a tokenizer and chat template."""
+    return make_model_dir(tmp_path_factory.mktemp("llama"), arch="llama", num_layers=6)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek(tmp_path_factory):
+    """A 6-layer random DeepSeek-V3 (MLA + MoE, the shape of Kimi-K2 scaled down)."""
+    return make_model_dir(tmp_path_factory.mktemp("deepseek"), arch="deepseek_v3", num_layers=6)

