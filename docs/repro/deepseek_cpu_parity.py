@@ -46,7 +46,8 @@ def kernel_check() -> None:
     pos = torch.arange(T)
     q = torch.randn(T, H, NOPE + ROPE)
     latent = torch.randn(T, KV_LORA + ROPE)
-    q_ref, k_ref = rope.forward_native(pos, q[..., NOPE:].clone(), latent[:, KV_LORA:].unsqueeze(1).clone())
+    k_in = latent[:, KV_LORA:].unsqueeze(1).clone()
+    q_ref, k_ref = rope.forward_native(pos, q[..., NOPE:].clone(), k_in)
 
     # The views mla.py hands to the rotary embedding (rotated in place by the CPU kernel).
     q_cpu, lat_cpu = q.clone(), latent.clone()
@@ -104,9 +105,11 @@ def _install(worker):
     store = worker._parity_store = []
 
     def pre(_mod, args, kwargs):
-        vals = list(args) + [kwargs[k] for k in ("positions", "hidden_states", "residual") if k in kwargs]
+        names = ("positions", "hidden_states", "residual")
+        vals = list(args) + [kwargs[k] for k in names if k in kwargs]
         hidden, residual = vals[1], vals[2]
-        store.append((hidden if residual is None else hidden + residual).detach().float().cpu().clone())
+        state = hidden if residual is None else hidden + residual
+        store.append(state.detach().float().cpu().clone())
 
     worker.model_runner.model.model.layers[1].register_forward_pre_hook(pre, with_kwargs=True)
 
@@ -127,7 +130,8 @@ def model_check(model_dir: str, workaround: bool) -> None:
               async_scheduling=False, max_model_len=256, gpu_memory_utilization=0.3, seed=0,
               skip_tokenizer_init=True)
     llm.collective_rpc(_install)
-    llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
+    params = SamplingParams(max_tokens=1, detokenize=False)
+    llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
     got = llm.collective_rpc(_fetch)[0]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
