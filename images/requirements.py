@@ -13,6 +13,7 @@ the CPU torch).
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import logging
 import tomllib
@@ -134,7 +135,8 @@ def _reachable(
     return set(seen)
 
 
-def _requires(pin: Pin) -> list[Requirement]:
+@functools.cache  # metadata look-ups scan sys.path; a pin's requirements never change
+def _requires(pin: Pin) -> tuple[Requirement, ...]:
     try:
         dist = importlib.metadata.distribution(pin.name)
     except importlib.metadata.PackageNotFoundError as e:
@@ -147,4 +149,4 @@ def _requires(pin: Pin) -> list[Requirement]:
             f"{pin.name} {dist.version} is installed but the lock pins {pin.version}",
             hint="run `make setup` (it installs requirements/lock.txt)",
         )
-    return [Requirement(r) for r in dist.requires or []]
+    return tuple(Requirement(r) for r in dist.requires or [])

@@ -1,0 +1,64 @@
+"""The real Docker engine and the step images, for tests marked ``docker``.
+
+``docker_client()`` starts the engine with scripts/docker-up.sh when none answers (as
+`make test` does) and skips only when it cannot start. ``built_images()`` builds what is
+missing with the same code as `make images` (cold: a few minutes; warm: about a second).
+"""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TEST_LABEL = "test-id"  # invocation label the tests put on their containers
+
+
+@functools.cache
+def _engine() -> tuple[object | None, str]:
+    import docker
+
+    try:
+        client = docker.from_env()
+        client.ping()
+        return client, ""
+    except docker.errors.DockerException:
+        pass
+    up = subprocess.run(
+        [str(ROOT / "scripts/docker-up.sh")], capture_output=True, text=True, timeout=600
+    )
+    try:
+        client = docker.from_env()
+        client.ping()
+        return client, ""
+    except docker.errors.DockerException as e:
+        return None, f"no Docker engine could start ({e}); scripts/docker-up.sh said: {up.stderr[-500:]}"
+
+
+def docker_client():
+    """A client of a running engine; skips the test when no engine can start here."""
+    client, reason = _engine()
+    if client is None:
+        pytest.skip(reason)
+    return client
+
+
+@functools.cache
+def built_images(*names) -> dict:
+    """Image name -> tag of each of ``names`` (``images.tags.ImageName``), built if missing."""
+    from images.build import build_images
+
+    results = build_images(list(names), client=docker_client())
+    return {plan.recipe.name: plan.tag for plan, _, _ in results}
+
+
+def containers_labelled(client, test_id: str) -> list:
+    """Every container (running or not) the runner made for the test ``test_id``."""
+    from tasks.docker_runner import LABEL_PREFIX
+
+    return client.containers.list(
+        all=True, filters={"label": f"{LABEL_PREFIX}{TEST_LABEL}={test_id}"}
+    )

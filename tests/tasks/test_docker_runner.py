@@ -1,0 +1,178 @@
+"""The docker runner against a real Docker engine and the real steps image."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from datagen.errors import EXIT_BAD_INPUT, CannotRunHereError
+from images.tags import ImageName
+from tasks.docker_runner import LABEL_PREFIX, MANAGED_LABEL, DockerRunner, remove_leftover_containers
+from tasks.runners import Mount, StepInvocation
+from tests.support.docker_engine import (
+    TEST_LABEL,
+    built_images,
+    containers_labelled,
+    docker_client,
+)
+
+pytestmark = pytest.mark.docker
+
+
+@pytest.fixture(scope="module")
+def client():
+    return docker_client()
+
+
+@pytest.fixture(scope="module")
+def runner(client):
+    tags = built_images(ImageName.STEPS)
+    return DockerRunner({"*": tags[ImageName.STEPS]}, client=client)
+
+
+@pytest.fixture
+def test_id(client):
+    """A label value unique to the test; afterwards no container may carry it."""
+    value = uuid.uuid4().hex[:12]
+    yield value
+    assert containers_labelled(client, value) == [], "the runner left a container behind"
+
+
+def make_tiny(out: Path, test_id: str, *extra: str, **overrides) -> StepInvocation:
+    """A `datagen make-tiny` invocation writing under ``out`` (bind-mounted)."""
+    fields = dict(
+        step="make-tiny",
+        args=("--out", str(out / "tiny"), "--arch", "llama", "--layers", "2", "--rows", "4", *extra),
+        mounts=(Mount(str(out)),),
+        labels={TEST_LABEL: test_id, "flow-run-id": "test-run"},
+    )
+    fields.update(overrides)
+    return StepInvocation(**fields)
+
+
+def test_step_runs_in_container_and_its_result_line_is_parsed(runner, tmp_path, test_id):
+    lines: list[str] = []
+
+    outcome = runner.run(make_tiny(tmp_path, test_id), lines.append)
+
+    assert outcome.ok, outcome.last_lines
+    assert outcome.result == {
+        "model": str(tmp_path / "tiny" / "model"),
+        "dataset": str(tmp_path / "tiny" / "chat.jsonl"),
+    }
+    assert any("make-tiny INFO" in line for line in lines), "step log lines were not streamed"
+    written = tmp_path / "tiny" / "chat.jsonl"
+    assert len(written.read_text().splitlines()) == 4
+    # Files on the bind mount belong to the host user, not to root or the image's user.
+    assert (written.stat().st_uid, written.stat().st_gid) == (os.getuid(), os.getgid())
+
+
+def test_container_carries_flow_run_step_and_version_labels(runner, client, tmp_path, test_id):
+    seen: dict = {}
+
+    def log(line: str) -> None:
+        if not seen:
+            (container,) = containers_labelled(client, test_id)
+            seen.update(container.labels)
+
+    outcome = runner.run(make_tiny(tmp_path, test_id), log)
+
+    assert outcome.ok
+    assert seen[MANAGED_LABEL] == "true"
+    assert seen[LABEL_PREFIX + "step"] == "make-tiny"
+    assert seen[LABEL_PREFIX + "flow-run-id"] == "test-run"
+    assert seen[LABEL_PREFIX + "version"]
+
+
+def test_container_killed_mid_step_gives_a_retryable_outcome(runner, client, tmp_path, test_id):
+    killed = threading.Event()
+
+    def kill_when_running() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            running = [c for c in containers_labelled(client, test_id) if c.status == "running"]
+            if running:
+                running[0].kill()
+                killed.set()
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_when_running)
+    killer.start()
+    outcome = runner.run(make_tiny(tmp_path, test_id), lambda line: None)
+    killer.join()
+
+    assert killed.is_set()
+    assert outcome.exit_code == 137
+    assert outcome.retryable
+    assert outcome.result is None
+
+
+def test_step_exiting_with_bad_input_is_not_retryable(runner, tmp_path, test_id):
+    outcome = runner.run(make_tiny(tmp_path, test_id, "--layers", "many"), lambda line: None)
+
+    assert outcome.exit_code == EXIT_BAD_INPUT
+    assert not outcome.retryable
+    assert any("--layers" in line for line in outcome.last_lines)
+
+
+def test_container_is_removed_when_the_caller_is_interrupted(runner, tmp_path, test_id):
+    def interrupt(line: str) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(make_tiny(tmp_path, test_id), interrupt)
+    # The fixture checks that no container with this test's label is left.
+
+
+def test_secret_env_vars_are_passed_by_name_and_never_logged(
+    runner, client, tmp_path, test_id, monkeypatch, caplog
+):
+    monkeypatch.setenv("DATAGEN_TEST_SECRET", "s3cr3t-value")
+    env_in_container: list[str] = []
+
+    def log(line: str) -> None:
+        if not env_in_container:
+            (container,) = containers_labelled(client, test_id)
+            env_in_container.extend(container.attrs["Config"]["Env"])
+
+    invocation = make_tiny(
+        tmp_path,
+        test_id,
+        "--layers",
+        "oops",  # exits at once with a usage error: only the environment matters here
+        env={"PLAIN": "1"},
+        secret_env_names=("DATAGEN_TEST_SECRET", "DATAGEN_TEST_UNSET"),
+    )
+    with caplog.at_level("DEBUG"):
+        runner.run(invocation, log)
+
+    assert "DATAGEN_TEST_SECRET=s3cr3t-value" in env_in_container
+    assert "PLAIN=1" in env_in_container
+    assert not any(e.startswith("DATAGEN_TEST_UNSET=") for e in env_in_container)
+    assert "s3cr3t-value" not in caplog.text
+    assert "DATAGEN_TEST_UNSET" in caplog.text  # named, so the user knows it is missing
+
+
+def test_missing_image_raises_with_the_build_command(client, tmp_path, test_id):
+    runner = DockerRunner({"*": "datagen-steps:0.0.0-notbuilt"}, client=client)
+
+    with pytest.raises(CannotRunHereError, match="not built") as info:
+        runner.run(make_tiny(tmp_path, test_id), lambda line: None)
+    assert "make images" in str(info.value)
+
+
+def test_leftover_containers_are_removed_by_label(runner, client, test_id):
+    image = runner.images["*"]
+    labels = {MANAGED_LABEL: "true", f"{LABEL_PREFIX}{TEST_LABEL}": test_id}
+    client.containers.create(image, command=["--help"], labels=labels)
+    assert len(containers_labelled(client, test_id)) == 1
+
+    removed = remove_leftover_containers({TEST_LABEL: test_id}, client=client)
+
+    assert len(removed) == 1
