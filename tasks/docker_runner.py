@@ -13,10 +13,12 @@ to the user who started the flow, not to root or the image's user.
 
 from __future__ import annotations
 
+import atexit
 import codecs
 import importlib.metadata
 import logging
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -24,8 +26,10 @@ from dataclasses import dataclass
 import docker
 import docker.errors
 import docker.types
+import requests
 
 from datagen.errors import CannotRunHereError
+from tasks._testhooks import injected_fault
 from tasks.runners import StepInvocation, StepOutcome, parse_result_line
 
 logger = logging.getLogger(__name__)
@@ -35,6 +39,9 @@ MANAGED_LABEL = LABEL_PREFIX + "managed"  # "true" on every container this runne
 EXIT_DOCKER_FAILED = 125  # docker's own code for "could not run the container": retryable
 EXIT_OOM_KILLED = 137  # SIGKILL, as the OOM killer delivers it: retryable
 LAST_LINES = 50  # output lines kept for error messages
+
+_running: set = set()  # containers this process created and has not removed yet
+_running_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -47,8 +54,6 @@ class ContainerSettings:
     gpu_ipc_mode: str = "host"
     # "uid:gid" the step runs as; None: this process's own (files on mounts belong to the user).
     user: str | None = None
-    # Seconds docker waits after SIGTERM before SIGKILL when a container is removed by force.
-    stop_timeout_s: int = 10
 
 
 class DockerRunner:
@@ -78,6 +83,11 @@ class DockerRunner:
         Raises:
             CannotRunHereError: the step's image is not built (the hint gives the command).
         """
+        fault = injected_fault(invocation)  # the orchestration tests' fault injection
+        if fault is not None:
+            for line in fault.last_lines:
+                log(line)
+            return fault
         image = self._image_for(invocation.step)
         try:
             container = self.client.containers.create(image, **self._create_args(invocation))
@@ -87,6 +97,8 @@ class DockerRunner:
             ) from e
         except docker.errors.APIError as e:
             return _docker_failed(f"creating the container for {invocation.step} failed", e)
+        with _running_lock:
+            _running.add(container)
         try:
             return self._start_and_watch(container, invocation, log)
         finally:
@@ -151,13 +163,17 @@ class DockerRunner:
         logger.debug("%s: container %s started", invocation.step, container.short_id)
         result = None
         last = deque(maxlen=LAST_LINES)
-        for line in _lines(container.logs(stream=True, follow=True)):
-            parsed = parse_result_line(line)
-            result = parsed if parsed is not None else result
-            last.append(line)
-            log(line)
-        exit_code = container.wait()["StatusCode"]
-        container.reload()
+        try:
+            for line in _lines(container.logs(stream=True, follow=True)):
+                parsed = parse_result_line(line)
+                result = parsed if parsed is not None else result
+                last.append(line)
+                log(line)
+            exit_code = container.wait()["StatusCode"]
+            container.reload()
+        except (docker.errors.APIError, requests.exceptions.RequestException) as e:
+            # The engine went away mid-step (restarted, crashed): an infrastructure fault.
+            return _docker_failed(f"lost the container of {invocation.step}", e)
         if container.attrs["State"].get("OOMKilled"):
             last.append(f"{invocation.step}: the container ran out of memory (OOM-killed)")
             exit_code = EXIT_OOM_KILLED
@@ -177,13 +193,15 @@ def _lines(chunks: Iterator[bytes]) -> Iterator[str]:
         yield pending
 
 
-def _docker_failed(what: str, error: docker.errors.APIError) -> StepOutcome:
-    message = f"{what}: {error.explanation or error}"
+def _docker_failed(what: str, error: Exception) -> StepOutcome:
+    message = f"{what}: {getattr(error, 'explanation', None) or error}"
     logger.warning("%s", message)
     return StepOutcome(exit_code=EXIT_DOCKER_FAILED, result=None, last_lines=(message,))
 
 
 def _remove(container) -> None:
+    with _running_lock:
+        _running.discard(container)
     try:
         container.remove(force=True)
     except docker.errors.NotFound:
@@ -194,6 +212,16 @@ def _remove(container) -> None:
             container.short_id,
             e,
         )
+
+
+@atexit.register
+def _remove_all() -> None:
+    # This interpreter exits while a step runs in another thread (a flow run cancelled or
+    # crashed): its container must not outlive it.
+    with _running_lock:
+        containers = list(_running)
+    for container in containers:
+        _remove(container)
 
 
 def _project_version() -> str:
