@@ -233,6 +233,24 @@ def _label_args(plan: ImagePlan) -> dict[str, str]:
     }
 
 
+def prune_other_tags(client, plans: list[ImagePlan]) -> list[str]:
+    """Removes the tags of the planned images' repositories other than the planned ones.
+
+    Layers the current images share are kept; the stages' build cache is kept too (a source
+    change rebuilds only the project layer).
+    """
+    keep = {plan.tag for plan in plans}
+    removed = []
+    for repository in sorted({plan.recipe.name.value for plan in plans}):
+        for image in client.images.list(name=repository):
+            for tag in image.tags:
+                if tag.startswith(repository + ":") and tag not in keep:
+                    client.images.remove(tag)
+                    removed.append(tag)
+                    logger.info("removed old tag %s", tag)
+    return removed
+
+
 def write_tags_json(results: list[tuple[ImagePlan, str, bool]], path: Path = TAGS_JSON) -> None:
     """Writes {repository: {"tag": ..., "id": ...}} (atomically)."""
     record = {plan.recipe.name.value: {"tag": plan.tag, "id": image_id} for plan, image_id, _ in results}
@@ -255,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base-image", help="base image reference (production: pin a digest)")
     parser.add_argument("--wheelhouse", type=Path, default=WHEELHOUSE, help="wheel cache folder")
     parser.add_argument("--debian-mirror", help="Debian mirror for the offline base image")
+    parser.add_argument(
+        "--prune", action="store_true", help="remove the other tags of these images' repositories"
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="show the build log")
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -283,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     write_tags_json(results)
+    if args.prune:
+        prune_other_tags(client, [plan for plan, _, _ in results])
     for plan, _, built in results:
         logger.info("%s: %s", plan.tag, "built" if built else "exists, not rebuilt")
         print(plan.tag)
