@@ -12,9 +12,11 @@ model on one host serialize on a file lock. Every file is verified against the s
 checksum before the step succeeds.
 
 The result's ``fingerprint`` identifies the model's content the same way whatever the source
-(``datagen.modelinfo.model_content_hash``: small files hashed whole, large weight files by
-size and their first and last MiB), so one model fetched from the Hub or from its S3 mirror
-has one fingerprint.
+(``files_fingerprint``: the engine's files only; files up to ``modelinfo.FULL_HASH_LIMIT`` hashed
+whole, larger weight files by size and their first and last MiB, the documented cheaper rule
+that keeps a 600 GB checkpoint from being re-read on every run), so one model fetched from the
+Hub, from its S3 mirror or used from a local copy has one fingerprint. Downloads are verified
+in full (every byte against the source's checksum) whatever this rule skips.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.errors import ModelNotFoundError
-from datagen.model_cache import ModelCache, VerifiedRecord, cache_root
-from datagen.modelinfo import inspect_model, model_content_hash
+from datagen.model_cache import ModelCache, VerifiedFile, VerifiedRecord, cache_root
+from datagen.modelinfo import FULL_HASH_LIMIT, inspect_model
+from datagen.spec import sha256_hex
 from datagen.sources import HubSource, LocalSource, S3Source, SourceKind, SourcesSpec, load_sources_spec, needed_files
 
 HELP = "Download the spec's model (hf://, s3:// or a local dir) into the shared model cache, verified."
@@ -54,19 +57,37 @@ class DownloadResult(BaseModel):
     seconds: float = Field(description="Wall time of the step.")
 
 
-def _local(source: LocalSource, *, trust_remote_code: bool) -> tuple[VerifiedRecord, str]:
+def files_fingerprint(model_dir: str | Path, files: list[str]) -> str:
+    """Content fingerprint of ``files`` (relative paths) of a model directory (module docstring)."""
+    import hashlib
+
+    d = Path(model_dir)
+    h = hashlib.sha256()
+    for rel in sorted(files):
+        p = d / rel
+        size = p.stat().st_size
+        h.update(f"{rel}\0{size}\0".encode())
+        with p.open("rb") as f:
+            if size <= FULL_HASH_LIMIT:
+                while block := f.read(1 << 20):
+                    h.update(block)
+            else:
+                h.update(f.read(1 << 20))
+                f.seek(size - (1 << 20))
+                h.update(f.read(1 << 20))
+    return h.hexdigest()
+
+
+def _local(source: LocalSource, *, trust_remote_code: bool) -> VerifiedRecord:
     d = source.path
     if not d.is_dir():
         raise ModelNotFoundError(f"model directory {d} does not exist", hint="fix the spec's model path")
-    info = inspect_model(d, trust_remote_code=trust_remote_code)
-    fingerprint = model_content_hash(info)
+    inspect_model(d, trust_remote_code=trust_remote_code)  # a model directory, readable, of a known kind
     rels = needed_files(
         [p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file()], trust_remote_code=trust_remote_code
     )
-    from datagen.model_cache import VerifiedFile
-
     files = tuple(VerifiedFile(path=r, size=(d / r).stat().st_size, checksum="") for r in rels)
-    return VerifiedRecord(source=str(d), revision=fingerprint, model_dir=str(d), files=files), fingerprint
+    return VerifiedRecord(source=str(d), revision=files_fingerprint(d, rels), model_dir=str(d), files=files)
 
 
 def run(spec: SourcesSpec) -> DownloadResult:
@@ -77,7 +98,7 @@ def run(spec: SourcesSpec) -> DownloadResult:
     trust = spec.engine.trust_remote_code
     fetched = 0
     if isinstance(source, LocalSource):
-        record, fingerprint = _local(source, trust_remote_code=trust)
+        record = _local(source, trust_remote_code=trust)
         cached = True
     else:
         if isinstance(source, HubSource):
@@ -90,7 +111,8 @@ def run(spec: SourcesSpec) -> DownloadResult:
             record, cached, fetched = download_mirror(source, cache, trust_remote_code=trust)
         else:  # pragma: no cover - parse_model_source returns one of the three
             raise AssertionError(source)
-        fingerprint = model_content_hash(inspect_model(record.model_dir, trust_remote_code=trust))
+        inspect_model(record.model_dir, trust_remote_code=trust)
+    fingerprint = files_fingerprint(record.model_dir, [f.path for f in record.files])
     result = DownloadResult(
         source=spec.model,
         kind=source.kind,

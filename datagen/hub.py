@@ -24,7 +24,7 @@ from pathlib import Path
 from datagen.checksums import ChecksumKind, Expected, matches
 from datagen.errors import CannotRunHereError, ModelError, ModelNotFoundError, SpecError, StorageError
 from datagen.model_cache import ModelCache, VerifiedFile, VerifiedRecord, cache_key
-from datagen.sources import HubSource, engine_file_patterns, needed_files
+from datagen.sources import HubSource, engine_file_patterns, file_set_name, needed_files
 
 log = logging.getLogger(__name__)
 
@@ -85,31 +85,27 @@ def resolve_revision(source: HubSource, cache: ModelCache) -> str:
         raise _translate_hub_error(e, source) from e
 
 
-def _expected_from_tree(source: HubSource, sha: str, cache: ModelCache) -> dict[str, tuple[int | None, Expected]]:
-    """path -> (size, expected checksum) from the tree listing cached for ``sha``; {} if none."""
+def _tree_sizes(source: HubSource, sha: str, cache: ModelCache) -> dict[str, int]:
+    """path -> size from the tree listing the Hub published for ``sha`` (cached by
+    snapshot_download); {} when no listing is cached."""
     from huggingface_hub import get_cached_repo_tree
     from huggingface_hub.errors import CachedRepoTreeNotFoundError
 
     try:
-        tree = get_cached_repo_tree(source.repo_id, revision=sha, cache_dir=cache.hub_dir)
+        return {f.path: f.size for f in get_cached_repo_tree(source.repo_id, revision=sha, cache_dir=cache.hub_dir)}
     except CachedRepoTreeNotFoundError:
         return {}
-    out = {}
-    for f in tree:
-        if f.lfs is not None:
-            out[f.path] = (f.lfs.size, Expected(ChecksumKind.SHA256, f.lfs.sha256, "the Hub's LFS sha256"))
-        else:
-            out[f.path] = (f.size, Expected(ChecksumKind.GIT_SHA1, f.blob_id, "the Hub's git blob id"))
-    return out
 
 
-def _expected_from_blob(path: Path) -> tuple[int | None, Expected] | None:
-    """Without a tree listing: the cache names each blob by its ETag (LFS sha256 or git sha1)."""
+def _expected_from_blob(path: Path) -> Expected | None:
+    """The cache names each blob by the ETag the Hub sent for it: the LFS sha256 for weights,
+    the git blob sha1 for small files. The name comes from the Hub's metadata, not from the
+    bytes received, so it is what the bytes must hash to."""
     name = path.resolve().name
     if _SHA256_RE.match(name):
-        return None, Expected(ChecksumKind.SHA256, name, "the blob's name (LFS sha256)")
+        return Expected(ChecksumKind.SHA256, name, "the Hub's LFS sha256")
     if _SHA1_RE.match(name):
-        return None, Expected(ChecksumKind.GIT_SHA1, name, "the blob's name (git blob id)")
+        return Expected(ChecksumKind.GIT_SHA1, name, "the Hub's git blob id")
     return None
 
 
@@ -122,9 +118,9 @@ def _discard(path: Path) -> None:
 
 def verify_snapshot(source: HubSource, sha: str, snapshot: Path, cache: ModelCache, *, trust_remote_code: bool) -> tuple[VerifiedFile, ...]:
     """Check every engine file of the snapshot; delete and name the first one that is wrong."""
-    expected = _expected_from_tree(source, sha, cache)
+    sizes = _tree_sizes(source, sha, cache)
     present = [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file()]
-    wanted = needed_files(sorted(set(expected) | set(present)), trust_remote_code=trust_remote_code)
+    wanted = needed_files(sorted(set(sizes) | set(present)), trust_remote_code=trust_remote_code)
     out = []
     for rel in wanted:
         path = snapshot / rel
@@ -133,11 +129,13 @@ def verify_snapshot(source: HubSource, sha: str, snapshot: Path, cache: ModelCac
                 f"{source.uri}: {rel} is missing from the downloaded snapshot {sha[:12]}",
                 hint="run the download again" + (" without HF_HUB_OFFLINE" if _offline() else ""),
             )
-        size, check = expected.get(rel) or _expected_from_blob(path) or (None, None)
+        check = _expected_from_blob(path)
         if check is None:
             raise ModelError(
-                f"{source.uri}: {rel} has no checksum to verify it against", hint="download it again"
+                f"{source.uri}: {rel} is not a blob of the Hub cache (no checksum to verify it against)",
+                hint=f"delete {snapshot} and download again",
             )
+        size = sizes.get(rel)
         actual_size = path.stat().st_size
         ok, actual = (False, f"{actual_size} bytes") if size is not None and size != actual_size else matches(path, check)
         if not ok:
@@ -162,7 +160,7 @@ def download_hub(source: HubSource, cache: ModelCache, *, trust_remote_code: boo
     from huggingface_hub import snapshot_download
 
     sha = resolve_revision(source, cache)
-    key = cache_key(f"hf://{source.repo_id}", sha)
+    key = cache_key(f"hf://{source.repo_id}", sha, file_set_name(trust_remote_code=trust_remote_code))
     with cache.lock(key):
         record = cache.read_verified(key)
         if record is not None:

@@ -9,9 +9,10 @@ Layout under the cache root (``DATAGEN_MODEL_CACHE``, or the spec's ``model_cach
     verified/<key>.json                    a verified download: its files, sizes, checksums
     locks/<key>.lock                       one host-level lock per model download
 
-``key`` is derived from the source URI and its resolved revision, so the same revision of the
-same source is downloaded once per host, and a changed source (new commit, changed mirror) gets
-a new directory. Nothing in a model directory is ours: markers and locks live beside it, so a
+``key`` is derived from the source URI, its resolved revision and the file selection (with or
+without the model's own code), so the same revision of the same source is downloaded once per
+host, and a changed source (new commit, changed mirror) gets a new directory (shared by both
+selections: allowing the code adds its files beside the weights). Nothing in a model directory is ours: markers and locks live beside it, so a
 model directory holds exactly the model's files.
 """
 
@@ -54,9 +55,10 @@ def cache_root(explicit: str | None = None) -> Path:
     return Path(explicit).expanduser() if explicit else settings.model_cache()
 
 
-def cache_key(source_uri: str, revision: str) -> str:
-    """A file-name-safe key: the same for the same source at the same resolved revision."""
-    return sha256_hex(f"{source_uri}\0{revision}")[:32]
+def cache_key(source_uri: str, revision: str, file_set: str) -> str:
+    """A file-name-safe key: the same for the same source at the same resolved revision and the
+    same selection of files (``sources.file_set_name``: with or without the model's code)."""
+    return sha256_hex(f"{source_uri}\0{revision}\0{file_set}")[:32]
 
 
 class ModelCache:

@@ -29,7 +29,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from datagen import settings
 from datagen.errors import CannotRunHereError, SpecError, StorageError
@@ -293,3 +293,30 @@ def probe_writable(client, location: S3Source) -> str:
     finally:
         delete_object(client, location.bucket, key)
     return key
+
+
+@dataclass(frozen=True)
+class UploadItem:
+    path: Path  # local file
+    key: str  # destination key
+    sha256: str  # hex sha256 of the file, stored as the object's metadata
+
+
+def upload_many(client, bucket: str, items: Iterable[UploadItem], *, transfer: TransferSettings) -> int:
+    """Upload files through one transfer manager: parts of all files share ``max_concurrency``
+    threads, so many small files and a few large ones both keep the link busy. ``items`` may be
+    a generator (the next file is prepared while earlier ones upload). On the first failure the
+    others are cancelled and the error is raised (translated). Returns the bytes uploaded."""
+    from boto3.s3.transfer import create_transfer_manager
+
+    total = 0
+    with _translated("upload to", f"s3://{bucket}"):
+        with create_transfer_manager(client, _transfer_config(transfer)) as manager:
+            futures = []
+            for item in items:
+                extra = {"ChecksumAlgorithm": "SHA256", "Metadata": {SHA256_METADATA_KEY: item.sha256}}
+                futures.append(manager.upload(str(item.path), bucket, item.key, extra_args=extra))
+                total += item.path.stat().st_size
+            for fut in futures:
+                fut.result()
+    return total

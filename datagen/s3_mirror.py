@@ -1,7 +1,8 @@
 """Model download from an S3 mirror of a model directory (``s3://bucket/prefix``).
 
 * Revision: S3 has no commits, so the mirror's revision is the sha256 of its listing (path,
-  size and ETag of every engine file, and of ``checksums.sha256`` when present). Any change to
+  size and ETag of every engine file, the model's code included, and of ``checksums.sha256``
+  when present). Any change to
   the mirror gives a new revision and a new cache directory.
 * Transfer: every file is cut into ranges of ``DATAGEN_S3_CHUNK_MB``; ranges of all files are
   fetched in parallel (``DATAGEN_S3_MAX_CONCURRENCY``) straight into ``<dir>.partial/<file>``
@@ -32,7 +33,7 @@ from datagen import s3
 from datagen.checksums import CHECKSUM_MANIFEST, ChecksumKind, Expected, matches, parse_checksum_manifest
 from datagen.errors import ModelError, ModelNotFoundError
 from datagen.model_cache import ModelCache, VerifiedFile, VerifiedRecord, cache_key
-from datagen.sources import S3Source, needed_files
+from datagen.sources import S3Source, file_set_name, needed_files
 from datagen.spec import canonical_json, sha256_hex
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ def list_mirror(client, source: S3Source, *, trust_remote_code: bool) -> Mirror:
     """List the mirror and pick the engine's files. ModelNotFoundError when it is no model."""
     objects = {_rel(source, o.key): o for o in s3.list_objects(client, source)}
     wanted = needed_files(list(objects), trust_remote_code=trust_remote_code)
+    # the revision covers the code files too, so that both selections share one directory
+    versioned = needed_files(list(objects), trust_remote_code=True)
     if "config.json" not in wanted:
         raise ModelNotFoundError(
             f"{source.uri} holds no config.json ({len(objects)} objects)",
@@ -74,7 +77,7 @@ def list_mirror(client, source: S3Source, *, trust_remote_code: bool) -> Mirror:
     if manifest is not None:
         text = s3.get_bytes(client, source.bucket, manifest.key).decode("utf-8", errors="replace")
         checksums = parse_checksum_manifest(text, origin=f"{source.uri}/{CHECKSUM_MANIFEST}")
-    listing = [(rel, objects[rel].size, objects[rel].etag) for rel in wanted]
+    listing = [(rel, objects[rel].size, objects[rel].etag) for rel in versioned]
     if manifest is not None:
         listing.append((CHECKSUM_MANIFEST, manifest.size, manifest.etag))
     return Mirror(
@@ -198,7 +201,7 @@ def download_mirror(source: S3Source, cache: ModelCache, *, trust_remote_code: b
     transfer = transfer or s3.TransferSettings.from_settings()
     client = s3.make_client(transfer)
     mirror = list_mirror(client, source, trust_remote_code=trust_remote_code)
-    key = cache_key(source.uri, mirror.revision)
+    key = cache_key(source.uri, mirror.revision, file_set_name(trust_remote_code=trust_remote_code))
     with cache.lock(key):
         record = cache.read_verified(key)
         if record is not None:

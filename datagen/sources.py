@@ -159,6 +159,11 @@ def engine_file_patterns(*, trust_remote_code: bool) -> tuple[str, ...]:
     return patterns + REMOTE_CODE_FILES if trust_remote_code else patterns
 
 
+def file_set_name(*, trust_remote_code: bool) -> str:
+    """Names the file selection ``engine_file_patterns`` makes (part of the model cache key)."""
+    return "engine+code" if trust_remote_code else "engine"
+
+
 def needed_files(paths: list[str], *, trust_remote_code: bool) -> list[str]:
     """The subset of ``paths`` (relative, '/'-separated) that the engine needs, sorted."""
     patterns = engine_file_patterns(trust_remote_code=trust_remote_code)

@@ -281,3 +281,32 @@ def s3_env(s3_server, monkeypatch):
     for name, value in s3_server.env().items():
         monkeypatch.setenv(name, value)
     return s3_server
+
+
+def upload_tree(client, bucket: str, prefix: str, root: Path, *, with_checksums: bool = False, part_bytes: int | None = None) -> list[str]:
+    """Upload every file under ``root`` to ``s3://bucket/prefix/`` with plain boto3 (no datagen
+    metadata, as a third party would mirror a model). ``with_checksums`` adds a
+    ``checksums.sha256`` (sha256sum format); ``part_bytes`` forces multipart uploads with parts
+    of that size (so the objects get multipart ETags). Returns the keys."""
+    import hashlib
+
+    from boto3.s3.transfer import TransferConfig
+
+    if part_bytes:
+        config = TransferConfig(multipart_threshold=part_bytes, multipart_chunksize=part_bytes)
+    else:
+        config = TransferConfig(multipart_threshold=5 * 1024**3)
+    keys, lines = [], []
+    for p in sorted(Path(root).rglob("*")):
+        if not p.is_file():
+            continue
+        rel = p.relative_to(root).as_posix()
+        key = f"{prefix}/{rel}" if prefix else rel
+        client.upload_file(str(p), bucket, key, Config=config)
+        keys.append(key)
+        lines.append(f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {rel}")
+    if with_checksums:
+        key = f"{prefix}/checksums.sha256" if prefix else "checksums.sha256"
+        client.put_object(Bucket=bucket, Key=key, Body=("\n".join(lines) + "\n").encode())
+        keys.append(key)
+    return keys
