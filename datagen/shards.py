@@ -96,15 +96,34 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def layer_stats(hidden_states: torch.Tensor, layer_ids: tuple[int, ...]) -> list[LayerStats]:
-    """Per-layer count, mean, std, absmax of a [T, L, H] tensor, with exact float64 sums."""
+def token_stats(states: torch.Tensor) -> torch.Tensor:
+    """[T, L, 3] float32 per-token, per-layer (sum, sum of squares, absmax) over H.
+
+    Computed where the states are (on the GPU, before the copy to the host), so the writer
+    only adds up T x L numbers per shard instead of reading every value again.
+    """
+    f = states.float()
+    return torch.stack([f.sum(-1), (f * f).sum(-1), f.abs().amax(-1)], dim=-1) if f.numel() else \
+        torch.zeros((states.shape[0], states.shape[1], 3), dtype=torch.float32)
+
+
+def layer_stats(hidden_states: torch.Tensor, layer_ids: tuple[int, ...],
+                per_token: torch.Tensor | None = None) -> list[LayerStats]:
+    """Per-layer count, mean, std, absmax of a [T, L, H] tensor, with float64 sums.
+
+    ``per_token`` ([T, L, 3] from ``token_stats``) saves the pass over the values.
+    """
+    t, _, h = hidden_states.shape
+    if per_token is None:
+        per_token = token_stats(hidden_states) if t else torch.zeros((0, len(layer_ids), 3))
+    p = per_token.to(torch.float64)
     out = []
     for j, lid in enumerate(layer_ids):
-        x = hidden_states[:, j, :].to(torch.float64)
-        n = x.numel()
-        s = float(x.sum()) if n else 0.0
-        ss = float((x * x).sum()) if n else 0.0
-        out.append(stats_from_sums(lid, n, s, ss, float(x.abs().max()) if n else 0.0))
+        n = t * h
+        if t == 0:
+            out.append(stats_from_sums(lid, 0, 0.0, 0.0, 0.0))
+            continue
+        out.append(stats_from_sums(lid, n, float(p[:, j, 0].sum()), float(p[:, j, 1].sum()), float(p[:, j, 2].max())))
     return out
 
 
@@ -129,8 +148,13 @@ def combine_stats(per_shard: list[list[LayerStats]], layer_ids: tuple[int, ...])
     return out
 
 
-def write_shard(job: ShardJob, per_sample_states: list[torch.Tensor]) -> ShardRecord:
-    """Pack the samples of ``job`` with their [T_i, L, H] states and write the shard atomically."""
+def write_shard(job: ShardJob, per_sample_states: list[torch.Tensor],
+                per_sample_stats: list[torch.Tensor] | None = None) -> ShardRecord:
+    """Pack the samples of ``job`` with their [T_i, L, H] states and write the shard atomically.
+
+    ``per_sample_stats`` ([T_i, L, 3] from ``token_stats``), when the caller has them, spares
+    a pass over the states for the statistics.
+    """
     if len(per_sample_states) != len(job.sample_rows):
         raise ValueError(f"shard {job.index}: {len(per_sample_states)} state tensors for {len(job.sample_rows)} samples")
     for row, ids, st in zip(job.sample_rows, job.input_ids, per_sample_states):
@@ -190,5 +214,7 @@ def write_shard(job: ShardJob, per_sample_states: list[torch.Tensor]) -> ShardRe
         bytes=size,
         sha256=digest,
         shard_key=job.shard_key,
-        layer_stats=layer_stats(hs, job.layer_ids),
+        layer_stats=layer_stats(
+            hs, job.layer_ids, torch.cat(per_sample_stats, dim=0) if per_sample_stats else None
+        ),
     )

@@ -82,6 +82,13 @@ class VllmEngine(Engine):
                 f"tensor parallel size {self.tp} asks for GPUs; this machine has none",
                 hint="use tensor_parallel_size 1 on the CPU engine",
             )
+        n = self.info.num_hidden_layers
+        if self.version == "0.24.0" and self.info.architecture.startswith("Deepseek") and n in self.layer_ids:
+            raise EngineUnsupportedError(
+                f"vLLM 0.24.0's DeepSeek model does not return layer id {n} (the last layer's output "
+                "before the final norm); 0.32.0 does",
+                hint=f"use vLLM 0.32.0 for DeepSeek models, or leave out layer id {n}",
+            )
         if on_cuda:
             # patch pin-v1-model-runner: Model Runner V2 has no execute_model_state.
             if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1":

@@ -26,16 +26,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from datagen.shards import TORCH_DTYPES, ShardJob, write_shard
+from datagen.shards import TORCH_DTYPES, ShardJob, token_stats, write_shard
 
 log = logging.getLogger("datagen.engines.vllm_worker")
 
 CONFIG_KEY = "datagen_capture"  # key in vllm_config.additional_config
+# Shards written at once: packing, fsync and sha256 of a multi-GB shard take longer than the
+# GPU takes to compute it, so several writers keep up; the queue bound makes the engine wait
+# (backpressure) rather than hold unbounded states in host memory.
+WRITERS = 3
 
 
 @dataclass
 class _Chunk:
     host: torch.Tensor  # [n, L, H] on the host; valid once ``event`` has completed
+    stats: torch.Tensor  # [n, L, 3] per-token sum, sum of squares, absmax (float32, host)
     event: object | None  # torch.cuda.Event on CUDA, None on CPU
 
 
@@ -57,12 +62,16 @@ class _Capture:
         self.cuda = runner.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=runner.device) if self.cuda else None
         self.steps = 0
-        self.jobs: queue.Queue = queue.Queue()
+        self.jobs: queue.Queue = queue.Queue(maxsize=2 * WRITERS)
         self.done: list[dict] = []
         self.errors: list[str] = []
         self.lock = threading.Lock()
-        self.writer = threading.Thread(target=self._write_loop, name="datagen-writer", daemon=True)
-        self.writer.start()
+        self.writers = [
+            threading.Thread(target=self._write_loop, name=f"datagen-writer-{i}", daemon=True)
+            for i in range(WRITERS)
+        ]
+        for w in self.writers:
+            w.start()
 
     # --- per step -------------------------------------------------------------------------
     def on_step(self, scheduler_output, aux_hidden_states) -> None:
@@ -78,16 +87,20 @@ class _Capture:
         if sum(counts) != n:
             raise RuntimeError(f"batch layout mismatch: {sum(counts)} tokens by request, {n} scheduled")
         stacked = torch.stack([h[:n] for h in aux_hidden_states], dim=1).to(self.dtype)
+        stats = token_stats(stacked)
         if self.cuda:
             host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+            host_stats = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
                 host.copy_(stacked, non_blocking=True)
+                host_stats.copy_(stats, non_blocking=True)
                 stacked.record_stream(self.stream)
+                stats.record_stream(self.stream)
                 event = torch.cuda.Event()
                 event.record(self.stream)
         else:
-            host = stacked  # torch.stack made new memory: vLLM may reuse its buffers next step
+            host, host_stats = stacked, stats  # new memory: vLLM may reuse its buffers next step
             event = None
         start = 0
         for req_id, c in zip(req_ids, counts):
@@ -98,7 +111,7 @@ class _Capture:
                 cached = self.runner.requests.get(req_id)
                 prompt = list(cached.prompt_token_ids) if cached is not None and cached.prompt_token_ids is not None else None
                 st = self.requests[req_id] = _RequestStates(prompt)
-            st.chunks.append(_Chunk(host[start : start + c], event))
+            st.chunks.append(_Chunk(host[start : start + c], host_stats[start : start + c], event))
             st.tokens += c
             start += c
         self.steps += 1
@@ -131,13 +144,14 @@ class _Capture:
                 return
             job, taken = item
             try:
-                states = []
+                states, stats = [], []
                 for st in taken:
                     for ch in st.chunks:
                         if ch.event is not None:
                             ch.event.synchronize()
                     states.append(torch.cat([ch.host for ch in st.chunks], dim=0))
-                record = write_shard(job, states)
+                    stats.append(torch.cat([ch.stats for ch in st.chunks], dim=0))
+                record = write_shard(job, states, stats)
                 with self.lock:
                     self.done.append(record.model_dump())
             except Exception as e:  # reported to the driver on its next collect
