@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 SHA256_METADATA_KEY = "sha256"  # x-amz-meta-sha256: hex sha256 of the whole object
 _NOT_FOUND_CODES = {"404", "NoSuchKey", "NotFound"}
 _NO_BUCKET_CODES = {"NoSuchBucket"}
+_NO_BUCKET_HINT = "fix the s3:// URI in the spec, or create the bucket first"
 _DENIED_CODES = {
     "403",
     "AccessDenied",
@@ -157,7 +158,7 @@ def _translated(what: str, where: str | None) -> Iterator[None]:
         if code in _NO_BUCKET_CODES:
             raise SpecError(
                 f"cannot {what}{place}: the bucket does not exist",
-                hint="fix the s3:// URI in the spec, or create the bucket first",
+                hint=_NO_BUCKET_HINT,
             ) from e
         if code in _DENIED_CODES or status == 403:
             raise CannotRunHereError(
@@ -282,8 +283,23 @@ def abort_stale_uploads(client, location: S3Source) -> int:
     return n
 
 
+def check_bucket(client, bucket: str) -> None:
+    """SpecError when the bucket does not exist, CannotRunHereError when it may not be used."""
+    from botocore.exceptions import ClientError
+
+    with _translated("use", f"s3://{bucket}"):
+        try:
+            client.head_bucket(Bucket=bucket)
+            return
+        except ClientError as e:
+            if _error_code(e)[0] not in _NOT_FOUND_CODES:  # HEAD has no body: a bare 404
+                raise
+    raise SpecError(f"cannot use s3://{bucket}: the bucket does not exist", hint=_NO_BUCKET_HINT)
+
+
 def probe_writable(client, location: S3Source) -> str:
     """Write, read back and delete a small probe object under ``location``. Returns its key."""
+    check_bucket(client, location.bucket)
     key = "/".join(p for p in (location.prefix, f".datagen-probe-{uuid.uuid4().hex}") if p)
     data = b"datagen write probe\n"
     put_bytes(client, location.bucket, key, data, sha256=hashlib.sha256(data).hexdigest(), content_type="text/plain")

@@ -155,6 +155,8 @@ class S3Server:
             "-ip=127.0.0.1",
             "-s3",
             f"-s3.config={self._config_path}",
+            # like AWS: writing to a missing bucket is an error, not a new bucket
+            "-s3.autoCreateBucket=false",
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
             f"-master.volumeSizeLimitMB={self.volume_size_limit_mb}",
