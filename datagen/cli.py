@@ -20,7 +20,7 @@ import json
 import logging
 import sys
 
-from datagen.errors import EXIT_FAILED, EXIT_OK, DatagenError
+from datagen.errors import EXIT_FAILED, EXIT_OK, CannotRunHereError, DatagenError
 
 # command name -> module. The same step name is used for module, task, image and log lines.
 STEPS = {
@@ -36,6 +36,19 @@ STEPS = {
 RESULT_PREFIX = "datagen-result: "
 
 
+class _Missing:
+    """Stands in for a step module that cannot be imported in this environment."""
+
+    def __init__(self, step: str, package: str):
+        self.step, self.package = step, package
+
+    def main(self, args):
+        raise CannotRunHereError(
+            f"`datagen {self.step}` needs the package {self.package}, which this environment lacks",
+            hint="run this step in the steps image or an environment made by `make setup`",
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="datagen", description="EAGLE-3 hidden-state datasets: extract, check, publish."
@@ -48,7 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
         except ModuleNotFoundError as e:
             if e.name == module_name:
                 continue  # step not built in this version
-            raise
+            # A step whose optional dependency this environment lacks (the extract image has
+            # no boto3): the others still work; this one says what is missing.
+            p = sub.add_parser(name, help=f"(unavailable here: needs {e.name})")
+            p.add_argument("rest", nargs=argparse.REMAINDER)
+            p.set_defaults(_module=_Missing(name, e.name), _step=name)
+            continue
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(p)
         p.set_defaults(_module=module, _step=name)
