@@ -1,3 +1,8 @@
-from datagen.cli import main
 import sys
-sys.exit(main())
+
+from datagen.cli import main
+
+# The guard matters: vLLM starts its engine processes with "spawn" on CUDA, which re-imports
+# the main module in each child.
+if __name__ == "__main__":
+    sys.exit(main())

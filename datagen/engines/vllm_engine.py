@@ -97,6 +97,9 @@ class VllmEngine(Engine):
                     hint="unset VLLM_USE_V2_MODEL_RUNNER or set it to 0",
                 )
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+            # CUDA is initialized in this process (device checks, the reference engine): its
+            # engine processes must be spawned, not forked.
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         else:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_gib()))
         from vllm import LLM
