@@ -30,7 +30,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from datagen.errors import ModelNotFoundError
 from datagen.model_cache import ModelCache, VerifiedFile, VerifiedRecord, cache_root
 from datagen.modelinfo import FULL_HASH_LIMIT, inspect_model
-from datagen.spec import sha256_hex
 from datagen.sources import HubSource, LocalSource, S3Source, SourceKind, SourcesSpec, load_sources_spec, needed_files
 
 HELP = "Download the spec's model (hf://, s3:// or a local dir) into the shared model cache, verified."

@@ -197,3 +197,18 @@ def test_missing_bucket_is_named(s3_env, tmp_path):
     approve(ds)
     with pytest.raises(SpecError, match="bucket does not exist"):
         publish.run(ds, to="s3://no-such-bucket-anywhere/x")
+
+
+def test_a_dataset_extracted_and_validated_by_datagen_is_published(s3_env, tmp_path, tmp_path_factory):
+    """The gate end to end: the real extraction and `datagen validate` write what publish reads."""
+    from datagen import validate
+    from tests.support.extracted import copy_dataset, extracted_dataset
+
+    ds = copy_dataset(extracted_dataset(tmp_path_factory), tmp_path / "ds")
+    (ds / ".datagen" / "validation.json").unlink(missing_ok=True)
+    bucket = s3_env.create_bucket()
+    with pytest.raises(ValidationFailed, match="has not been validated"):
+        publish.run(ds, to=f"s3://{bucket}/real")
+    assert validate.run(ds)["ok"]
+    result = publish.run(ds, to=f"s3://{bucket}/real")
+    assert result.manifest_uploaded and len(result.uploaded) == result.shards == len(manifest_of(ds)["shards"])
