@@ -220,6 +220,9 @@ class S3Server:
         }
 
     def _reap(self) -> None:
+        # weed puts each gRPC server's unix socket in /tmp whatever the flags say
+        for kind in ("master", "volume", "filer", "s3"):
+            Path(f"/tmp/seaweedfs-{kind}-grpc-{self.ports[f'{kind}.port.grpc']}.sock").unlink(missing_ok=True)
         self._proc = None
         if self._log is not None:
             self._log.close()
