@@ -31,7 +31,7 @@ from packaging.utils import parse_wheel_filename
 from packaging.version import Version
 
 from datagen.errors import CannotRunHereError, DatagenError
-from images.base import BASE_IMAGE, ensure_base_image
+from images.base import OFFLINE_BASES, ensure_base_image
 from images.requirements import Pin
 from images.tags import DEFAULT_IMAGES, ROOT, ImageName, ImagePlan, plan_image
 
@@ -74,8 +74,9 @@ def build_images(
         built = image is None
         if built:
             started = time.monotonic()
-            if plan.build_args["BASE_IMAGE"] == BASE_IMAGE:
-                ensure_base_image(client, mirror=debian_mirror)
+            offline_base = OFFLINE_BASES.get(plan.build_args["BASE_IMAGE"])
+            if offline_base is not None:
+                ensure_base_image(client, offline_base, mirror=debian_mirror)
             wheels = _ensure_wheels(plan, wheelhouse / _abi(plan))
             context = _stage_context(plan, wheels)
             _build(client, plan, context)

