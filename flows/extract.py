@@ -46,21 +46,26 @@ def extract(spec: PipelineSpec) -> dict:
 
     ranges = _extract_ranges(spec, xspec, planned, identity)
 
-    dataset = finalize.with_options(refresh_cache=not planned.dataset_complete)(
+    dataset = finalize.with_options(refresh_cache=not planned.dataset_complete, **_storage(spec))(
         xspec, cache_key=finalize_cache_key(planned, identity=identity, out=xspec.out), runner=spec.runner
     )
-    verdict = validate.with_options(refresh_cache=planned.validated_manifest_sha256 != dataset.manifest_sha256)(
+    verdict = validate.with_options(
+        refresh_cache=planned.validated_manifest_sha256 != dataset.manifest_sha256, **_storage(spec)
+    )(
         dataset.dataset,
         manifest_sha256=dataset.manifest_sha256,
         cache_key=validate_cache_key(
-            fingerprint=dataset.fingerprint, manifest_sha256=dataset.manifest_sha256, identity=identity
+            fingerprint=dataset.fingerprint, manifest_sha256=dataset.manifest_sha256, identity=identity,
+            settings=spec.validation,
         ),
         runner=spec.runner,
-        inputs=(xspec.model, xspec.dataset),
+        settings=spec.validation,
+        model=xspec.model,
+        source=xspec.dataset,
     )
     published = PublishOutcome()
     if spec.publish_to:
-        published = publish(
+        published = publish.with_options(**_storage(spec))(
             dataset.dataset,
             destination=spec.publish_to,
             cache_key=publish_cache_key(manifest_sha256=dataset.manifest_sha256, destination=spec.publish_to),
@@ -92,6 +97,11 @@ def extract(spec: PipelineSpec) -> dict:
     }
 
 
+def _storage(spec: PipelineSpec) -> dict:
+    """Task options that put results and cache records in the spec's storage block, if it names one."""
+    return {"result_storage": spec.result_storage} if spec.result_storage else {}
+
+
 def _extract_ranges(
     spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, identity: str
 ) -> list[tuple[RangeResult, bool]]:
@@ -109,10 +119,10 @@ def _extract_ranges(
         # deleted or moved since the cache record was written).
         refresh = not planned.range_on_disk(r)
         if spec.fans_out:
-            return dispatch_range.with_options(refresh_cache=refresh).submit(
+            return dispatch_range.with_options(refresh_cache=refresh, **_storage(spec)).submit(
                 spec, r, cache_key=key, fingerprint=planned.fingerprint, progress=progress
             )
-        return extract_range.with_options(refresh_cache=refresh).submit(
+        return extract_range.with_options(refresh_cache=refresh, **_storage(spec)).submit(
             xspec, r, cache_key=key, runner=spec.runner, gpus=spec.gpus, progress=progress
         )
 
@@ -139,9 +149,37 @@ def _windowed(
         future.wait()  # the final state, not the last one the API has seen
         state = future.state
         if state.is_completed():
-            done[r.arg] = (future.result(), state.name == "Cached")
+            cached = state.name == "Cached"
+            result = future.result()
+            done[r.arg] = (result.served_from_cache() if cached else result, cached)
         elif failed is None:
             failed = future
     if failed is not None:
         failed.result()  # raises the range's error
     return [done[r.arg] for r in ranges]
+
+
+RESULT_LINE_PREFIX = "extract-result: "
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a deployment's flow in this process, without a server (Prefect's ephemeral mode when
+    no PREFECT_API_URL is set). Prints the run's summary as the last line, prefixed."""
+    import argparse
+    import json
+
+    from flows._deployments import deployment_parameters
+
+    parser = argparse.ArgumentParser(prog="python -m flows.extract", description=main.__doc__)
+    parser.add_argument("--deployment", default="tiny", help="deployment of prefect.yaml whose parameters to use")
+    args = parser.parse_args(argv)
+    state = extract(**deployment_parameters(args.deployment), return_state=True)
+    if not state.is_completed():
+        print(f"error: the run ended {state.name}: {state.message}")
+        return 1
+    print(RESULT_LINE_PREFIX + json.dumps(state.result(), sort_keys=True), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -38,7 +38,8 @@ def extract_shards(spec: PipelineSpec, shard_range: ShardRange, cache_key: str, 
         with gpu_slots(spec.gpus, log=logger):
             # The parent asked for this range because it is not complete: run it (complete shards
             # inside it are kept by the step).
-            result = extract_range.with_options(refresh_cache=True)(
+            storage = {"result_storage": spec.result_storage} if spec.result_storage else {}
+            result = extract_range.with_options(refresh_cache=True, **storage)(
                 xspec, shard_range, cache_key=cache_key, runner=spec.runner, gpus=spec.gpus
             )
         if result.fingerprint != fingerprint:

@@ -131,7 +131,6 @@ class DockerRunner:
                 if gpu
                 else None
             ),
-            stop_signal="SIGTERM",
             detach=True,
         )
 

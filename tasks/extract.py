@@ -81,6 +81,13 @@ class RangeResult(BaseModel):
     engine: dict = Field(default_factory=dict, description="Engine name, version and patches.")
     worker: str | None = Field(None, description="Flow run that extracted it (fan-out), if any.")
 
+    def served_from_cache(self) -> "RangeResult":
+        """The same range as a run that found it in the cache sees it: nothing extracted now."""
+        every = sorted({*self.shards_extracted, *self.shards_cached})
+        return self.model_copy(
+            update={"shards_extracted": [], "shards_cached": every, "tokens_extracted": 0, "tokens_per_s": 0.0}
+        )
+
 
 class ShardRow(BaseModel):
     """One shard as the manifest lists it (without its statistics)."""

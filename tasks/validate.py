@@ -16,6 +16,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, ConfigDict, Field
 
+from datagen.pipeline_spec import ValidationSettings
 from datagen.spec import Runner
 from tasks._common import (
     STEP_RETRIES, STEP_RETRY_DELAYS_S, STEP_RETRY_JITTER, StepFailed, cache_key, make_runner, mounts_for,
@@ -38,8 +39,10 @@ class ValidationOutcome(BaseModel):
     summary: str = Field("", description="One line for the run summary.")
 
 
-def validate_cache_key(*, fingerprint: str, manifest_sha256: str, identity: str) -> str:
-    return cache_key("validate", fingerprint, manifest_sha256, identity)
+def validate_cache_key(
+    *, fingerprint: str, manifest_sha256: str, identity: str, settings: ValidationSettings
+) -> str:
+    return cache_key("validate", fingerprint, manifest_sha256, identity, settings.model_dump(mode="json"))
 
 
 def _key_from_parameter(context, parameters) -> str:
@@ -57,11 +60,18 @@ def _key_from_parameter(context, parameters) -> str:
     retry_condition_fn=retry_if_transient,
 )
 def validate(
-    dataset: str, *, manifest_sha256: str, cache_key: str, runner: Runner, inputs: tuple[str, ...] = ()
+    dataset: str,
+    *,
+    manifest_sha256: str,
+    cache_key: str,
+    runner: Runner,
+    settings: ValidationSettings,
+    model: str,
+    source: str,
 ) -> ValidationOutcome:
     """`datagen validate DATASET --report FILE`: every shard, every row, against the manifest.
 
-    ``inputs`` (the model directory and the dataset file) are made readable to the step: it
+    ``model`` (directory) and ``source`` (the dataset's JSONL) are read by the step: it
     re-tokenizes rows and re-extracts golden samples from them.
     """
     logger = get_run_logger()
@@ -72,8 +82,8 @@ def validate(
         report = scratch / REPORT_NAME
         invocation = StepInvocation(
             step=STEP,
-            args=(dataset, "--report", str(report)),
-            mounts=mounts_for(dataset, scratch, read_only=inputs),
+            args=(dataset, "--report", str(report), "--model", model, "--source", source, *settings.args()),
+            mounts=mounts_for(dataset, scratch, read_only=(model, source, *filter(None, [settings.previous]))),
             labels={"task": STEP},
         )
         try:

@@ -1,0 +1,3 @@
+"""Fixtures of the flow tests."""
+
+from tests.support.prefect_harness import prefect_harness  # noqa: F401

@@ -1,0 +1,157 @@
+"""The extract flow under Prefect's test harness, with the real step programs (local runner) and
+the transformers engine on a tiny Llama: caching by shard range, incremental re-extraction,
+transient faults retried, permanent ones not, artifacts, log streaming, the dataset event.
+
+The tests of this module are one story on one dataset, in order: a first run, a second run that
+finds everything in the cache, appended rows, a deleted shard, then faults.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from datagen.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT
+from flows.extract import extract
+from tasks import handoff
+from tasks.settings import TEST_HOOK_FAULTS_ENV
+from tests.flows.builders import append_rows, chat_rows, pipeline_spec, write_faults
+from tests.support.prefect_runs import artifacts_by_key, flow_run_logs, state_names, task_runs
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+
+class Story:
+    """The dataset the tests of this module share, and what its runs returned."""
+
+    def __init__(self, root: Path, model: Path) -> None:
+        self.root = root
+        self.model = model
+        self.dataset = chat_rows(root / "chat.jsonl", rows=10)  # 4 shards of 3 rows: 2 ranges of 2
+        self.output = root / "out"
+        self.events: list[dict] = []
+        self.runs: dict[str, object] = {}  # test story step -> flow run id
+
+    def spec(self, **overrides):
+        return pipeline_spec(model=self.model, dataset=self.dataset, output=self.output, **overrides)
+
+    def run(self, **overrides):
+        t0 = time.monotonic()
+        state = extract(self.spec(**overrides), return_state=True)
+        return state, state.state_details.flow_run_id, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def story(tmp_path_factory, tiny_llama):
+    return Story(tmp_path_factory.mktemp("flow"), tiny_llama)
+
+
+@pytest.fixture
+def recorded_events(story, monkeypatch):
+    def record(**kwargs):
+        story.events.append(kwargs)
+
+    story.events.clear()
+    monkeypatch.setattr(handoff, "emit_event", record)
+    return story.events
+
+
+@pytest.fixture
+def faults(tmp_path, monkeypatch):
+    path = tmp_path / "faults.json"
+    monkeypatch.setenv(TEST_HOOK_FAULTS_ENV, str(path))
+    return path
+
+
+def test_a_first_run_extracts_every_range_then_validates_and_announces(story, recorded_events):
+    state, run_id, _ = story.run()
+    story.runs["first"] = run_id
+    assert state.is_completed(), state.message
+    summary = state.result()
+    assert summary["shards_extracted"] == [0, 1, 2, 3]
+    assert summary["ranges"] == 2 and summary["ranges_cached"] == 0
+    manifest = json.loads((story.output / "manifest.json").read_text())
+    assert manifest["fingerprint"] == summary["fingerprint"]
+    assert json.loads((story.output / ".datagen" / "validation.json").read_text())["ok"] is True
+    runs = task_runs(run_id)
+    assert state_names(runs["extract-range"]) == ["Completed", "Completed"]
+    for name in ("env-check", "download", "plan", "finalize", "validate", "announce"):
+        assert state_names(runs[name]) == ["Completed"], name
+    [event] = recorded_events
+    assert event["event"] == "datagen.dataset.ready"
+    assert event["resource"]["prefect.resource.id"] == f"datagen.dataset.{summary['fingerprint']}"
+    assert event["resource"]["datagen.dataset.changed"] == "true"
+
+
+def test_a_second_run_serves_every_range_from_the_cache_and_starts_no_engine(story, recorded_events):
+    state, run_id, seconds = story.run()
+    story.runs["cached"] = run_id
+    assert state.is_completed(), state.message
+    assert state.result()["shards_extracted"] == []
+    runs = task_runs(run_id)
+    assert state_names(runs["extract-range"]) == ["Cached", "Cached"]
+    assert state_names(runs["finalize"]) == ["Cached"]
+    assert state_names(runs["validate"]) == ["Cached"]
+    assert not [m for m in flow_run_logs(run_id) if "Loading weights" in m or " extract INFO " in m]
+    assert recorded_events[0]["resource"]["datagen.dataset.changed"] == "false"
+    print(f"fully cached re-run: {seconds:.1f} s")
+
+
+def test_every_run_has_a_summary_a_shard_table_and_a_finished_progress_bar(story):
+    first, cached = artifacts_by_key(story.runs["first"]), artifacts_by_key(story.runs["cached"])
+    summary = cached["extract-summary"][-1].data
+    assert "ranges served from the cache | 2 of 2" in summary and str(story.output) in summary
+    assert "ranges served from the cache | 0 of 2" in first["extract-summary"][-1].data
+    for found, this_run in ((first, "extracted"), (cached, "cached")):
+        table = found["extract-shards"][-1].data
+        rows = json.loads(table) if isinstance(table, str) else table
+        assert [r["shard"] for r in rows] == [0, 1, 2, 3] and {r["this run"] for r in rows} == {this_run}
+        assert found["extract-progress"][-1].data == 100.0
+
+
+def test_step_output_reaches_the_run_log_line_by_line(story):
+    logs = flow_run_logs(story.runs["first"])
+    assert any(m.startswith("datagen-result: ") for m in logs), logs[:40]
+    assert any(" env-check INFO " in m for m in logs), "each line of the step is a log entry of its task"
+    assert any(" extract INFO progress " in m for m in logs), "the extraction's progress lines too"
+
+
+def test_appending_rows_re_extracts_only_the_shards_whose_rows_changed(story):
+    append_rows(story.dataset, rows=2)  # 12 rows: shard 3 now holds rows 9..11
+    state, run_id, _ = story.run()
+    assert state.is_completed(), state.message
+    assert state.result()["shards_extracted"] == [3]
+    runs = task_runs(run_id)
+    assert sorted((r.name, r.state.name) for r in runs["extract-range"]) == [
+        ("extract-range-0:2", "Cached"), ("extract-range-2:4", "Completed"),
+    ]
+
+
+def test_a_range_whose_shards_are_gone_is_extracted_again(story):
+    (story.output / "shards" / "shard-000000.safetensors").unlink()
+    state, _, _ = story.run()
+    assert state.is_completed(), state.message
+    assert state.result()["shards_extracted"] == [0]
+
+
+def test_a_transient_fault_is_retried_and_the_run_completes(story, faults):
+    write_faults(faults, plan={"exit_code": EXIT_TRANSIENT, "times": 1, "message": "storage hiccup"})
+    state, run_id, _ = story.run()
+    assert state.is_completed(), state.message
+    [plan] = task_runs(run_id)["plan"]
+    assert plan.run_count == 2
+    assert any("storage hiccup" in m for m in flow_run_logs(run_id))
+
+
+def test_a_permanent_fault_fails_the_run_at_once_with_the_steps_message(story, faults):
+    write_faults(faults, plan={"exit_code": EXIT_BAD_INPUT, "times": 1, "message": "row 7 is not JSON"})
+    state, run_id, _ = story.run()
+    assert state.is_failed()
+    assert "row 7 is not JSON" in state.message and "bad input" in state.message
+    [plan] = task_runs(run_id)["plan"]
+    assert plan.run_count == 1, "a permanent fault must not be retried"
+    again, _, _ = story.run()
+    assert again.is_completed() and again.result()["shards_extracted"] == []

@@ -1,0 +1,167 @@
+"""A real Prefect server on loopback with a Prefect home of its own, and real process workers.
+
+    server = start_server(tmp_path)          # ~20 s to healthy; server.stop() at the end
+    server.cli("work-pool", "create", "cpu", "--type", "process")
+    worker = server.start_worker("cpu", name="w1")
+    ...
+    worker.kill_tree()                        # a host lost: the worker and everything it started
+
+Every command the tests run against the server (the CLI, workers, flows run in a subprocess)
+gets ``server.env``: PREFECT_API_URL of this server and its PREFECT_HOME (SQLite database, result
+storage, cache records), so nothing touches the user's Prefect home.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+STARTUP_TIMEOUT_S = 120.0
+UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Process:
+    """A background process whose output goes to a file."""
+
+    proc: subprocess.Popen
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def kill_tree(self, sig: int = signal.SIGKILL) -> None:
+        """Kill the process and every process it started (a host lost, as far as Prefect can tell)."""
+        kill_tree(self.proc.pid, sig)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            kill_tree(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                kill_tree(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+
+
+@dataclass
+class PrefectServer:
+    url: str  # http://127.0.0.1:PORT/api
+    home: Path  # its PREFECT_HOME
+    env: dict[str, str]
+    process: Process
+    workers: list[Process] = field(default_factory=list)
+
+    def cli(self, *args: str, cwd: str | Path | None = None, timeout: float = 900,
+            env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+        """``prefect <args>`` against this server."""
+        proc = subprocess.run(
+            [sys.executable, "-m", "prefect", *args], cwd=cwd, env={**self.env, **(env or {})},
+            capture_output=True, text=True, timeout=timeout,
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(
+                f"prefect {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+            )
+        return proc
+
+    def start_worker(self, pool: str, *, name: str, limit: int | None = None, cwd: str | Path | None = None,
+                     env: dict[str, str] | None = None) -> Process:
+        """``prefect worker start --pool POOL`` in the background."""
+        args = ["worker", "start", "--pool", pool, "--name", name, "--type", "process"]
+        if limit is not None:
+            args += ["--limit", str(limit)]
+        log = self.home / f"worker-{name}.log"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "prefect", *args], cwd=cwd, env={**self.env, **(env or {})},
+            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        worker = Process(proc, log)
+        self.workers.append(worker)
+        return worker
+
+    def stop(self) -> None:
+        for w in self.workers:
+            w.stop()
+        self.process.stop()
+
+
+def start_server(root: Path) -> PrefectServer:
+    """Start ``prefect server start`` on a free loopback port; return once it answers."""
+    home = Path(root) / "prefect-home"
+    home.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_API_URL=url,
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_UI_ENABLED="false",
+        PREFECT_WORKER_QUERY_SECONDS="2",
+        PREFECT_WORKER_PREFETCH_SECONDS="2",
+        PREFECT_CLI_WRAP_LINES="false",
+        COLUMNS="240",
+    )
+    log = home / "server.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env={**env, "PREFECT_API_URL": ""}, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    server = PrefectServer(url=url, home=home, env=env, process=Process(proc, log))
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"prefect server exited {proc.returncode}:\n{server.process.output()[-4000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    server.stop()
+    raise RuntimeError(f"prefect server did not answer within {STARTUP_TIMEOUT_S:.0f} s:\n{server.process.output()[-4000:]}")
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to ``pid`` and all its descendants (children first found, then all at once)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=15)
+
+
+def flow_run_id(output: str) -> str:
+    """The flow run id that `prefect deployment run` printed."""
+    m = re.search(r"UUID:\s*(" + UUID_RE.pattern + ")", output)
+    if not m:
+        raise AssertionError(f"no flow run id in:\n{output[-3000:]}")
+    return m.group(1)

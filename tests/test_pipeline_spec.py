@@ -1,0 +1,85 @@
+"""The pipeline spec: validation, derived step specs, shard ranges."""
+
+from __future__ import annotations
+
+import pytest
+
+from datagen.errors import SpecError
+from datagen.pipeline_spec import PipelineSpec, ShardRange, parse_pipeline_spec
+from datagen.spec import Runner
+
+
+def spec(**overrides) -> PipelineSpec:
+    fields = dict(model="models/tiny", dataset="data/chat.jsonl", output="out/ds")
+    fields.update(overrides)
+    return PipelineSpec.model_validate(fields)
+
+
+def test_ranges_cut_the_shards_into_pieces_of_shards_per_task():
+    assert [r.arg for r in spec(shards_per_task=3).ranges(8)] == ["0:3", "3:6", "6:8"]
+    assert spec().ranges(0) == []
+
+
+def test_an_empty_shard_range_is_refused():
+    with pytest.raises(ValueError, match="empty"):
+        ShardRange(first=3, stop=3)
+
+
+def test_resolved_makes_local_paths_absolute_and_keeps_remote_sources(tmp_path):
+    s = spec(model="hf://org/name@abc", model_cache="cache").resolved(tmp_path)
+    assert s.model == "hf://org/name@abc"
+    assert s.dataset == str(tmp_path / "data/chat.jsonl") and s.output == str(tmp_path / "out/ds")
+    assert s.model_cache == str(tmp_path / "cache")
+    assert spec().resolved(tmp_path).model == str(tmp_path / "models/tiny")
+
+
+def test_the_extract_spec_carries_what_decides_the_dataset():
+    s = spec(layer_ids=[2, 30, 58, 61], samples_per_shard=32, preprocessing={"max_seq_len": 8192},
+             engine={"tensor_parallel_size": 8})
+    x = s.extract_spec(model_dir="/models/kimi", model_revision="abc")
+    assert (x.model, x.model_revision, x.layer_ids, x.samples_per_shard, x.max_seq_len) == (
+        "/models/kimi", "abc", (2, 30, 58, 61), 32, 8192)
+    assert x.engine.tensor_parallel_size == 8
+
+
+def test_the_sources_spec_is_what_env_check_and_download_read():
+    from datagen.sources import parse_sources_spec
+
+    parsed = parse_sources_spec(spec(model="hf://org/name@main", layer_ids=[1, 2]).sources_spec())
+    assert parsed.model == "hf://org/name@main" and parsed.layer_ids == (1, 2)
+
+
+def test_only_cuda_specs_ask_for_gpus():
+    assert spec(engine={"tensor_parallel_size": 8}).gpus == 0
+    assert spec(engine={"tensor_parallel_size": 8}, device="cuda").gpus == 8
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"model": "ftp://x/y"}, "model"),
+        ({"dataset": "s3://bucket/chat.jsonl"}, "dataset"),
+        ({"output": "s3://bucket/out"}, "output"),
+        ({"publish_to": "/local/dir"}, "publish_to"),
+        ({"layer_ids": [30, 2]}, "layer_ids"),
+        ({"shards_per_task": 0}, "shards_per_task"),
+        ({"runner": "kubernetes"}, "runner"),
+        ({"unknown": 1}, "unknown"),
+    ],
+)
+def test_a_bad_field_is_named_in_one_spec_error(overrides, field):
+    raw = {"model": "m", "dataset": "d.jsonl", "output": "o", **overrides}
+    with pytest.raises(SpecError, match=field):
+        parse_pipeline_spec(raw)
+
+
+def test_ranges_in_flight_above_one_fans_out():
+    assert not spec().fans_out
+    assert spec(ranges_in_flight=4).fans_out
+
+
+def test_validation_settings_become_validate_options():
+    s = spec(validation={"golden_samples": 0, "previous": "last"}).resolved()
+    assert s.validation.args()[:2] == ("--golden", "0")
+    assert s.validation.args()[2] == "--previous" and s.validation.args()[3].endswith("/last")
+    assert spec().runner is Runner.LOCAL
