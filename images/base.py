@@ -1,11 +1,11 @@
-"""The offline base image: Debian bookworm with Python 3.11, made without a registry.
+"""The offline base images: Debian bookworm with Python 3.11, made without a registry.
 
 No image registry is reachable on the test machines, so the CPU images are built on a base
 made here: ``debootstrap --variant=minbase`` fills a root file system from the Debian
 mirror, and ``docker import`` turns it into an image. There are two: Python (the steps
 image) and Python plus what the CPU engine needs (the extract image). A base's tag is a
-hash of its recipe, so it is built once per machine and reused. Production passes a real upstream base instead
-(``--base-image``; see docs/images.md).
+hash of its recipe, so it is built once per machine and reused. Production passes a real
+upstream base instead (``--base-image``; see docs/images.md).
 """
 
 from __future__ import annotations

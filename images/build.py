@@ -254,7 +254,9 @@ def prune_other_tags(client, plans: list[ImagePlan]) -> list[str]:
 
 def write_tags_json(results: list[tuple[ImagePlan, str, bool]], path: Path = TAGS_JSON) -> None:
     """Writes {repository: {"tag": ..., "id": ...}} (atomically)."""
-    record = {plan.recipe.name.value: {"tag": plan.tag, "id": image_id} for plan, image_id, _ in results}
+    record = {
+        plan.recipe.name.value: {"tag": plan.tag, "id": image_id} for plan, image_id, _ in results
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
@@ -291,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         client = docker.from_env()
         client.ping()
     except docker.errors.DockerException as e:
-        print(f"error: no Docker engine answers ({e})\n  -> run scripts/docker-up.sh", file=sys.stderr)
+        print(f"error: no Docker engine answers ({e})", file=sys.stderr)
+        print("  -> run scripts/docker-up.sh", file=sys.stderr)
         return CannotRunHereError.exit_code
     try:
         results = build_images(

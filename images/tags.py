@@ -15,7 +15,7 @@ import enum
 import hashlib
 import json
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from images.base import ENGINE_BASE, PYTHON_BASE
@@ -144,15 +144,15 @@ def plan_image(name: ImageName, *, base_image: str | None = None, root: Path = R
     }
     version = project_version(root)
     files = project_files(root)
+    plan = ImagePlan(recipe, "", version, chosen, files, build_args)
     digest = hashlib.sha256()
     _add(digest, "recipe", str(RECIPE_VERSION))
     _add(digest, "dockerfile", (root / recipe.dockerfile).read_text())
-    _add(digest, "requirements", "".join(p.line + "\n" for p in chosen))
+    _add(digest, "requirements", plan.requirements_txt)
     _add(digest, "build-args", json.dumps(build_args, sort_keys=True))
     for rel in files:
         _add(digest, rel, (root / rel).read_bytes())
-    tag = f"{name.value}:{version}-{digest.hexdigest()[:HASH_LENGTH]}"
-    return ImagePlan(recipe, tag, version, chosen, files, build_args)
+    return replace(plan, tag=f"{name.value}:{version}-{digest.hexdigest()[:HASH_LENGTH]}")
 
 
 def _add(digest, label: str, content: str | bytes) -> None:

@@ -191,7 +191,10 @@ def test_built_images_carry_oci_labels_and_run_datagen_as_a_non_root_user():
 def test_steps_image_has_no_vllm_and_extract_image_has_it():
     client = docker_client()
     images = built_images(*DEFAULT_IMAGES)
-    probe = "import importlib.util as u; print(u.find_spec('vllm') is not None, u.find_spec('torch') is not None)"
+    probe = (
+        "import importlib.util as u;"
+        "print(u.find_spec('vllm') is not None, u.find_spec('torch') is not None)"
+    )
 
     def run(tag: str) -> str:
         out = client.containers.run(tag, ["-c", probe], entrypoint=["python"], remove=True)

@@ -35,7 +35,8 @@ def _engine() -> tuple[object | None, str]:
         client.ping()
         return client, ""
     except docker.errors.DockerException as e:
-        return None, f"no Docker engine could start ({e}); scripts/docker-up.sh said: {up.stderr[-500:]}"
+        said = up.stderr[-500:]
+        return None, f"no Docker engine could start ({e}); scripts/docker-up.sh said: {said}"
 
 
 def docker_client():

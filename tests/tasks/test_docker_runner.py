@@ -12,7 +12,12 @@ import pytest
 
 from datagen.errors import EXIT_BAD_INPUT, CannotRunHereError
 from images.tags import ImageName
-from tasks.docker_runner import LABEL_PREFIX, MANAGED_LABEL, DockerRunner, remove_leftover_containers
+from tasks.docker_runner import (
+    LABEL_PREFIX,
+    MANAGED_LABEL,
+    DockerRunner,
+    remove_leftover_containers,
+)
 from tasks.runners import Mount, StepInvocation
 from tests.support.docker_engine import (
     TEST_LABEL,
@@ -47,7 +52,8 @@ def make_tiny(out: Path, test_id: str, *extra: str, **overrides) -> StepInvocati
     """A `datagen make-tiny` invocation writing under ``out`` (bind-mounted)."""
     fields = dict(
         step="make-tiny",
-        args=("--out", str(out / "tiny"), "--arch", "llama", "--layers", "2", "--rows", "4", *extra),
+        args=("--out", str(out / "tiny"), "--arch", "llama", "--layers", "2", "--rows", "4")
+        + extra,
         mounts=(Mount(str(out)),),
         labels={TEST_LABEL: test_id, "flow-run-id": "test-run"},
     )
