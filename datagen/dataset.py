@@ -67,8 +67,12 @@ class PreparedDataset:
 TokenizerLoader = Callable[[], object]
 
 
-def read_rows(path: str | Path) -> list[tuple[int, bytes, dict]]:
-    """Parse each line of a JSONL file. Returns (row, raw bytes, object) per line."""
+def read_rows(path: str | Path, *, digest=None) -> list[tuple[int, bytes, dict]]:
+    """Parse each line of a JSONL file. Returns (row, raw bytes, object) per line.
+
+    ``digest`` (a hashlib object), when given, is fed every byte read: the fingerprint of exactly
+    the content parsed, even if the file changes while it is read.
+    """
     p = Path(path)
     if not p.is_file():
         raise DatasetError(
@@ -80,6 +84,8 @@ def read_rows(path: str | Path) -> list[tuple[int, bytes, dict]]:
     with p.open("rb") as f:
         for i, raw in enumerate(f):
             line_no = i + 1
+            if digest is not None:
+                digest.update(raw)
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -214,9 +220,10 @@ def tokenize_chat(tokenizer, messages: list[dict], *, path: str = "", line: int 
     return ids, mask
 
 
-def _file_sha256(path: Path) -> str:
+def file_fingerprint(path: str | Path) -> str:
+    """sha256 of a dataset file as it is now (``PreparedDataset.fingerprint`` is this at read time)."""
     h = hashlib.sha256()
-    with path.open("rb") as f:
+    with Path(path).open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
@@ -231,8 +238,11 @@ def prepare_dataset(
 ) -> PreparedDataset:
     """Read, check and tokenize every row. Raises DatasetError on the first bad row."""
     p = Path(path)
-    rows = read_rows(p)
-    fingerprint = _file_sha256(p)
+    # The fingerprint is of the bytes parsed, not of a second read: a file changed in between
+    # would otherwise get a fingerprint that its shards were not extracted from.
+    digest = hashlib.sha256()
+    rows = read_rows(p, digest=digest)
+    fingerprint = digest.hexdigest()
     samples: dict[int, Sample] = {}
     skipped: list[SkippedRow] = []
     truncated: list[TruncatedRow] = []
@@ -273,6 +283,14 @@ def prepare_dataset(
                 f"{vocab_size} entries", hint="use the tokenizer that belongs to this model",
             )
         samples[row] = Sample(row=row, input_ids=ids, loss_mask=mask)
+    if not samples:
+        # Every row skipped: a run would start an engine, store nothing and call it complete.
+        reasons = sorted({s.reason for s in skipped})
+        raise DatasetError(
+            f"no row has a target token: all {len(rows)} rows would be skipped ({', '.join(reasons)})",
+            path=str(p),
+            hint="give chat rows an assistant turn, or pre-tokenized rows a loss_mask with 1s",
+        )
     template_hash = tok_hash = None
     if tokenizer is not None:
         template_hash = hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()

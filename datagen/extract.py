@@ -29,9 +29,9 @@ from datagen.contract import (
     FORMAT_VERSION, LAYER_NUMBERING, MANIFEST_NAME, SHARDS_DIR, STATE_DIR, Manifest, ShardRecord,
     shard_name,
 )
-from datagen.dataset import PreparedDataset, prepare_dataset
+from datagen.dataset import PreparedDataset, file_fingerprint, prepare_dataset
 from datagen.engines.base import Engine
-from datagen.errors import ModelError, OutputConflictError, SpecError
+from datagen.errors import DatasetError, ModelError, OutputConflictError, SpecError
 from datagen.modelinfo import ModelInfo, check_layer_ids, inspect_model, model_content_hash
 from datagen.shards import ShardJob, atomic_write_json, combine_stats
 from datagen.spec import EngineName, ExtractSpec, canonical_json, default_layer_ids, parse_spec, sha256_hex
@@ -140,18 +140,40 @@ def claim_output(p: Plan) -> None:
     if run_file.exists():
         import json
 
-        prior = json.loads(run_file.read_text())
-        if prior.get("extraction_fingerprint") != p.extraction_fingerprint:
+        try:
+            prior = json.loads(run_file.read_text())
+        except ValueError:  # not ours to read: treat it as another spec's
+            prior = {}
+        # A claim without a shard (a run that failed before writing one, e.g. on a corrupt model)
+        # protects nothing: the fixed run may take the output over.
+        if prior.get("extraction_fingerprint") != p.extraction_fingerprint and _holds_data(out):
             raise OutputConflictError(
                 f"output {out} holds a dataset of another spec (model, layers, preprocessing or engine differ)",
                 hint="choose a new --out, or delete the old dataset first",
             )
-    elif out.exists() and any(out.iterdir()):
+    elif out.exists() and any(out.iterdir()) and not _claim_leftovers_only(out):
         raise OutputConflictError(f"output {out} is not empty and holds no datagen dataset",
                                   hint="choose an empty or new --out directory")
     (out / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
     (_state(out) / "shards").mkdir(parents=True, exist_ok=True)
     atomic_write_json(run_file, {"extraction_fingerprint": p.extraction_fingerprint, "spec": p.resolved_spec})
+
+
+def _holds_data(out: Path) -> bool:
+    """True when ``out`` holds a shard file or a manifest."""
+    return (out / MANIFEST_NAME).exists() or any((out / SHARDS_DIR).glob("shard-*.safetensors"))
+
+
+def _claim_leftovers_only(out: Path) -> bool:
+    """True when ``out`` holds only what claim_output makes before run.json exists (its two
+    directories, temporary files): a run killed in that moment left them, and they are ours."""
+    for p in out.rglob("*"):
+        rel = p.relative_to(out)
+        if rel.parts[0] not in (SHARDS_DIR, STATE_DIR) or p.is_symlink():
+            return False
+        if not p.is_dir() and not (p.name.startswith(".") and ".tmp-" in p.name):
+            return False
+    return True
 
 
 def _record_path(out: Path, k: int) -> Path:
@@ -291,6 +313,29 @@ class Progress:
             self.bar.close()
 
 
+def check_dataset_unchanged(p: Plan) -> None:
+    """The dataset file must still be what the plan read: the manifest records its sha256.
+
+    The shards hold the rows as read at plan time (their keys say so), so a dataset edited
+    during the run would get a manifest whose fingerprint no file has. Refused; the next run
+    re-plans from the new content, keeps the shards whose rows did not change and redoes the rest.
+    """
+    path = p.spec.dataset
+    try:
+        now = file_fingerprint(path)
+    except OSError as e:
+        raise DatasetError(f"the dataset can no longer be read ({e.strerror}); it was read at the start of the run",
+                           path=path, hint="restore the dataset file and run again (finished shards are kept)") from e
+    if now != p.data.fingerprint:
+        raise DatasetError(
+            f"the dataset changed while it was extracted (sha256 {p.data.fingerprint[:12]} at the start, "
+            f"{now[:12]} now); no manifest was written",
+            path=path,
+            hint="do not edit a dataset during a run (write a new file); run again to extract the changed rows "
+                 "(shards whose rows did not change are kept)",
+        )
+
+
 def write_manifest(p: Plan, records: dict[int, ShardRecord]) -> Manifest:
     shards = [records[k] for k in range(p.num_shards)]
     stats = combine_stats([r.layer_stats for r in shards if r.tokens], p.layer_ids)
@@ -341,7 +386,13 @@ def run(spec: ExtractSpec, *, shards: tuple[int, int] | None = None) -> dict:
     if shards is None and (m := existing_manifest(p)) is not None:
         log.info("dataset %s is complete (fingerprint %s): nothing to do", out, p.fingerprint[:12])
         return _result(p, m.totals["tokens"], extracted=[], cached=list(range(p.num_shards)), seconds=time.monotonic() - t0)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise OutputConflictError(f"output {out} exists and is not a directory", hint="choose another --out")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputConflictError(f"cannot create the output directory {out}: {e.strerror}",
+                                  hint="choose an --out whose parent is a writable directory") from e
     lock = FileLock(str(out.parent / f".{out.name}.lock")) if shards is None else None
     try:
         if lock is not None:
@@ -378,6 +429,7 @@ def run(spec: ExtractSpec, *, shards: tuple[int, int] | None = None) -> dict:
                 raise RuntimeError(f"shards {missing} were submitted but not written")
         manifest = None
         if shards is None:
+            check_dataset_unchanged(p)
             manifest = write_manifest(p, records)
         elapsed = time.monotonic() - t0
         result = _result(p, sum(records[k].tokens for k in range(lo, hi)), extracted=todo,
@@ -465,7 +517,11 @@ def spec_from_args(args) -> ExtractSpec:
     raw.update({k: v for k, v in top.items() if v is not None})
     if args.layers is not None:
         raw["layer_ids"] = list(_layers(args.layers))
-    eng = dict(raw.get("engine") or {})
+    eng = raw.get("engine") or {}
+    if not isinstance(eng, dict):
+        raise SpecError(f"{args.spec or 'the spec'}: engine must be an object, got {type(eng).__name__}",
+                        hint='write e.g. "engine": {"name": "vllm", "tensor_parallel_size": 8}')
+    eng = dict(eng)
     for k, v in {"name": args.engine, "tensor_parallel_size": args.tensor_parallel_size, "dtype": args.dtype,
                  "max_num_batched_tokens": args.max_num_batched_tokens}.items():
         if v is not None:

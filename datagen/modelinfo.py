@@ -29,6 +29,13 @@ CAPTURE_ARCHITECTURES = frozenset(
 )
 # Safetensors headers larger than this are refused: a hostile file can claim a huge header.
 MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
+# Bits per element of every safetensors dtype (safetensors 0.6): a header naming another dtype,
+# or offsets that disagree with a tensor's shape, is corrupt (the engine would fail on it later).
+SAFETENSORS_DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+    "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64, "C64": 64,
+}
 # Files up to this size are hashed whole for the content fingerprint; larger weight files
 # contribute their size, safetensors header and first and last MiB (hashing a 600 GB
 # checkpoint on every run would cost more than the run).
@@ -76,6 +83,12 @@ def read_safetensors_header(path: Path) -> dict:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ModelError(f"weight file {path.name} has a corrupt header", hint="download it again") from None
+    if not isinstance(header, dict):
+        raise ModelError(f"weight file {path.name} has a corrupt header (not a JSON object)", hint="download it again")
+    for name, entry in header.items():
+        if name != "__metadata__" and (problem := _entry_problem(entry)):
+            raise ModelError(f"weight file {path.name} has a corrupt header: tensor {name!r} {problem}",
+                             hint="download it again")
     size = path.stat().st_size
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if 8 + n + end > size:
@@ -84,6 +97,26 @@ def read_safetensors_header(path: Path) -> dict:
             hint="download it again",
         )
     return header
+
+
+def _entry_problem(entry) -> str | None:
+    """What is wrong with one tensor's header entry, or None."""
+    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
+        return "lacks dtype, shape or data_offsets"
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if dtype not in SAFETENSORS_DTYPE_BITS:
+        return f"has unknown dtype {dtype!r}"
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        return f"has shape {shape!r}, not a list of non-negative integers"
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        return f"has data_offsets {offsets!r}, not [begin, end]"
+    numel = 1
+    for d in shape:
+        numel *= d
+    if (offsets[1] - offsets[0]) * 8 != numel * SAFETENSORS_DTYPE_BITS[dtype]:
+        return f"has {offsets[1] - offsets[0]} bytes for shape {shape} of {dtype}"
+    return None
 
 
 def _weight_files(d: Path) -> tuple[str, ...]:

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from datagen.errors import SpecError
 
@@ -53,6 +53,27 @@ class EngineSettings(BaseModel):
     trust_remote_code: bool = Field(
         False, description="Allow the model directory's own Python code to run."
     )
+
+    # vLLM refuses max_num_seqs > max_num_batched_tokens (every sequence in a step gets at least
+    # one token), and only when the engine starts. A budget below the default max_num_seqs
+    # lowers the default with it; an explicit max_num_seqs above the budget is refused here.
+    @model_validator(mode="before")
+    @classmethod
+    def _default_seqs_within_budget(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "max_num_seqs" not in data:
+            budget = data.get("max_num_batched_tokens")
+            if type(budget) is int and 16 <= budget < 256:
+                data = {**data, "max_num_seqs": budget}
+        return data
+
+    @model_validator(mode="after")
+    def _seqs_within_budget(self) -> "EngineSettings":
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError(
+                f"max_num_seqs {self.max_num_seqs} exceeds max_num_batched_tokens {self.max_num_batched_tokens}: "
+                "each sequence of a step takes at least one token of the budget; lower max_num_seqs"
+            )
+        return self
 
 
 class ExtractSpec(BaseModel):

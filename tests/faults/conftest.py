@@ -1,0 +1,54 @@
+"""The fault campaign's fixtures: short or full campaign, and the record each case writes.
+
+``make faults`` sets ``DATAGEN_FAULTS_FULL=1``: the full campaign (20 kills, every
+infrastructure fault). A plain ``pytest tests`` (``make test``) runs the short version: a few
+kills and every case that takes seconds.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.faults._results import CaseRecord
+
+FULL_ENV = "DATAGEN_FAULTS_FULL"
+
+
+def full_campaign() -> bool:
+    return os.environ.get(FULL_ENV, "0") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "tests/faults/" in item.nodeid.replace(os.sep, "/"):
+            item.add_marker(pytest.mark.faults)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    rep = yield
+    if rep.when == "call":
+        item._faults_call_passed = rep.passed
+        item._faults_call_error = None if rep.passed else str(rep.longrepr)[-1500:]
+    return rep
+
+
+@pytest.fixture
+def case(request):
+    """A CaseRecord for this test; written to the results directory when the test ends.
+
+    The test fills in case, category, attempts, outcome and data_lost; ``passed`` comes from
+    the test's own result, so a failing case is recorded as failed.
+    """
+    node = request.node.nodeid
+    rec = CaseRecord(case=request.node.name, category="bad-input", command=f"pytest {node}")
+    yield rec
+    passed = getattr(request.node, "_faults_call_passed", False)
+    rec.passed = bool(passed)
+    if not passed:
+        rec.details.setdefault("error", getattr(request.node, "_faults_call_error", None))
+        if not rec.outcome:
+            rec.outcome = "FAILED"
+    rec.write()

@@ -1,0 +1,510 @@
+"""Bad inputs to every step, one case each: spec files, model directories, datasets, output
+locations, validate / publish / download / env-check / export arguments, the flow's parameter.
+
+tests/test_extract_inputs.py already covers single bad rows and layer lists of `datagen extract`;
+these are the cases it does not. Each refusal: the step's exit code, the problem named, a
+``  -> `` line saying what to do, no traceback, nothing written (tests/faults/_refusal.py).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from datagen.contract import MANIFEST_NAME
+from datagen.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_VALIDATION, SpecError
+from tests.builders import REPO, datagen_cmd, result_of, run_datagen, token_rows, write_jsonl
+from tests.faults._refusal import assert_refused, run_cli, tree
+from tests.support.extracted import extracted_dataset
+
+GOOD_ROWS = [{"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]}, {"input_ids": [9, 10, 11]}]
+
+
+@pytest.fixture
+def rows(tmp_path) -> Path:
+    return write_jsonl(tmp_path / "rows.jsonl", GOOD_ROWS)
+
+
+@pytest.fixture
+def dataset(tmp_path_factory, tmp_path) -> Path:
+    """A copy of the session's extracted tiny dataset, with no validation record."""
+    ds = shutil.copytree(extracted_dataset(tmp_path_factory), tmp_path / "ds")
+    (ds / ".datagen" / "validation.json").unlink(missing_ok=True)
+    return ds
+
+
+def _record(case, step: str, name: str, outcome: str) -> None:
+    case.category = "bad-input"
+    case.case = f"{step}: {name}"
+    case.attempts = 1
+    case.outcome = outcome
+    case.details["group"] = step
+
+
+def _model_copy(src: Path, dst: Path, change) -> Path:
+    shutil.copytree(src, dst)
+    change(dst)
+    return dst
+
+
+def _edit_json(path: Path, change) -> None:
+    obj = json.loads(path.read_text())
+    change(obj)
+    path.write_text(json.dumps(obj))
+
+
+def _header(path: Path) -> tuple[int, dict]:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return n, json.loads(raw[8:8 + n])
+
+
+def _rewrite_header(path: Path, change) -> None:
+    raw = path.read_bytes()
+    n, header = _header(path)
+    change(header)
+    new = json.dumps(header, separators=(",", ":")).encode()
+    new += b" " * (n - len(new)) if len(new) <= n else b""
+    assert len(new) == n, "the edit must keep the header's length"
+    path.write_bytes(raw[:8] + new + raw[8 + n:])
+
+
+def _first_tensor(h: dict) -> dict:
+    return h[next(k for k in h if k != "__metadata__")]
+
+
+# --- extract: spec files, models, datasets, output ----------------------------------------------
+
+SPEC_CASES = {
+    "spec file is not JSON": ("{model: x", "cannot read spec file"),
+    "spec file is a JSON list": ([1, 2], "must hold a JSON object"),
+    "engine is a string": ({"engine": "vllm"}, "engine must be an object"),
+    "samples_per_shard is a string": ({"samples_per_shard": "ten"}, "samples_per_shard"),
+    "max_seq_len below 2": ({"max_seq_len": 1}, "max_seq_len"),
+    "unknown storage dtype": ({"engine": {"name": "hf", "dtype": "int8"}}, "engine.dtype"),
+    "unknown engine": ({"engine": {"name": "tensorrt"}}, "engine.name"),
+    "tensor_parallel_size 0": ({"engine": {"name": "hf", "tensor_parallel_size": 0}}, "tensor_parallel_size"),
+    "max_num_seqs above the token budget": ({"engine": {"name": "vllm", "max_num_batched_tokens": 128,
+                                                        "max_num_seqs": 300}}, "max_num_seqs 300 exceeds"),
+    "layer_ids a string": ({"layer_ids": "2,3"}, "layer_ids"),
+    "trust_remote_code a list": ({"engine": {"name": "hf", "trust_remote_code": [True]}}, "trust_remote_code"),
+}
+
+
+@pytest.mark.parametrize("name", list(SPEC_CASES))
+def test_a_bad_extract_spec_file_is_refused_naming_the_field(tiny_llama, rows, tmp_path, case, name):
+    content, message = SPEC_CASES[name]
+    out = tmp_path / "out"
+    spec = tmp_path / "spec.json"
+    if isinstance(content, dict):
+        content = {"model": str(tiny_llama), "dataset": str(rows), "out": str(out), "engine": {"name": "hf"}, **content}
+    spec.write_text(content if isinstance(content, str) else json.dumps(content))
+    o = run_cli("extract", "--spec", spec)
+    assert_refused(o, code=EXIT_BAD_INPUT, message=message)
+    assert not out.exists()
+    _record(case, "extract", name, "refused, exit 2, field named")
+
+
+def test_a_token_budget_below_the_default_sequence_count_is_accepted(tiny_llama, rows, tmp_path, case):
+    """Regression: `--max-num-batched-tokens 128` alone used to fail at engine start (vLLM wants
+    max_num_seqs <= max_num_batched_tokens and max_num_seqs defaulted to 256)."""
+    o = run_cli("plan", "--model", tiny_llama, "--dataset", rows, "--out", tmp_path / "out",
+                "--max-num-batched-tokens", "128")
+    assert o.code == EXIT_OK, o.err
+    assert json.loads(o.out.split("datagen-result: ")[1])["spec"]["engine"]["max_num_seqs"] == 128
+    _record(case, "extract", "--max-num-batched-tokens 128 without max_num_seqs",
+            "accepted: max_num_seqs defaults to the budget (was: vLLM error at engine start)")
+
+
+def _no_config(m: Path) -> None:
+    (m / "config.json").unlink()
+
+
+def _config_not_json(m: Path) -> None:
+    (m / "config.json").write_text("{not json")
+
+
+def _config_without_hidden_size(m: Path) -> None:
+    _edit_json(m / "config.json", lambda c: c.pop("hidden_size"))
+
+
+def _index_names_missing_file(m: Path) -> None:
+    n, h = _header(m / "model.safetensors")
+    weight_map = {k: "model-00002-of-00002.safetensors" for k in h if k != "__metadata__"}
+    (m / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def _empty_weights(m: Path) -> None:
+    (m / "model.safetensors").write_bytes(b"")
+
+
+def _header_not_json(m: Path) -> None:
+    w = m / "model.safetensors"
+    raw = bytearray(w.read_bytes())
+    raw[8] = ord("#")
+    w.write_bytes(bytes(raw))
+
+
+def _unknown_dtype(m: Path) -> None:
+    _rewrite_header(m / "model.safetensors", lambda h: _first_tensor(h).update(dtype="BX16"))
+
+
+def _offsets_disagree(m: Path) -> None:
+    def change(h):
+        t = _first_tensor(h)
+        t["shape"] = [t["shape"][0] // 2] + t["shape"][1:]
+    _rewrite_header(m / "model.safetensors", change)
+
+
+def _model_is_a_file(m: Path) -> None:
+    shutil.rmtree(m)
+    m.write_text("not a model")
+
+
+MODEL_CASES = {
+    "model without config.json": (_no_config, "has no config.json"),
+    "config.json not JSON": (_config_not_json, "is not valid JSON"),
+    "config.json without hidden_size": (_config_without_hidden_size, "hidden_size"),
+    "weight index names a missing file": (_index_names_missing_file, "missing weight files"),
+    "empty weight file": (_empty_weights, "is truncated"),
+    "weight header not JSON": (_header_not_json, "corrupt header"),
+    "weight header with an unknown dtype": (_unknown_dtype, "unknown dtype 'BX16'"),
+    "weight header whose offsets disagree with the shape": (_offsets_disagree, "bytes for shape"),
+    "model path is a file": (_model_is_a_file, "does not exist"),
+}
+
+
+@pytest.mark.parametrize("name", list(MODEL_CASES))
+def test_a_broken_model_is_refused_before_any_weight_is_loaded(tiny_llama, rows, tmp_path, case, name):
+    change, message = MODEL_CASES[name]
+    model = _model_copy(tiny_llama, tmp_path / "model", change)
+    out = tmp_path / "out"
+    o = run_cli("extract", "--model", model, "--dataset", rows, "--out", out, "--engine", "hf")
+    assert_refused(o, code=EXIT_BAD_INPUT, message=message)
+    assert not out.exists()
+    _record(case, "extract", name, "refused before loading, exit 2, file named")
+
+
+DATASET_CASES = {
+    "no row has an assistant turn": ([{"messages": [{"role": "user", "content": "hi"}]},
+                                      {"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}]}],
+                                     "no row has a target token"),
+    "every row empty": ([{"messages": []}, {"input_ids": []}], "no row has a target token"),
+    "every loss mask zero": ([{"input_ids": [5, 6], "loss_mask": [0, 0]}], "no row has a target token"),
+}
+
+
+@pytest.mark.parametrize("name", list(DATASET_CASES))
+def test_a_dataset_with_nothing_to_extract_is_refused(tiny_llama, tmp_path, case, name):
+    """Regression: such a dataset used to give a 'complete' dataset of 0 samples (after starting
+    the engine)."""
+    content, message = DATASET_CASES[name]
+    data = write_jsonl(tmp_path / "rows.jsonl", content)
+    out = tmp_path / "out"
+    o = run_cli("extract", "--model", tiny_llama, "--dataset", data, "--out", out, "--engine", "hf")
+    assert_refused(o, code=EXIT_BAD_INPUT, message=message)
+    assert not out.exists()
+    _record(case, "extract", name, "refused, exit 2 (was: a 0-sample dataset, exit 0)")
+
+
+def test_an_output_path_that_is_a_file_is_refused(tiny_llama, rows, tmp_path, case):
+    """Regression: this used to end in a FileExistsError traceback."""
+    out = tmp_path / "out"
+    out.write_text("mine")
+    o = run_cli("extract", "--model", tiny_llama, "--dataset", rows, "--out", out, "--engine", "hf")
+    assert_refused(o, code=EXIT_BAD_INPUT, message="exists and is not a directory")
+    assert out.read_text() == "mine"
+    _record(case, "extract", "--out is an existing file", "refused, exit 2 (was: FileExistsError traceback)")
+
+
+@pytest.mark.parametrize("name, argv, message", [
+    ("dataset path is a directory", lambda t, r: ("--dataset", t), "is not a file"),
+    ("dataset file missing", lambda t, r: ("--dataset", t / "nope.jsonl"), "does not exist"),
+    ("--shards beyond the dataset", lambda t, r: ("--dataset", r, "--shards", "5:99"), "outside 0:1"),
+    ("--shards not A:B", lambda t, r: ("--dataset", r, "--shards", "3"), "is not A:B"),
+])
+def test_bad_extract_arguments_are_refused(tiny_llama, rows, tmp_path, case, name, argv, message):
+    out = tmp_path / "out"
+    o = run_cli("extract", "--model", tiny_llama, "--out", out, "--engine", "hf", *argv(tmp_path, rows))
+    assert_refused(o, code=EXIT_BAD_INPUT, message=message)
+    assert not out.exists()
+    _record(case, "extract", name, "refused, exit 2")
+
+
+def test_an_enormous_row_is_truncated_and_recorded_not_refused(tiny_llama, tmp_path, case):
+    """A 1-million-token row (7 MB of JSON) is cut to max_seq_len, and the manifest says so."""
+    huge = {"input_ids": [7] * 1_000_000}
+    data = write_jsonl(tmp_path / "rows.jsonl", [GOOD_ROWS[0], huge])
+    out = tmp_path / "out"
+    o = run_cli("extract", "--model", tiny_llama, "--dataset", data, "--out", out, "--engine", "hf",
+                "--max-seq-len", "64")
+    assert o.code == EXIT_OK, o.err
+    m = json.loads((out / MANIFEST_NAME).read_text())
+    assert m["truncated"] == [{"row": 1, "original_tokens": 1_000_000, "kept_tokens": 64}]
+    assert m["totals"]["tokens"] == 4 + 64
+    _record(case, "extract", "a 1,000,000-token row", "accepted: truncated to max_seq_len, recorded in the manifest")
+
+
+def test_a_dataset_changed_during_extraction_gets_no_manifest_and_the_rerun_redoes_only_its_shard(
+        tiny_llama, tmp_path, case):
+    """The shards hold the rows as read at the start; a dataset edited meanwhile is detected before
+    the manifest (its sha256 is re-checked), the run fails naming it, and the re-run re-plans: the
+    shards whose rows did not change are kept, the changed one is extracted again."""
+    lengths = [5, 6, 7, 8, 9, 10]
+    data = write_jsonl(tmp_path / "rows.jsonl", token_rows(lengths, seed=3))
+    out = tmp_path / "out"
+    args = ["extract", "--model", str(tiny_llama), "--dataset", str(data), "--out", str(out), "--engine", "hf",
+            "--samples-per-shard", "2"]
+    proc = subprocess.Popen(datagen_cmd(*args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**__import__("os").environ, "DATAGEN_TEST_SLOW_SHARD_S": "1.5"})
+    first = out / "shards" / "shard-000000.safetensors"
+    deadline = time.monotonic() + 300
+    while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert first.exists(), proc.communicate()[1][-3000:]
+    changed = token_rows(lengths, seed=3)
+    changed[5] = {"input_ids": [42] * 12}  # a row of the last shard
+    write_jsonl(data, changed)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_BAD_INPUT, err[-3000:]
+    assert "the dataset changed while it was extracted" in err and "\n  -> " in err and "Traceback" not in err
+    assert not (out / MANIFEST_NAME).exists()
+
+    again = run_datagen(*args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    result = result_of(again)
+    assert result["shards_cached"] == [0, 1] and result["shards_extracted"] == [2]
+    m = json.loads((out / MANIFEST_NAME).read_text())
+    import hashlib
+    assert m["spec"]["dataset"]["sha256"] == hashlib.sha256(data.read_bytes()).hexdigest()
+    _record(case, "extract", "dataset file edited while it is extracted",
+            "refused before the manifest (exit 2); re-run kept 2 shards, redid the changed one")
+
+
+def test_a_dataset_changed_while_it_is_read_gets_the_fingerprint_of_what_was_read(tiny_llama, tmp_path, monkeypatch,
+                                                                                 case):
+    """Regression: the fingerprint used to come from a second read of the file, so a change
+    between the two reads gave the manifest the sha256 of content no shard was made from."""
+    import hashlib
+
+    from datagen import dataset as ds_module
+
+    data = write_jsonl(tmp_path / "rows.jsonl", GOOD_ROWS)
+    original = data.read_bytes()
+    read_rows = ds_module.read_rows
+
+    def read_then_change(path, **kw):
+        out = read_rows(path, **kw)
+        write_jsonl(data, GOOD_ROWS + [{"input_ids": [1, 2, 3]}])
+        return out
+
+    monkeypatch.setattr(ds_module, "read_rows", read_then_change)
+    prepared = ds_module.prepare_dataset(data, load_tokenizer=lambda: None, vocab_size=512, max_seq_len=64)
+    assert prepared.rows == 2
+    assert prepared.fingerprint == hashlib.sha256(original).hexdigest()
+    _record(case, "extract", "dataset file changed between its read and its hash",
+            "the fingerprint is of the bytes parsed (was: of a second read)")
+
+
+# --- the output directory after a crash -----------------------------------------------------------
+
+def test_an_output_left_by_a_crash_during_its_claim_is_resumed(tiny_llama, rows, tmp_path, case):
+    """Regression: a run killed after creating shards/ and .datagen/ but before writing run.json
+    left an output that every later run refused as 'not empty and holds no datagen dataset'."""
+    out = tmp_path / "out"
+    (out / "shards").mkdir(parents=True)
+    (out / ".datagen" / "shards").mkdir(parents=True)
+    (out / ".datagen" / ".run.json.tmp-4242").write_text("{")
+    o = run_cli("extract", "--model", tiny_llama, "--dataset", rows, "--out", out, "--engine", "hf")
+    assert o.code == EXIT_OK, o.err
+    assert (out / MANIFEST_NAME).exists() and not list(out.rglob(".*.tmp-*"))
+    case.category = "crash"
+    case.case = "killed between creating the output's directories and recording its claim"
+    case.attempts = 1
+    case.outcome = "resumed (was: refused as a foreign directory forever)"
+    case.data_lost = "0"
+
+
+def test_a_foreign_file_in_shards_still_makes_the_output_foreign(tiny_llama, rows, tmp_path, case):
+    out = tmp_path / "out"
+    (out / "shards").mkdir(parents=True)
+    (out / "shards" / "notes.txt").write_text("mine")
+    o = run_cli("extract", "--model", tiny_llama, "--dataset", rows, "--out", out, "--engine", "hf")
+    assert_refused(o, code=EXIT_BAD_INPUT, message="not empty")
+    assert tree(out) == ["shards", "shards/notes.txt"]
+    _record(case, "extract", "an --out holding someone else's files under shards/", "refused, exit 2, untouched")
+
+
+def test_a_claimed_output_without_shards_can_be_taken_over_by_a_fixed_spec(tiny_llama, rows, tmp_path, case):
+    """Regression: a run that failed before its first shard (a corrupt model, say) left its claim,
+    and the run with the repaired model (another content hash) was refused: 'holds a dataset of
+    another spec', although that dataset held nothing."""
+    out = tmp_path / "out"
+    (out / ".datagen").mkdir(parents=True)
+    (out / "shards").mkdir()
+    (out / ".datagen" / "run.json").write_text(json.dumps({"extraction_fingerprint": "0" * 64, "spec": {}}))
+    o = run_cli("extract", "--model", tiny_llama, "--dataset", rows, "--out", out, "--engine", "hf")
+    assert o.code == EXIT_OK, o.err
+    _record(case, "extract", "an output claimed by a run that wrote no shard, re-run with a repaired model",
+            "accepted (was: refused as another spec's dataset)")
+
+
+# --- validate ---------------------------------------------------------------------------------------
+
+def _manifest_format_99(ds: Path) -> None:
+    _edit_json(ds / MANIFEST_NAME, lambda m: m.update(format_version=99))
+
+
+def _manifest_a_list(ds: Path) -> None:
+    (ds / MANIFEST_NAME).write_text("[]")
+
+
+def _manifest_empty(ds: Path) -> None:
+    (ds / MANIFEST_NAME).write_text("")
+
+
+VALIDATE_CASES = {
+    "manifest of a future format version": (_manifest_format_99, (), EXIT_VALIDATION, "format version 99"),
+    "manifest.json is a JSON list": (_manifest_a_list, (), EXIT_VALIDATION, "does not match the contract"),
+    "manifest.json is empty": (_manifest_empty, (), EXIT_VALIDATION, "does not match the contract"),
+    "--previous names no dataset": (lambda ds: None, ("--previous", "/nonexistent/previous"), EXIT_VALIDATION,
+                                    "previous"),
+    "--golden -1": (lambda ds: None, ("--golden", "-1"), EXIT_BAD_INPUT, "--golden"),
+    "--workers 0": (lambda ds: None, ("--workers", "0"), EXIT_BAD_INPUT, "--workers"),
+}
+
+
+@pytest.mark.parametrize("name", list(VALIDATE_CASES))
+def test_bad_validate_inputs_are_refused_and_approve_nothing(dataset, case, name):
+    change, extra, code, message = VALIDATE_CASES[name]
+    change(dataset)
+    o = run_cli("validate", dataset, "--golden", "0", *extra) if "--golden" not in extra else \
+        run_cli("validate", dataset, *extra)
+    assert_refused(o, code=code, message=message)
+    assert not (dataset / ".datagen" / "validation.json").exists()
+    _record(case, "validate", name, f"refused, exit {code}, no approval written")
+
+
+@pytest.mark.parametrize("name, path", [("dataset directory missing", "nope"), ("dataset is a file", "file")])
+def test_validate_of_something_not_a_dataset_is_refused(tmp_path, case, name, path):
+    (tmp_path / "file").write_text("x")
+    assert_refused(run_cli("validate", tmp_path / path), code=EXIT_BAD_INPUT, message="is not a directory")
+    _record(case, "validate", name, "refused, exit 2")
+
+
+# --- publish ------------------------------------------------------------------------------------------
+
+def _validated(ds: Path, **overrides) -> None:
+    import hashlib
+
+    sha = hashlib.sha256((ds / MANIFEST_NAME).read_bytes()).hexdigest()
+    (ds / ".datagen" / "validation.json").write_text(json.dumps({"ok": True, "manifest_sha256": sha, **overrides}))
+
+
+PUBLISH_CASES = {
+    "destination not s3://": (lambda ds: _validated(ds), "http://bucket/x", EXIT_BAD_INPUT, "not an S3 URI"),
+    "bucket name not DNS-valid": (lambda ds: _validated(ds), "s3://Bad_Bucket/x", EXIT_BAD_INPUT, "bucket name"),
+    "prefix with ..": (lambda ds: _validated(ds), "s3://bucket/a/../b", EXIT_BAD_INPUT, "'..'"),
+    "no manifest": (lambda ds: (ds / MANIFEST_NAME).unlink(), "s3://bucket/x", EXIT_VALIDATION, "no manifest.json"),
+    "never validated": (lambda ds: None, "s3://bucket/x", EXIT_VALIDATION, "has not been validated"),
+    "validation record not JSON": (lambda ds: (ds / ".datagen" / "validation.json").write_text("{"), "s3://bucket/x",
+                                   EXIT_VALIDATION, "not valid JSON"),
+    "validation failed": (lambda ds: _validated(ds, ok=False), "s3://bucket/x", EXIT_VALIDATION, "failed validation"),
+    "validation approved another manifest": (lambda ds: _validated(ds, manifest_sha256="0" * 64), "s3://bucket/x",
+                                             EXIT_VALIDATION, "changed after it was validated"),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISH_CASES))
+def test_bad_publish_inputs_are_refused_before_anything_is_uploaded(dataset, case, name):
+    """Every refusal comes before an S3 client exists: no server is needed, nothing can be sent."""
+    change, dest, code, message = PUBLISH_CASES[name]
+    change(dataset)
+    assert_refused(run_cli("publish", dataset, f"--to={dest}"), code=code, message=message)
+    _record(case, "publish", name, f"refused, exit {code}, before any upload")
+
+
+# --- download and env-check spec files ------------------------------------------------------------------
+
+def _sources(tiny_llama: Path, tmp_path: Path, **changes) -> dict:
+    return {"model": str(tiny_llama), "out": str(tmp_path / "out"), "model_cache": str(tmp_path / "cache"), **changes}
+
+
+SOURCES_CASES = {
+    "spec file missing": (None, "does not exist"),
+    "spec file not JSON": ("{", "not valid JSON"),
+    "spec file a JSON list": ("[1]", "must hold a JSON object"),
+    "unknown field": ({"revison": "main"}, "revison"),
+    "model with an unknown scheme": ({"model": "ftp://host/model"}, "unknown scheme"),
+    "malformed Hub reference": ({"model": "hf://not a repo"}, "is not a Hub reference"),
+    "S3 bucket not DNS-valid": ({"model": "s3://UPPER/model"}, "bucket name"),
+    "output with an unknown scheme": ({"out": "gs://bucket/x"}, "unknown scheme"),
+    "tensor_parallel_size a word": ({"engine": {"tensor_parallel_size": "eight"}}, "tensor_parallel_size"),
+    "layer_ids unsorted": ({"layer_ids": [3, 2]}, "sorted"),
+    "expected_tokens 0": ({"expected_tokens": 0}, "expected_tokens"),
+}
+
+
+@pytest.mark.parametrize("step", ["download", "env-check"])
+@pytest.mark.parametrize("name", list(SOURCES_CASES))
+def test_a_bad_sources_spec_is_refused_by_download_and_env_check(tiny_llama, tmp_path, case, step, name):
+    content, message = SOURCES_CASES[name]
+    spec = tmp_path / "spec.json"
+    if content is not None:
+        spec.write_text(content if isinstance(content, str) else json.dumps(_sources(tiny_llama, tmp_path, **content)))
+    assert_refused(run_cli(step, "--spec", spec), code=EXIT_BAD_INPUT, message=message)
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "out").exists()
+    _record(case, step, name, "refused, exit 2, nothing fetched or written")
+
+
+# --- export ---------------------------------------------------------------------------------------------
+
+def test_export_into_a_foreign_directory_is_refused(dataset, tmp_path, case):
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert_refused(run_cli("export", "--format", "speculators", dataset, out), code=EXIT_BAD_INPUT,
+                   message="exists and is not an export")
+    assert tree(out) == ["notes.txt"]
+    _record(case, "export", "output directory holding other files", "refused, exit 2, untouched")
+
+
+@pytest.mark.xfail(strict=True, reason="OPEN (reported): datagen/export.py reads manifest.spec['layer_ids'] and "
+                   "['model']['num_hidden_layers'] unchecked; a manifest without them ends in a KeyError traceback")
+def test_export_of_a_manifest_without_a_spec_is_refused(dataset, tmp_path, case):
+    _edit_json(dataset / MANIFEST_NAME, lambda m: m.update(spec={}))
+    o = run_cli("export", "--format", "speculators", dataset, tmp_path / "export")
+    _record(case, "export", "manifest whose spec lacks layer_ids",
+            "refused, exit 2" if o.code == EXIT_BAD_INPUT else f"OPEN: exit {o.code}, {o.err.strip().splitlines()[-1]}")
+    assert_refused(o, code=EXIT_BAD_INPUT, message="manifest")
+    assert not (tmp_path / "export").exists()
+
+
+# --- the flow's parameter (the pipeline spec the Prefect UI validates) --------------------------------------
+
+PIPELINE_CASES = {
+    "remote dataset": ({"dataset": "s3://bucket/rows.jsonl"}, "not a local file"),
+    "remote output": ({"output": "s3://bucket/out"}, "not a local directory"),
+    "publish_to not s3://": ({"publish_to": "/mnt/out"}, "publish_to"),
+    "shards_per_task 0": ({"shards_per_task": 0}, "shards_per_task"),
+    "unknown device": ({"device": "tpu"}, "device"),
+    "unknown field": ({"gpus": 8}, "gpus"),
+}
+
+
+@pytest.mark.parametrize("name", list(PIPELINE_CASES))
+def test_a_bad_pipeline_spec_is_refused_naming_the_field(tiny_llama, rows, tmp_path, case, name):
+    from datagen.pipeline_spec import parse_pipeline_spec
+
+    changes, message = PIPELINE_CASES[name]
+    raw = {"model": str(tiny_llama), "dataset": str(rows), "output": str(tmp_path / "out"), **changes}
+    with pytest.raises(SpecError) as e:
+        parse_pipeline_spec(raw)
+    assert message in str(e.value) and e.value.hint
+    _record(case, "flow parameter", name, "refused by the spec's validation (SpecError with a hint)")
