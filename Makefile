@@ -17,7 +17,7 @@ setup: $(STAMP)
 # so editing it reinstalls.
 $(STAMP): requirements/lock.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade "pip>=24"
+	$(PY) -m pip install -q --upgrade "pip==24.3.1"
 	$(PY) -m pip install -q --no-deps -r requirements/lock.txt
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m datagen._installcheck
