@@ -26,7 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-ROWS, ROW_LEN, LAYERS_8B = 256, 1024, (2, 16, 29, 32)
+ROWS = int(os.environ.get("BENCH_ROWS", "256"))
+PER_SHARD = int(os.environ.get("BENCH_PER_SHARD", "64"))
+ROW_LEN, LAYERS_8B = 1024, (2, 16, 29, 32)
 ENGINE = dict(max_num_batched_tokens=16384, max_num_seqs=256)
 
 
@@ -59,7 +61,7 @@ def _spec(model: str, data: str, out: str, layers, dtype="bfloat16"):
     from datagen.spec import parse_spec
 
     return parse_spec({"model": model, "dataset": data, "out": out, "layer_ids": list(layers),
-                       "max_seq_len": ROW_LEN + 8, "samples_per_shard": 64,
+                       "max_seq_len": ROW_LEN + 8, "samples_per_shard": PER_SHARD,
                        "engine": {"dtype": dtype, **ENGINE}})
 
 
@@ -99,7 +101,7 @@ def bench(args) -> None:
     data = work / "rows.jsonl"
     _write_rows(data, rows)
     tokens = ROWS * ROW_LEN
-    result = {"rows": ROWS, "row_len": ROW_LEN, "layers": list(LAYERS_8B), "engine": ENGINE}
+    result = {"rows": ROWS, "per_shard": PER_SHARD, "row_len": ROW_LEN, "layers": list(LAYERS_8B), "engine": ENGINE}
     result["matmul_tflops"] = _matmul_tflops()
     params = sum(p.numel() for p in _param_shapes(args.model))
     result["params"] = params
