@@ -1,0 +1,175 @@
+"""End to end against a real Prefect server and a real process worker, with the real vLLM engine:
+`prefect deploy` from prefect.yaml, `prefect deployment run extract/tiny --watch`, a run that fails
+for real and is retried through the API as the UI's Retry button does, a fully cached re-run, a
+transient fault that is retried, and the training deployment triggered by the dataset's event.
+
+The project is a copy of prefect.yaml next to links to the code, in a temporary directory: the
+tiny deployment's relative paths (model, dataset, output) land there, not in the checkout.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from uuid import UUID
+
+import pytest
+
+from datagen.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT
+from tests.support.prefect_server import PrefectServer, flow_run_id, start_server
+
+pytestmark = [pytest.mark.prefect_server, pytest.mark.engine]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    """A project directory: prefect.yaml, links to the code, the tiny model and dataset."""
+    from datagen.demo import prepare
+
+    root = tmp_path_factory.mktemp("project")
+    for name in ("flows", "tasks", "datagen", "images"):
+        (root / name).symlink_to(REPO / name)
+    (root / "prefect.yaml").write_text((REPO / "prefect.yaml").read_text())
+    prepare(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(project, tmp_path_factory):
+    server = start_server(tmp_path_factory.mktemp("server"))
+    try:
+        for pool in ("cpu", "gpu"):
+            server.cli("work-pool", "create", pool, "--type", "process")
+        server.cli("--no-prompt", "deploy", "--all", cwd=project)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("faults") / "faults.json"
+
+
+@pytest.fixture(scope="module")
+def worker(server, project, faults):
+    return server.start_worker(
+        "cpu", name="cpu-1", cwd=project,
+        env={"DATAGEN_ENFORCE_EAGER": "1", "DATAGEN_CPU_KVCACHE_GIB": "1", "DATAGEN_TEST_HOOK_FAULTS": str(faults)},
+    )
+
+
+def run_tiny(server: PrefectServer, project: Path) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    proc = server.cli("deployment", "run", "extract/tiny", "--watch", "--watch-timeout", "900", cwd=project, check=False)
+    return proc.returncode, flow_run_id(proc.stdout + proc.stderr), time.monotonic() - t0
+
+
+def read_flow_run(server: PrefectServer, run_id: str):
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: server.url}):
+        with get_client(sync_client=True) as client:
+            return client.read_flow_run(UUID(run_id))
+
+
+def task_runs_of(server: PrefectServer, run_id: str, *, attempt: int | None = None) -> dict[str, list]:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tests.support.prefect_runs import task_runs
+
+    with temporary_settings(updates={PREFECT_API_URL: server.url}):
+        runs = task_runs(run_id)
+    if attempt is None:
+        return runs
+    return {k: [r for r in v if r.flow_run_run_count == attempt] for k, v in runs.items()}
+
+
+def logs_of(server: PrefectServer, run_id: str) -> list[str]:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tests.support.prefect_runs import flow_run_logs
+
+    with temporary_settings(updates={PREFECT_API_URL: server.url}):
+        return flow_run_logs(run_id)
+
+
+def test_every_deployment_of_prefect_yaml_deploys_kimi_included(server):
+    out = server.cli("deployment", "ls").stdout
+    for name in ("extract/tiny", "extract/kimi", "extract-shards/gpu", "train/train"):
+        assert name in out, out
+
+
+def test_a_run_that_failed_for_real_is_retried_from_the_api_without_recomputing_its_steps(server, project, worker, faults):
+    # The first run extracts both ranges (two vLLM engines), then its finalize step fails for good.
+    faults.write_text(json.dumps({"finalize": {"exit_code": EXIT_BAD_INPUT, "times": 1, "message": "manifest refused"}}))
+    code, run_id, _ = run_tiny(server, project)
+    assert code == 1
+    failed = read_flow_run(server, run_id)
+    assert failed.state.is_failed() and "manifest refused" in (failed.state.message or "")
+    first = task_runs_of(server, run_id, attempt=1)
+    assert sorted(r.state.name for r in first["extract-range"]) == ["Completed", "Completed"]
+    assert [r.run_count for r in first["finalize"]] == [1], "a permanent fault is not retried"
+
+    # The UI's Retry button: the flow run goes back to Scheduled ("AwaitingRetry"); a worker takes it.
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import AwaitingRetry
+
+    with temporary_settings(updates={PREFECT_API_URL: server.url}):
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(UUID(run_id), AwaitingRetry(message="Retry from the UI"), force=True)
+    deadline = time.monotonic() + 600
+    while not (run := read_flow_run(server, run_id)).state.is_final() or run.run_count < 2:
+        assert time.monotonic() < deadline, f"the retried run did not finish: {run.state}"
+        time.sleep(2)
+    assert run.state.is_completed(), run.state.message
+    second = task_runs_of(server, run_id, attempt=2)
+    assert sorted(r.state.name for r in second["extract-range"]) == ["Cached", "Cached"]
+    assert [r.state.name for r in second["finalize"]] == ["Completed"]
+
+    dataset = project / "out" / "tiny"
+    manifest = json.loads((dataset / "manifest.json").read_text())
+    report = json.loads((dataset / ".datagen" / "validation.json").read_text())
+    assert report["ok"] is True and manifest["totals"]["shards"] == 4
+
+
+def test_a_second_run_finds_every_range_in_the_cache_and_starts_no_engine(server, project, worker):
+    code, run_id, wall = run_tiny(server, project)
+    assert code == 0
+    runs = task_runs_of(server, run_id)
+    assert sorted(r.state.name for r in runs["extract-range"]) == ["Cached", "Cached"]
+    assert [r.state.name for r in runs["finalize"]] == ["Cached"]
+    assert not [m for m in logs_of(server, run_id) if "starting vLLM" in m]
+    run = read_flow_run(server, run_id)
+    print(f"\nfully cached re-run: {wall:.1f} s wall (`prefect deployment run --watch`), "
+          f"{run.total_run_time.total_seconds():.1f} s flow run time")
+
+
+def test_a_transient_fault_is_retried_and_the_run_completes(server, project, worker, faults):
+    faults.write_text(json.dumps({"plan": {"exit_code": EXIT_TRANSIENT, "times": 1, "message": "storage hiccup"}}))
+    code, run_id, _ = run_tiny(server, project)
+    assert code == 0
+    [plan] = task_runs_of(server, run_id)["plan"]
+    assert plan.run_count == 2 and plan.state.is_completed()
+
+
+def test_the_new_dataset_triggered_the_training_deployment(server, project):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    fingerprint = json.loads((project / "out" / "tiny" / "manifest.json").read_text())["fingerprint"]
+    deadline = time.monotonic() + 60
+    with temporary_settings(updates={PREFECT_API_URL: server.url}):
+        with get_client(sync_client=True) as client:
+            while True:
+                runs = client.read_flow_runs(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["train"])))
+                if runs or time.monotonic() > deadline:
+                    break
+                time.sleep(2)
+    assert [r.parameters["fingerprint"] for r in runs] == [fingerprint], "one training run, for the new dataset only"
