@@ -15,6 +15,7 @@ the manifest last.
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import logging
 import os
 import sys
@@ -31,7 +32,7 @@ from datagen.contract import (
 )
 from datagen.dataset import PreparedDataset, file_fingerprint, prepare_dataset
 from datagen.engines.base import Engine
-from datagen.errors import DatasetError, ModelError, OutputConflictError, SpecError
+from datagen.errors import DatasetError, ModelError, OutputConflictError, SpecError, StorageError
 from datagen.modelinfo import ModelInfo, check_layer_ids, inspect_model, model_content_hash
 from datagen.shards import ShardJob, atomic_write_json, combine_stats
 from datagen.spec import EngineName, ExtractSpec, canonical_json, default_layer_ids, parse_spec, sha256_hex
@@ -118,9 +119,9 @@ def plan(spec: ExtractSpec) -> Plan:
         "engine": {**engine_desc, **spec.engine.model_dump(mode="json", exclude={"dtype"})},
     }
     extraction_fp = sha256_hex(canonical_json(extraction))
-    dataset = {"source": spec.dataset, "sha256": data.fingerprint, "rows": data.rows}
+    dataset = {"source": str(Path(spec.dataset).resolve()), "sha256": data.fingerprint, "rows": data.rows}
     fingerprint = sha256_hex(canonical_json({"extraction": extraction_fp, "dataset": data.fingerprint}))
-    resolved = {**extraction, "model": {**extraction["model"], "source": spec.model}, "dataset": dataset}
+    resolved = {**extraction, "model": {**extraction["model"], "source": str(Path(spec.model).resolve())}, "dataset": dataset}
     num_shards = -(-data.rows // spec.samples_per_shard)
     return Plan(spec, info, tuple(layer_ids), data, engine_desc, resolved, extraction_fp, fingerprint, num_shards)
 
@@ -400,48 +401,61 @@ def run(spec: ExtractSpec, *, shards: tuple[int, int] | None = None) -> dict:
     except Timeout:
         raise OutputConflictError(f"another extraction is writing {out}", hint="wait for it to finish") from None
     try:
-        claim_output(p)
-        manifest_path = out / MANIFEST_NAME
-        if manifest_path.exists():  # a dataset of other rows: no longer complete once we write
-            manifest_path.unlink()
-        _remove_stale(p)
-        done = completed_shards(p)
-        todo = [k for k in range(lo, hi) if k not in done]
-        log.info("%d shards in range %d:%d, %d already complete, %d to extract", hi - lo, lo, hi,
-                 hi - lo - len(todo), len(todo))
-        records = dict(done)
-        tokens_todo = sum(build_job(p, k).tokens for k in todo)
-        if todo:
-            progress = Progress(tokens_todo, 0)
-            with make_engine(p) as engine:
-                engine.start()
-                for k in todo:
-                    job = build_job(p, k)
-                    engine.submit(job)
-                    progress.advance(job.tokens)
-                    if settings.test_slow_shard_s():
-                        time.sleep(settings.test_slow_shard_s())
-                    _save_records(out, engine.completed(), records)
-                _save_records(out, engine.finish(), records)
-            progress.close()
-            missing = [k for k in todo if k not in records]
-            if missing:
-                raise RuntimeError(f"shards {missing} were submitted but not written")
-        manifest = None
-        if shards is None:
-            check_dataset_unchanged(p)
-            manifest = write_manifest(p, records)
-        elapsed = time.monotonic() - t0
-        result = _result(p, sum(records[k].tokens for k in range(lo, hi)), extracted=todo,
-                         cached=[k for k in range(lo, hi) if k not in todo], seconds=elapsed,
-                         tokens_extracted=tokens_todo)
-        if manifest is not None:
-            result["bytes"] = manifest.totals["bytes"]
-        return result
+        return _run_locked(p, shards=shards, lo=lo, hi=hi, t0=t0)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StorageError(
+                f"no space left on the device of {out} ({e.strerror}); no manifest was written",
+                hint="free space there (or choose another --out), then run again: the shards already written are kept",
+            ) from e
+        raise
     finally:
         if lock is not None:
             lock.release()
             Path(lock.lock_file).unlink(missing_ok=True)
+
+
+def _run_locked(p: Plan, *, shards: tuple[int, int] | None, lo: int, hi: int, t0: float) -> dict:
+    """The part of ``run`` that writes, under the output's lock."""
+    out = Path(p.spec.out)
+    claim_output(p)
+    manifest_path = out / MANIFEST_NAME
+    if manifest_path.exists():  # a dataset of other rows: no longer complete once we write
+        manifest_path.unlink()
+    _remove_stale(p)
+    done = completed_shards(p)
+    todo = [k for k in range(lo, hi) if k not in done]
+    log.info("%d shards in range %d:%d, %d already complete, %d to extract", hi - lo, lo, hi,
+             hi - lo - len(todo), len(todo))
+    records = dict(done)
+    tokens_todo = sum(build_job(p, k).tokens for k in todo)
+    if todo:
+        progress = Progress(tokens_todo, 0)
+        with make_engine(p) as engine:
+            engine.start()
+            for k in todo:
+                job = build_job(p, k)
+                engine.submit(job)
+                progress.advance(job.tokens)
+                if settings.test_slow_shard_s():
+                    time.sleep(settings.test_slow_shard_s())
+                _save_records(out, engine.completed(), records)
+            _save_records(out, engine.finish(), records)
+        progress.close()
+        missing = [k for k in todo if k not in records]
+        if missing:
+            raise RuntimeError(f"shards {missing} were submitted but not written")
+    manifest = None
+    if shards is None:
+        check_dataset_unchanged(p)
+        manifest = write_manifest(p, records)
+    elapsed = time.monotonic() - t0
+    result = _result(p, sum(records[k].tokens for k in range(lo, hi)), extracted=todo,
+                     cached=[k for k in range(lo, hi) if k not in todo], seconds=elapsed,
+                     tokens_extracted=tokens_todo)
+    if manifest is not None:
+        result["bytes"] = manifest.totals["bytes"]
+    return result
 
 
 def _save_records(out: Path, new: list[ShardRecord], records: dict[int, ShardRecord]) -> None:
