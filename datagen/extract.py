@@ -202,7 +202,9 @@ def completed_shards(p: Plan) -> dict[int, ShardRecord]:
         if rec is None:
             continue
         f = out / rec.path
-        if rec.shard_key == p.shard_key(k) and f.is_file() and f.stat().st_size == rec.bytes:
+        # a record is data on disk: it must name this shard's own file, a regular file
+        if (rec.shard_key == p.shard_key(k) and rec.path == shard_name(k) and not f.is_symlink()
+                and f.is_file() and f.stat().st_size == rec.bytes):
             done[k] = rec
     return done
 
@@ -216,7 +218,7 @@ def recover_record(p: Plan, k: int) -> ShardRecord | None:
     from datagen.shards import file_sha256, layer_stats
 
     f = Path(p.spec.out) / shard_name(k)
-    if not f.is_file():
+    if not f.is_file() or f.is_symlink():
         return None
     try:
         with safe_open(str(f), "pt") as st:

@@ -119,13 +119,30 @@ def _entry_problem(entry) -> str | None:
     return None
 
 
+def _plain_name(name: str) -> bool:
+    """A relative path inside its directory: no absolute path, no '..', no backslash, not empty."""
+    from pathlib import PurePosixPath
+
+    p = PurePosixPath(name)
+    return bool(name) and "\\" not in name and not p.is_absolute() and ".." not in p.parts and "\0" not in name
+
+
 def _weight_files(d: Path) -> tuple[str, ...]:
     index = d / "model.safetensors.index.json"
     if index.exists():
         try:
             names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
             raise ModelError(f"{index.name} is corrupt: {e}", hint="download the model again") from e
+        # the index is data: a name must not lead out of the model directory
+        unsafe = [n for n in names if not isinstance(n, str) or not _plain_name(n)]
+        if unsafe:
+            from datagen.errors import UnsafePathError
+
+            raise UnsafePathError(
+                f"{index.name} names weight files outside the model directory or not file names: {unsafe[:3]}",
+                hint="the index is corrupt or hostile; download the model again from a trusted source",
+            )
         missing = [n for n in names if not (d / n).is_file()]
         if missing:
             raise ModelNotFoundError(

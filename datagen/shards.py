@@ -8,6 +8,7 @@ never leaves a truncated file that a resume would count as done.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -76,10 +77,14 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write to a temporary name in the same directory, fsync, rename, fsync the directory."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with tmp.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk must not keep the half-written file
+        raise
     os.replace(tmp, path)
     fsync_dir(path.parent)
 
@@ -185,21 +190,28 @@ def write_shard(job: ShardJob, per_sample_states: list[torch.Tensor],
     final = Path(job.path)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    save_file(
-        tensors,
-        str(tmp),
-        # One metadata key: safetensors writes a map's keys in no fixed order, and shards must be
-        # byte-identical across runs.
-        metadata={
-            "datagen": json.dumps(
-                {"format": SHARD_FORMAT, "shard_key": job.shard_key, "layer_ids": list(job.layer_ids)},
-                sort_keys=True,
-            )
-        },
-    )
-    os.chmod(tmp, 0o644)  # safetensors creates 0600; the dataset is meant to be read by others
-    with tmp.open("rb+") as f:
-        os.fsync(f.fileno())
+    try:
+        save_file(
+            tensors,
+            str(tmp),
+            # One metadata key: safetensors writes a map's keys in no fixed order, and shards must be
+            # byte-identical across runs.
+            metadata={
+                "datagen": json.dumps(
+                    {"format": SHARD_FORMAT, "shard_key": job.shard_key, "layer_ids": list(job.layer_ids)},
+                    sort_keys=True,
+                )
+            },
+        )
+        os.chmod(tmp, 0o644)  # safetensors creates 0600; the dataset is meant to be read by others
+        with tmp.open("rb+") as f:
+            os.fsync(f.fileno())
+    except Exception as e:
+        tmp.unlink(missing_ok=True)  # a full disk must not keep the half-written file
+        if not isinstance(e, OSError) and "os error 28" in str(e):
+            # safetensors reports I/O errors as SafetensorError: give callers the OSError they handle
+            raise OSError(errno.ENOSPC, f"No space left on device writing {final.name}") from e
+        raise
     digest = file_sha256(tmp)
     size = tmp.stat().st_size
     os.replace(tmp, final)

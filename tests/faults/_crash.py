@@ -8,13 +8,14 @@ so that each is hit (a uniform draw over wall time would land almost every kill 
 start-up, the longest phase on a CPU):
 
     startup     a random delay after launch: interpreter start, imports, reading the dataset
-    plan        just after the run logged its plan (claiming the output, resume scan, engine import)
+    plan        0-0.5 s after the run logged its plan (claiming the output, resume scan, engine import)
     engine      a random moment of vLLM's start-up (engine core and worker processes spawning)
-    mid-write   the moment a shard's temporary file appears (the shard is being written)
-    rename      0-20 ms after a shard appears under its final name (its record not yet written)
-    mid-shard   a random moment of the next shard's compute, after a shard appeared
-    finalize    0-50 ms after a resume that has nothing left to extract logged its plan: the
-                manifest is being written
+    mid-write   the moment the run's first shard has a temporary file (the shard is being written)
+    rename      0-20 ms after the run's first shard appears under its final name (record not written)
+    mid-shard   a random moment after the engine computed its j-th shard of the run (j drawn)
+    finalize    the last two kills: 0-20 ms after the last shard appears (its record and the manifest
+                are next), then, in a run with nothing left to extract, 0-5 ms after its plan line
+                (the resume scan and the manifest's write)
 
 After every kill: each shard file under its final name is byte-identical to the reference's,
 each shard record present matches its file, no manifest exists unless it equals the reference's,
@@ -25,7 +26,6 @@ a complete shard redone would be work lost (counted).
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import re
@@ -46,7 +46,8 @@ EXTRACTING_MODES = frozenset({"engine", "mid-write", "rename", "mid-shard"})
 PLAN_LINE = re.compile(r"(\d+) shards in range \d+:\d+, (\d+) already complete, (\d+) to extract")
 ENGINE_LINE = "starting vLLM"
 ENGINE_READY = "init engine ("
-POLL_S = 0.002
+PROGRESS_LINE = "extract INFO progress "
+POLL_S = 0.005
 
 
 # The order modes are taken in for a campaign of N kills (the first N, cycled beyond 20). 20 kills:
@@ -56,7 +57,6 @@ POLL_S = 0.002
 PRIORITY = ("rename", "finalize", "engine", "startup", "mid-write", "plan", "mid-shard", "startup", "plan",
             "engine", "rename", "mid-write", "mid-shard", "startup", "plan", "engine", "finalize", "startup",
             "plan", "engine")
-PROGRESS_MODES = ("mid-write", "rename", "mid-shard")
 
 
 def schedule(kills: int, seed: int) -> list[str]:
@@ -84,6 +84,8 @@ class Kill:
     temp_shards: int = 0  # of which half-written shards
     unrecorded: int = 0  # shard files without their record (killed between rename and record)
     manifest: bool = False  # a manifest existed after the kill
+    computed: int = 0  # shards the killed run's engine had computed (its progress lines)
+    computed_not_written: int = 0  # of which not on disk at the kill: compute the kill threw away
     resume_found: int | None = None  # complete shards the next run found (from its log)
     redone: int | None = None  # complete shards the next run did not find (work lost)
     problems: list[str] = field(default_factory=list)
@@ -134,7 +136,6 @@ class Campaign:
         self.engine_start_s = engine_start_s
         self.slow_shard_s = slow_shard_s
         self.kills: list[Kill] = []
-        self.progress_kills_left = 1
         logs.mkdir(parents=True, exist_ok=True)
 
     # --- the state on disk ----------------------------------------------------------------------
@@ -156,13 +157,12 @@ class Campaign:
     def run(self, modes: list[str]) -> None:
         """One kill per mode, in order."""
         for i, mode in enumerate(modes):
-            self.progress_kills_left = sum(m in PROGRESS_MODES for m in modes[i:])
             self.kill_once(i, mode)
 
     def kill_once(self, attempt: int, mode: str) -> Kill:
-        if mode in EXTRACTING_MODES and self.all_shards_on_disk():
-            # nothing left to extract: a kill early in start-up still lands (a finalize kill
-            # might come after the manifest and end the run before the finalize kills proper)
+        if mode in EXTRACTING_MODES | {"plan"} and self.all_shards_on_disk():
+            # nothing left to extract: only a kill early in start-up is sure to land before the
+            # manifest, after which nothing is left to kill
             mode = "startup"
         k = Kill(attempt=attempt, mode=mode, shards_at_launch=len(self.shard_files()))
         before = {p.name for p in self.shard_files()}
@@ -171,6 +171,7 @@ class Campaign:
         watch = _Watch(proc, log, self.out)
         moment = self._wait_for(mode, watch, before)
         k.phase = watch.phase(before, all_done_at_launch=len(before) == len(self.ref.shards))
+        k.computed = watch.submitted()
         if moment and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             k.landed = True
@@ -180,6 +181,7 @@ class Campaign:
             k.problems.append(f"the run ended (exit {proc.returncode}) before the kill")
         _wait_group_gone(proc.pid, k)
         self._check_after_kill(k)
+        k.computed_not_written = max(k.computed - (k.shards_at_kill - k.shards_at_launch), 0)
         if k.temp_shards and k.phase.startswith("extracting"):
             k.phase = "extracting (shard being written)"
         self.note_resume(log)  # this run's plan line tells what the previous kill left
@@ -189,36 +191,36 @@ class Campaign:
     def _wait_for(self, mode: str, w: "_Watch", before: set[str]) -> bool:
         """Block until the moment of ``mode``; False when the process ended first.
 
-        The extraction modes aim at the n-th shard this run writes, n drawn from 1-3, so that the
-        kills that need an engine also move the run forward.
+        The extraction modes aim at the first shard this run writes: a run's shard files can
+        appear in bursts (the engine's writer threads lag behind under load), so aiming further
+        would overshoot to the end of the run.
         """
         rng = self.rng
+        total = len(self.ref.shards)
         if mode == "startup":
-            # a run with nothing left to extract ends about 3 s after launch
-            return w.sleep(rng.uniform(0.05, 4.0 if not self.all_shards_on_disk() else 1.5))
+            # a run with nothing left to extract logs its plan about 2 s after launch
+            return w.sleep(rng.uniform(0.05, 4.0 if not self.all_shards_on_disk() else 1.2))
         if mode == "plan":
             return w.until(lambda: w.plan is not None) and w.sleep(rng.uniform(0.0, 0.5))
         if mode == "finalize":
             if not self.all_shards_on_disk():
-                # shards are left: the moment the last one appears, just before the manifest
-                total = len(self.ref.shards)
-                return w.until(lambda: w.shard_count() == total) and w.sleep(rng.uniform(0.0, 0.05))
-            return w.until(lambda: w.plan is not None) and w.sleep(rng.uniform(0.0, 0.05))
+                # the moment the last shard appears: its record and the manifest are next
+                return w.until(lambda: w.shard_count() == total) and w.sleep(rng.uniform(0.0, 0.02))
+            # nothing left to extract: the resume scan and the manifest's write follow the plan line
+            return w.until(lambda: w.plan is not None) and w.sleep(rng.uniform(0.0, 0.005))
         if mode == "engine":
             return w.until(lambda: ENGINE_LINE in w.text) and w.sleep(rng.uniform(0.0, self.engine_start_s))
-        # aim at the n-th shard this run writes, spreading the shards left over the progress
-        # kills left, so that the last one still finds a shard to land on
-        left = len(self.ref.shards) - len(before)
-        share = left / max(self.progress_kills_left, 1)
-        n = max(1, min(left, rng.choice([math.floor(share), math.ceil(share)])))
         if mode == "mid-write":
-            # the moment the n-th shard's temporary file exists; if that write is too quick to
-            # see, the moment right after its rename
-            return w.until(lambda: (w.new_shards(before) == n - 1 and w.new_temp()) or w.new_shards(before) >= n)
+            # the moment the shard's temporary file exists; if the write is too quick to see,
+            # the moment right after its rename
+            return w.until(lambda: w.new_temp() or w.new_shards(before) >= 1)
         if mode == "rename":
-            return w.until(lambda: w.new_shards(before) >= n) and w.sleep(rng.uniform(0.0, 0.02))
+            return w.until(lambda: w.new_shards(before) >= 1) and w.sleep(rng.uniform(0.0, 0.02))
         if mode == "mid-shard":
-            return w.until(lambda: w.new_shards(before) >= n) and w.sleep(rng.uniform(0.0, self.slow_shard_s))
+            # the driver's j-th shard of this run (its progress line), then a random moment of the
+            # next one: wherever the engine's writers are
+            j = rng.randint(1, max(total - len(before), 1))
+            return w.until(lambda: w.submitted() >= j) and w.sleep(rng.uniform(0.0, self.slow_shard_s))
         raise ValueError(mode)
 
     def _check_after_kill(self, k: Kill) -> None:
@@ -317,6 +319,10 @@ class _Watch:
     def new_shards(self, before: set[str]) -> int:
         d = self.out / "shards"
         return sum(p.name not in before for p in d.glob("shard-*.safetensors")) if d.is_dir() else 0
+
+    def submitted(self) -> int:
+        """Shards the driver has computed in this run (one progress line each)."""
+        return self.text.count(PROGRESS_LINE)
 
     def shard_count(self) -> int:
         d = self.out / "shards"
