@@ -70,6 +70,10 @@ def ephemeral_env(root: Path = ROOT) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env["PREFECT_HOME"] = str(root / ".cache" / "demo" / "prefect")
     env.setdefault("DATAGEN_ENFORCE_EAGER", "1")  # no torch.compile warm-up: the CPU engine starts faster
+    # The ephemeral server can take more than Prefect's default 20 s to come up on a busy 2-core
+    # machine; and this machine reaches no telemetry endpoint.
+    env.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     return env
 
 
