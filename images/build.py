@@ -290,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     import docker
 
     try:
-        client = docker.from_env()
+        # Removing or committing a multi-GB layer can take minutes on a busy disk.
+        client = docker.from_env(timeout=BUILD_TIMEOUT_S)
         client.ping()
     except docker.errors.DockerException as e:
         print(f"error: no Docker engine answers ({e})", file=sys.stderr)

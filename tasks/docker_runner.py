@@ -60,8 +60,8 @@ class DockerRunner:
     """Runs ``datagen <step> <args>`` in a container of the step's image.
 
     Args:
-        images: step name -> image tag (``images.tags.step_images``); a step not named uses
-            the tag under ``"*"``.
+        images: step name -> image tag (``images.tags.resolve_image(...).tag``); a step not
+            named uses the tag under ``"*"``.
         client: a ``docker.DockerClient``; None: ``docker.from_env()``.
         settings: how containers start.
     """
@@ -109,7 +109,7 @@ class DockerRunner:
             return self.images[step] if step in self.images else self.images["*"]
         except KeyError:
             raise CannotRunHereError(
-                f"no image for step {step}", hint="pass images.tags.step_images() to DockerRunner"
+                f"no image for step {step}", hint='give DockerRunner an image for it (or for "*")'
             ) from None
 
     def _create_args(self, invocation: StepInvocation) -> dict:
@@ -205,7 +205,8 @@ def _remove(container) -> None:
         container.remove(force=True)
     except docker.errors.NotFound:
         pass  # already gone (removed by a leftover sweep, or the engine restarted)
-    except docker.errors.APIError as e:
+    except (docker.errors.APIError, requests.exceptions.RequestException) as e:
+        # Never let a failed clean-up hide the step's outcome (or the exception in flight).
         logger.warning(
             "container %s was not removed: %s; remove_leftover_containers() will find it by label",
             container.short_id,
