@@ -120,7 +120,8 @@ def _extract_ranges(
         refresh = not planned.range_on_disk(r)
         if spec.fans_out:
             return dispatch_range.with_options(refresh_cache=refresh, **_storage(spec)).submit(
-                spec, r, cache_key=key, fingerprint=planned.fingerprint, progress=progress
+                spec, r, cache_key=key, fingerprint=planned.fingerprint, model_revision=xspec.model_revision,
+                progress=progress,
             )
         return extract_range.with_options(refresh_cache=refresh, **_storage(spec)).submit(
             xspec, r, cache_key=key, runner=spec.runner, gpus=spec.gpus, progress=progress
@@ -171,9 +172,17 @@ def main(argv: list[str] | None = None) -> int:
     from flows._deployments import deployment_parameters
 
     parser = argparse.ArgumentParser(prog="python -m flows.extract", description=main.__doc__)
-    parser.add_argument("--deployment", default="tiny", help="deployment of prefect.yaml whose parameters to use")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--deployment", default="tiny", help="deployment of prefect.yaml whose parameters to use")
+    source.add_argument("--spec", help="a pipeline spec JSON file (datagen.pipeline_spec.PipelineSpec) instead")
     args = parser.parse_args(argv)
-    state = extract(**deployment_parameters(args.deployment), return_state=True)
+    if args.spec:
+        from pathlib import Path
+
+        parameters = {"spec": json.loads(Path(args.spec).read_text())}
+    else:
+        parameters = deployment_parameters(args.deployment)
+    state = extract(**parameters, return_state=True)
     if not state.is_completed():
         print(f"error: the run ended {state.name}: {state.message}")
         return 1

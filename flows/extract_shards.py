@@ -19,6 +19,7 @@ from prefect.runtime import flow_run
 
 from datagen.errors import SpecError
 from datagen.pipeline_spec import PipelineSpec, ShardRange
+from datagen.sources import LocalSource, parse_model_source
 from tasks.download import download
 from tasks.extract import RangeResult, extract_range
 from tasks.fanout import gpu_slots
@@ -26,15 +27,23 @@ from tasks.leases import hold_range
 
 
 @flow(name="extract-shards", description="Extract one shard range of a spec (no manifest).")
-def extract_shards(spec: PipelineSpec, shard_range: ShardRange, cache_key: str, fingerprint: str) -> RangeResult:
-    """Extract shards ``shard_range`` of ``spec``; ``cache_key`` and ``fingerprint`` come from the
-    parent's plan (the range's key, the dataset's fingerprint)."""
+def extract_shards(
+    spec: PipelineSpec, shard_range: ShardRange, cache_key: str, fingerprint: str, model_revision: str | None = None
+) -> RangeResult:
+    """Extract shards ``shard_range`` of ``spec``. ``cache_key``, ``fingerprint`` and
+    ``model_revision`` come from the parent's plan: the range's key, the dataset's fingerprint and
+    the model's resolved revision."""
     logger = get_run_logger()
     spec = spec.resolved()
     holder = str(flow_run.get_id() or uuid.uuid4())
     with hold_range(spec.output, shard_range, holder=holder, ttl_s=spec.fan_out.lease_ttl_s, log=logger) as store:
-        model = download(spec)
-        xspec = spec.extract_spec(model_dir=model.model_dir, model_revision=model.resolved_revision)
+        if isinstance(parse_model_source(spec.model), LocalSource) and model_revision is not None:
+            # A local model is on storage every host mounts at the same path: nothing to fetch.
+            model_dir = spec.model
+        else:
+            model = download(spec)  # this host's model cache
+            model_dir, model_revision = model.model_dir, model.resolved_revision
+        xspec = spec.extract_spec(model_dir=model_dir, model_revision=model_revision)
         with gpu_slots(spec.gpus, log=logger):
             # The parent asked for this range because it is not complete: run it (complete shards
             # inside it are kept by the step).

@@ -55,7 +55,13 @@ def _key_from_parameter(context, parameters) -> str:
     result_serializer="json",
 )
 def dispatch_range(
-    spec: PipelineSpec, shard_range: ShardRange, *, cache_key: str, fingerprint: str, progress: UUID | None = None
+    spec: PipelineSpec,
+    shard_range: ShardRange,
+    *,
+    cache_key: str,
+    fingerprint: str,
+    model_revision: str | None = None,
+    progress: UUID | None = None,
 ) -> RangeResult:
     """Run the range on the pool; re-submit it when its run's host is lost. See the module docstring."""
     logger = get_run_logger()
@@ -65,7 +71,7 @@ def dispatch_range(
         child = run_deployment(
             fan.deployment,
             parameters={"spec": spec.model_dump(mode="json"), "shard_range": shard_range.model_dump(),
-                        "cache_key": cache_key, "fingerprint": fingerprint},
+                        "cache_key": cache_key, "fingerprint": fingerprint, "model_revision": model_revision},
             timeout=0,
             flow_run_name=f"range-{shard_range.first}-{shard_range.stop}" + (f"-retry{attempt}" if attempt else ""),
         )
