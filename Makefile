@@ -39,8 +39,10 @@ images: setup
 bench: setup
 	$(PY) -m bench.run
 
+# The full fault campaign (docs/reliability.md): 20 kills, every infrastructure fault; then its
+# table. `make test` runs the short version of the same tests.
 faults: setup services
-	$(PY) -m pytest -q tests/faults
+	DATAGEN_FAULTS_FULL=1 $(PY) -m pytest -q tests/faults; status=$$?; $(PY) -m tests.faults.report; exit $$status
 
 clean:
 	rm -rf $(VENV) .pytest_cache

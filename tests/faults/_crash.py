@@ -12,9 +12,9 @@ start-up, the longest phase on a CPU):
     engine      a random moment of vLLM's start-up (engine core and worker processes spawning)
     mid-write   the moment the run's first shard has a temporary file (the shard is being written)
     rename      0-20 ms after the run's first shard appears under its final name (record not written)
-    mid-shard   a random moment after the engine computed its j-th shard of the run (j drawn)
+    mid-shard   a random moment after the engine computed its j-th shard of the run (j from 1-3)
     finalize    the last two kills: 0-20 ms after the last shard appears (its record and the manifest
-                are next), then, in a run with nothing left to extract, 0-5 ms after its plan line
+                are next), then, in a run with nothing left to extract, 0-3 ms after its plan line
                 (the resume scan and the manifest's write)
 
 After every kill: each shard file under its final name is byte-identical to the reference's,
@@ -207,7 +207,8 @@ class Campaign:
                 # the moment the last shard appears: its record and the manifest are next
                 return w.until(lambda: w.shard_count() == total) and w.sleep(rng.uniform(0.0, 0.02))
             # nothing left to extract: the resume scan and the manifest's write follow the plan line
-            return w.until(lambda: w.plan is not None) and w.sleep(rng.uniform(0.0, 0.005))
+            # within milliseconds, hence the fast polling
+            return w.until(lambda: w.plan is not None, poll=0.0005) and w.sleep(rng.uniform(0.0, 0.003), poll=0.0005)
         if mode == "engine":
             return w.until(lambda: ENGINE_LINE in w.text) and w.sleep(rng.uniform(0.0, self.engine_start_s))
         if mode == "mid-write":
@@ -219,7 +220,7 @@ class Campaign:
         if mode == "mid-shard":
             # the driver's j-th shard of this run (its progress line), then a random moment of the
             # next one: wherever the engine's writers are
-            j = rng.randint(1, max(total - len(before), 1))
+            j = rng.randint(1, max(min(3, total - len(before)), 1))
             return w.until(lambda: w.submitted() >= j) and w.sleep(rng.uniform(0.0, self.slow_shard_s))
         raise ValueError(mode)
 
@@ -301,7 +302,7 @@ class _Watch:
             if self.plan is None and (m := PLAN_LINE.search(self.text)):
                 self.plan = tuple(int(x) for x in m.groups())
 
-    def until(self, cond, timeout: float = 900) -> bool:
+    def until(self, cond, timeout: float = 900, poll: float = POLL_S) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self._refresh()
@@ -309,12 +310,12 @@ class _Watch:
                 return True
             if self.proc.poll() is not None:
                 return False
-            time.sleep(POLL_S)
+            time.sleep(poll)
         raise TimeoutError("the moment never came")
 
-    def sleep(self, seconds: float) -> bool:
+    def sleep(self, seconds: float, poll: float = POLL_S) -> bool:
         end = time.monotonic() + seconds
-        return self.until(lambda: time.monotonic() >= end)
+        return self.until(lambda: time.monotonic() >= end, poll=poll)
 
     def new_shards(self, before: set[str]) -> int:
         d = self.out / "shards"

@@ -1,7 +1,7 @@
 """Recording each fault case's outcome, for ``tests/faults/report.py`` and docs/reliability.md.
 
-Every case writes one JSON file into the results directory (``out/faults`` under the project,
-or ``$DATAGEN_FAULTS_RESULTS``)::
+Every case writes one JSON file into the results directory (``out/faults/full`` for the full
+campaign, ``out/faults/short`` for the short one, under the project or ``$DATAGEN_FAULTS_RESULTS``)::
 
     {"case": "...", "category": "crash", "attempts": 20, "outcome": "...", "data_lost": "0 samples",
      "passed": true, "command": "...", "details": {...}}
@@ -11,6 +11,7 @@ A case records itself even when it fails (``passed: false``), so the table shows
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -19,11 +20,19 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS_ENV = "DATAGEN_FAULTS_RESULTS"
+FULL_ENV = "DATAGEN_FAULTS_FULL"
 CATEGORIES = ("crash", "infrastructure", "bad-input", "hostile", "secrets")
 
 
-def results_dir() -> Path:
-    return Path(os.environ.get(RESULTS_ENV) or REPO / "out" / "faults")
+def full_campaign() -> bool:
+    """``make faults`` sets DATAGEN_FAULTS_FULL=1: the full campaign; otherwise the short one."""
+    return os.environ.get(FULL_ENV, "0") == "1"
+
+
+def results_dir(*, full: bool | None = None) -> Path:
+    """Where the records go: ``out/faults/full`` (make faults) or ``out/faults/short`` (make test)."""
+    base = Path(os.environ.get(RESULTS_ENV) or REPO / "out" / "faults")
+    return base / ("full" if (full_campaign() if full is None else full) else "short")
 
 
 @dataclass
@@ -41,10 +50,12 @@ class CaseRecord:
 
     def write(self) -> Path:
         assert self.category in CATEGORIES, self.category
+        self.details.setdefault("campaign", "full" if full_campaign() else "short")
         d = results_dir()
         d.mkdir(parents=True, exist_ok=True)
-        slug = re.sub(r"[^a-z0-9]+", "-", f"{self.category} {self.case}".lower()).strip("-")[:120]
-        path = d / f"{slug}.json"
+        # one file per test (node id): a test run again replaces its record
+        slug = re.sub(r"[^a-z0-9]+", "-", f"{self.category} {self.command}".lower()).strip("-")
+        path = d / f"{slug[:150]}-{hashlib.sha256(slug.encode()).hexdigest()[:8]}.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.__dict__, indent=1, sort_keys=True, default=str) + "\n")
         tmp.replace(path)

@@ -11,13 +11,7 @@ import os
 
 import pytest
 
-from tests.faults._results import CaseRecord
-
-FULL_ENV = "DATAGEN_FAULTS_FULL"
-
-
-def full_campaign() -> bool:
-    return os.environ.get(FULL_ENV, "0") == "1"
+from tests.faults._results import CaseRecord, full_campaign  # noqa: F401  (the tests import it from here)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import time
+import uuid
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ import pytest
 from datagen.contract import MANIFEST_NAME
 from tests.builders import token_rows, write_jsonl
 from tests.faults._crash import Campaign, measure_reference, read_reference, schedule, stored_rows
+from tests.faults._results import CaseRecord
 from tests.faults.conftest import full_campaign
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(2400)]
@@ -31,6 +33,9 @@ SLOW_SHARD_S = 0.5  # the test hook's pause after each shard: a window to land m
 # Eager mode starts the engine in about half the time; the reference uses it too (compiled and
 # eager kernels round differently, and the check is byte identity).
 ENV = {"DATAGEN_ENFORCE_EAGER": "1", "DATAGEN_PROGRESS_INTERVAL": "0"}
+# Planted in every run of the campaign; at the end every log and file is searched for them.
+SECRETS = {"AWS_SECRET_ACCESS_KEY": f"FaultsCrashSecret{uuid.uuid4().hex}",
+           "HF_TOKEN": f"hf_FaultsCrashToken{uuid.uuid4().hex}"}
 
 
 def _kills() -> int:
@@ -59,7 +64,7 @@ def test_kill_9_anywhere_and_resume_gives_the_uninterrupted_dataset(tiny_llama, 
     assert len(ref.shards) == ROWS // PER_SHARD
 
     out = tmp_path / "killed"
-    campaign = Campaign(_args(tiny_llama, rows, out), out, ref, env=ENV, seed=seed, logs=tmp_path / "logs",
+    campaign = Campaign(_args(tiny_llama, rows, out), out, ref, env={**ENV, **SECRETS}, seed=seed, logs=tmp_path / "logs",
                         engine_start_s=engine_start_s, slow_shard_s=SLOW_SHARD_S)
     modes = schedule(n_kills, seed)
     t0 = time.monotonic()
@@ -104,4 +109,17 @@ def test_kill_9_anywhere_and_resume_gives_the_uninterrupted_dataset(tiny_llama, 
     assert lost == 0 and duplicated == 0
     assert not leftovers
     assert len(landed) == n_kills
+    _no_secret_in(tmp_path / "logs", out, n_runs=len(campaign.kills) + 1)
     shutil.rmtree(tmp_path / "logs", ignore_errors=True)
+
+
+def _no_secret_in(logs, out, *, n_runs: int) -> None:
+    """Every log of the campaign's vLLM runs and every file they wrote, searched for the secrets."""
+    files = [p for d in (logs, out) for p in d.rglob("*") if p.is_file() and p.name != "reference.log"]
+    hits = [f"{name} in {p.name}" for p in files for name, value in SECRETS.items()
+            if value.encode() in p.read_bytes() or value[4:20].encode() in p.read_bytes()]
+    CaseRecord(case=f"secrets planted in the environment of the {n_runs} vLLM extraction runs of the crash campaign",
+               category="secrets", command="pytest tests/faults/test_crash_anywhere.py",
+               attempts=len(files), outcome=f"{len(SECRETS)} planted secrets found in {len(hits)} of {len(files)} "
+               "logs and dataset files", passed=not hits, details={"hits": hits}).write()
+    assert not hits, hits
