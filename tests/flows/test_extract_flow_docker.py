@@ -1,0 +1,67 @@
+"""The extract flow with the docker runner: every step in its container, on a real Docker engine.
+
+One story (the flow runs take about a minute each on 2 cores): the local runner extracts a tiny
+dataset; the docker runner extracts it again while a test thread `docker kill`s the first
+extract container; the task retries, the run completes, the shards are byte-identical to the
+local runner's, and no container is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from flows.extract import extract
+from images.tags import DEFAULT_IMAGES
+from tasks.docker_runner import LABEL_PREFIX, MANAGED_LABEL
+from tests.flows.builders import chat_rows, pipeline_spec
+from tests.support.docker_engine import built_images, docker_client
+
+pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("prefect_harness")]
+
+
+def shard_checksums(output: Path) -> list[tuple[str, str]]:
+    manifest = json.loads((output / "manifest.json").read_text())
+    return [(shard["path"], shard["sha256"]) for shard in manifest["shards"]]
+
+
+def kill_first_container(client, step: str, killed: list[str], *, timeout_s: float = 600) -> None:
+    """`docker kill` the first running container of ``step`` the runner starts."""
+    wanted = [f"{MANAGED_LABEL}=true", f"{LABEL_PREFIX}step={step}"]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for container in client.containers.list(filters={"label": wanted}):
+            container.kill()
+            killed.append(container.labels.get(LABEL_PREFIX + "flow-run-id", ""))
+            return
+        time.sleep(0.1)
+
+
+def test_tiny_flow_in_containers_survives_a_killed_container_and_matches_the_local_runner(
+    tmp_path, tiny_llama
+):
+    client = docker_client()
+    built_images(*DEFAULT_IMAGES)
+    dataset = chat_rows(tmp_path / "chat.jsonl", rows=10)
+
+    def spec(runner: str):
+        return pipeline_spec(
+            model=tiny_llama, dataset=dataset, output=tmp_path / runner, runner=runner
+        )
+
+    local = extract(spec("local"), return_state=True)
+    killed: list[str] = []
+    killer = threading.Thread(target=kill_first_container, args=(client, "extract", killed))
+    killer.start()
+    in_docker = extract(spec("docker"), return_state=True)
+    killer.join()
+
+    assert local.is_completed() and in_docker.is_completed(), (local, in_docker)
+    assert killed == [str(in_docker.state_details.flow_run_id)], "no extract container was killed"
+    assert shard_checksums(tmp_path / "docker") == shard_checksums(tmp_path / "local")
+    run_label = f"{LABEL_PREFIX}flow-run-id={in_docker.state_details.flow_run_id}"
+    assert client.containers.list(all=True, filters={"label": run_label}) == []
