@@ -20,6 +20,7 @@ from prefect import flow, get_run_logger
 from prefect.futures import PrefectFuture, as_completed
 
 from datagen.pipeline_spec import PipelineSpec, ShardRange
+from datagen.sources import LocalSource, parse_model_source
 from datagen.spec import ExtractSpec
 from tasks import artifacts
 from tasks._common import runner_identity
@@ -38,11 +39,16 @@ def extract(spec: PipelineSpec) -> dict:
     """Run the whole pipeline for ``spec``; returns the run's summary (dataset, fingerprint, totals)."""
     logger = get_run_logger()
     spec = spec.resolved()
-    env_check(spec)
+    # The env check gates what costs: a download and any engine start. A local model needs no
+    # download, so its (free) download check and the plan run while the env check runs.
+    checked = env_check.submit(spec)
+    if not isinstance(parse_model_source(spec.model), LocalSource):
+        checked.result()
     model = download(spec)
     xspec = spec.extract_spec(model_dir=model.model_dir, model_revision=model.resolved_revision)
     planned = plan(xspec, runner=spec.runner)
     identity = runner_identity(spec.runner, gpu=spec.gpus > 0)
+    checked.result()
 
     ranges = _extract_ranges(spec, xspec, planned, identity)
 

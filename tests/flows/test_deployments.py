@@ -52,3 +52,12 @@ def test_the_range_deployment_runs_the_extract_shards_flow_on_the_gpu_pool():
     from datagen.pipeline_spec import DEFAULT_RANGE_DEPLOYMENT
 
     assert DEFAULT_RANGE_DEPLOYMENT == "extract-shards/gpu"
+
+
+def test_the_fleet_deployment_fans_kimi_out_from_a_pool_without_gpus():
+    fleet = deployments()["kimi-fleet"]
+    spec = PipelineSpec.model_validate(fleet["parameters"]["spec"])
+    kimi = PipelineSpec.model_validate(deployment_parameters("kimi")["spec"])
+    assert spec.fans_out and spec.fan_out.deployment == "extract-shards/gpu"
+    assert spec.model_copy(update={"ranges_in_flight": 1}) == kimi, "the same extraction as extract/kimi"
+    assert fleet["work_pool"]["name"] != "gpu", "a parent on a GPU host's only slot would wait forever"

@@ -41,7 +41,7 @@ def project(tmp_path_factory) -> Path:
 def server(project, tmp_path_factory):
     server = start_server(tmp_path_factory.mktemp("server"))
     try:
-        for pool in ("cpu", "gpu"):
+        for pool in ("cpu", "gpu", "control"):
             server.cli("work-pool", "create", pool, "--type", "process")
         server.cli("--no-prompt", "deploy", "--all", cwd=project)
         yield server
@@ -100,7 +100,7 @@ def logs_of(server: PrefectServer, run_id: str) -> list[str]:
 
 def test_every_deployment_of_prefect_yaml_deploys_kimi_included(server):
     out = server.cli("deployment", "ls").stdout
-    for name in ("extract/tiny", "extract/kimi", "extract-shards/gpu", "train/train"):
+    for name in ("extract/tiny", "extract/kimi", "extract/kimi-fleet", "extract-shards/gpu", "train/train"):
         assert name in out, out
 
 
