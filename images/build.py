@@ -79,8 +79,10 @@ def build_images(
                 ensure_base_image(client, offline_base, mirror=debian_mirror)
             wheels = _ensure_wheels(plan, wheelhouse / _abi(plan))
             context = _stage_context(plan, wheels)
-            _build(client, plan, context)
-            shutil.rmtree(context, ignore_errors=True)
+            try:
+                _build(client, plan, context)
+            finally:
+                shutil.rmtree(context, ignore_errors=True)
             image = client.images.get(plan.tag)
             logger.info("%s: built in %.0f s", plan.tag, time.monotonic() - started)
         done.append((plan, image.id, built))
@@ -151,9 +153,10 @@ def _download(pins: list[Pin], folder: Path, *, python: str) -> None:
 
 def _stage_context(plan: ImagePlan, wheels: list[Path]) -> Path:
     """The build context: Dockerfile, requirements.txt, wheels/, project/ (the project's wheel)."""
-    context = CONTEXTS / plan.recipe.name.value
-    shutil.rmtree(context, ignore_errors=True)
-    (context / "wheels").mkdir(parents=True)
+    CONTEXTS.mkdir(parents=True, exist_ok=True)
+    # A folder of its own per build: two builds at once (two test runs) do not share one.
+    context = Path(tempfile.mkdtemp(prefix=plan.recipe.name.value + "-", dir=CONTEXTS))
+    (context / "wheels").mkdir()
     shutil.copyfile(ROOT / plan.recipe.dockerfile, context / "Dockerfile")
     (context / "requirements.txt").write_text(plan.requirements_txt)
     for wheel in wheels:
