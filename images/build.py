@@ -104,30 +104,31 @@ def _abi(plan: ImagePlan) -> str:
 
 def _ensure_wheels(plan: ImagePlan, folder: Path) -> list[Path]:
     """The wheel of every pin of the plan, downloading what is missing."""
-    pins = list(plan.pins)
     folder.mkdir(parents=True, exist_ok=True)
-    missing = [p for p in pins if _find_wheel(folder, p) is None]
+    missing = [p for p in plan.pins if _key(p) not in _wheels_in(folder)]
     if missing:
         logger.info("wheelhouse %s: downloading %d wheels", folder.name, len(missing))
         _download(missing, folder, python=plan.recipe.python)
-    wheels = []
-    for pin in pins:
-        wheel = _find_wheel(folder, pin)
-        if wheel is None:
+    have = _wheels_in(folder)
+    for pin in plan.pins:
+        if _key(pin) not in have:
             raise CannotRunHereError(
                 f"no wheel of {pin.line} for Python {plan.recipe.python} in {folder}",
                 hint="the package index has no binary wheel for it; pin another version",
             )
-        wheels.append(wheel)
-    return wheels
+    return [have[_key(pin)] for pin in plan.pins]
 
 
-def _find_wheel(folder: Path, pin: Pin) -> Path | None:
+def _key(pin: Pin) -> tuple[str, Version]:
+    return pin.name, Version(pin.version)
+
+
+def _wheels_in(folder: Path) -> dict[tuple[str, Version], Path]:
+    wheels = {}
     for path in folder.glob("*.whl"):
         name, version, _, _ = parse_wheel_filename(path.name)
-        if name == pin.name and version == Version(pin.version):
-            return path
-    return None
+        wheels[name, version] = path
+    return wheels
 
 
 def _download(pins: list[Pin], folder: Path, *, python: str) -> None:
