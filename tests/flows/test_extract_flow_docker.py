@@ -19,9 +19,13 @@ from flows.extract import extract
 from images.tags import DEFAULT_IMAGES
 from tasks.docker_runner import LABEL_PREFIX, MANAGED_LABEL
 from tests.flows.builders import chat_rows, pipeline_spec
-from tests.support.docker_engine import built_images, docker_client
+from tests.support.docker_engine import BUILD_TIMEOUT_S, built_images, docker_client
 
-pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("prefect_harness")]
+pytestmark = [
+    pytest.mark.docker,
+    pytest.mark.timeout(BUILD_TIMEOUT_S),
+    pytest.mark.usefixtures("prefect_harness"),
+]
 
 
 def shard_checksums(output: Path) -> list[tuple[str, str]]:

@@ -15,7 +15,7 @@ import pytest
 from datagen.errors import CannotRunHereError, SpecError
 from images.build import TAGS_JSON
 from images.tags import DEFAULT_IMAGES, ROOT, ImageName, plan_image, resolve_image
-from tests.support.docker_engine import built_images, docker_client
+from tests.support.docker_engine import BUILD_TIMEOUT_S, built_images, docker_client
 
 ALL = tuple(ImageName)
 
@@ -148,13 +148,14 @@ def test_the_steps_image_leaves_out_vllm_and_what_only_vllm_needs(tree):
 def make_images() -> tuple[subprocess.CompletedProcess, float]:
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "images/build.py"], cwd=ROOT, capture_output=True, text=True, timeout=1800
+        [sys.executable, "images/build.py"], cwd=ROOT, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
     )
     assert done.returncode == 0, done.stderr
     return done, time.monotonic() - started
 
 
 @pytest.mark.docker
+@pytest.mark.timeout(BUILD_TIMEOUT_S)
 def test_make_images_builds_and_a_second_run_builds_nothing():
     docker_client()  # starts the engine or skips
     first, _ = make_images()  # cold: builds (minutes); warm: nothing
@@ -170,6 +171,7 @@ def test_make_images_builds_and_a_second_run_builds_nothing():
 
 
 @pytest.mark.docker
+@pytest.mark.timeout(BUILD_TIMEOUT_S)
 def test_built_images_carry_oci_labels_and_run_datagen_as_a_non_root_user():
     client = docker_client()
     images = built_images(*DEFAULT_IMAGES)
@@ -188,6 +190,7 @@ def test_built_images_carry_oci_labels_and_run_datagen_as_a_non_root_user():
 
 
 @pytest.mark.docker
+@pytest.mark.timeout(BUILD_TIMEOUT_S)
 def test_steps_image_has_no_vllm_and_extract_image_has_it():
     client = docker_client()
     images = built_images(*DEFAULT_IMAGES)
@@ -205,6 +208,7 @@ def test_steps_image_has_no_vllm_and_extract_image_has_it():
 
 
 @pytest.mark.docker
+@pytest.mark.timeout(BUILD_TIMEOUT_S)
 def test_resolve_image_gives_tag_and_id_and_names_the_build_command_when_missing():
     client = docker_client()
     tag = built_images(ImageName.STEPS)[ImageName.STEPS]

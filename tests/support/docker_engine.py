@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# pytest-timeout for a test that may build the images: a cold build (empty engine, empty .cache/)
+# takes about 14 minutes on 2 cores, past the suite's default of 900 s.
+BUILD_TIMEOUT_S = 2700
 TEST_LABEL = "test-id"  # invocation label the tests put on their containers
 
 

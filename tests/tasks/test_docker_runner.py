@@ -20,13 +20,14 @@ from tasks.docker_runner import (
 )
 from tasks.runners import Mount, StepInvocation
 from tests.support.docker_engine import (
+    BUILD_TIMEOUT_S,
     TEST_LABEL,
     built_images,
     containers_labelled,
     docker_client,
 )
 
-pytestmark = pytest.mark.docker
+pytestmark = [pytest.mark.docker, pytest.mark.timeout(BUILD_TIMEOUT_S)]
 
 
 @pytest.fixture(scope="module")
