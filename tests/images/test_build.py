@@ -147,9 +147,8 @@ def test_the_steps_image_leaves_out_vllm_and_what_only_vllm_needs(tree):
 
 def make_images() -> tuple[subprocess.CompletedProcess, float]:
     started = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "images/build.py"], cwd=ROOT, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
-    )
+    command = [sys.executable, "images/build.py"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     assert done.returncode == 0, done.stderr
     return done, time.monotonic() - started
 
