@@ -81,7 +81,8 @@ class DockerRunner:
         """Runs the step; its container is removed before this returns or raises.
 
         Raises:
-            CannotRunHereError: the step's image is not built (the hint gives the command).
+            CannotRunHereError: the step's image is not built (the hint gives the command), or
+                it needs GPUs and the engine cannot give containers any.
         """
         fault = injected_fault(invocation)  # the orchestration tests' fault injection
         if fault is not None:
@@ -158,6 +159,14 @@ class DockerRunner:
         try:
             container.start()
         except docker.errors.APIError as e:
+            if invocation.gpus and "could not select device driver" in str(e.explanation):
+                # No retry can help: this engine cannot hand GPUs to containers at all.
+                raise CannotRunHereError(
+                    f"{invocation.step} needs {invocation.gpus} GPU(s) but this Docker engine "
+                    "cannot give containers GPUs",
+                    hint="install the NVIDIA Container Toolkit on this host, or run the step on a "
+                    "GPU host",
+                ) from e
             return _docker_failed(f"starting the container for {invocation.step} failed", e)
         logger.debug("%s: container %s started", invocation.step, container.short_id)
         result = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 import uuid
@@ -172,6 +173,17 @@ def test_missing_image_raises_with_the_build_command(client, tmp_path, test_id):
     with pytest.raises(CannotRunHereError, match="not built") as info:
         runner.run(make_tiny(tmp_path, test_id), lambda line: None)
     assert "make images" in str(info.value)
+
+
+def test_gpu_step_on_an_engine_without_gpu_support_cannot_run_here(
+    runner, client, tmp_path, test_id
+):
+    if "nvidia" in client.info().get("Runtimes", {}) or shutil.which("nvidia-smi"):
+        pytest.skip("this host has GPUs and its engine may give them to containers")
+
+    with pytest.raises(CannotRunHereError, match="GPU") as info:
+        runner.run(make_tiny(tmp_path, test_id, gpus=1), lambda line: None)
+    assert "NVIDIA Container Toolkit" in str(info.value)
 
 
 def test_leftover_containers_are_removed_by_label(runner, client, test_id):
