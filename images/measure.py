@@ -3,7 +3,8 @@
 Prints each default image's size, the time of a `make images` that has nothing to build,
 and the runner's overhead per step: the same trivial step (`datagen make-tiny --help`,
 which imports every step module and exits) run N times by the local runner and by the
-docker runner, median wall time of each.
+docker runner, median wall time of each; and the container lifecycle alone (a container that
+runs `true`), which is what the runner adds to any step.
 """
 
 from __future__ import annotations
@@ -53,7 +54,24 @@ def main(argv: list[str] | None = None) -> int:
     container = _median_seconds(DockerRunner({"*": steps}, client=client).run, args.repeats)
     print(f"trivial step, median of {args.repeats}: local {local:.2f} s, docker {container:.2f} s,"
           f" overhead {container - local:.2f} s per step")
+    print(f"container lifecycle alone (create, start, logs, wait, inspect, remove of `true`), "
+          f"median of {args.repeats}: {_lifecycle_seconds(client, steps, args.repeats):.2f} s")
     return 0
+
+
+def _lifecycle_seconds(client, image: str, repeats: int) -> float:
+    """What the runner adds to any step, without the step: a container that runs `true`."""
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        container = client.containers.create(image, [], entrypoint=["true"], shm_size="8g")
+        container.start()
+        list(container.logs(stream=True, follow=True))
+        container.wait()
+        container.reload()
+        container.remove(force=True)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
 
 
 if __name__ == "__main__":
