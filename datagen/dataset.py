@@ -167,7 +167,7 @@ def _check_messages(obj: dict, *, path: str, line: int) -> list[dict]:
                 f"message {j} must be an object with exactly 'role' and 'content'",
                 path=path, line=line, hint='e.g. {"role": "user", "content": "hi"}',
             )
-        if m["role"] not in ROLES:
+        if not isinstance(m["role"], str) or m["role"] not in ROLES:
             raise DatasetError(
                 f"message {j} has unknown role {m['role']!r}", path=path, line=line,
                 hint=f"roles are {', '.join(sorted(ROLES))}",

@@ -90,10 +90,22 @@ def read_safetensors_header(path: Path) -> dict:
             raise ModelError(f"weight file {path.name} has a corrupt header: tensor {name!r} {problem}",
                              hint="download it again")
     size = path.stat().st_size
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    spans = sorted(tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__")
+    end = 0
+    for begin, stop in spans:  # the tensors must tile the data, as safetensors requires to load it
+        if begin != end:
+            raise ModelError(f"weight file {path.name} has a corrupt header: tensor data "
+                             f"{'overlaps' if begin < end else 'has a hole'} at byte {8 + n + min(begin, end)}",
+                             hint="download it again")
+        end = stop
     if 8 + n + end > size:
         raise ModelError(
             f"weight file {path.name} is truncated: {size} bytes, header says {8 + n + end}",
+            hint="download it again",
+        )
+    if 8 + n + end < size:
+        raise ModelError(
+            f"weight file {path.name} is corrupt: {size} bytes, {size - 8 - n - end} more than its header describes",
             hint="download it again",
         )
     return header

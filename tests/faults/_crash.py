@@ -9,7 +9,8 @@ start-up, the longest phase on a CPU):
 
     startup     a random delay after launch: interpreter start, imports, reading the dataset
     plan        0-0.5 s after the run logged its plan (claiming the output, resume scan, engine import)
-    engine      a random moment of vLLM's start-up (engine core and worker processes spawning)
+    engine      a random moment of vLLM's start-up (engine core and worker processes spawning), at the
+                latest when the engine reports itself ready
     mid-write   the moment the run's first shard has a temporary file (the shard is being written)
     rename      0-20 ms after the run's first shard appears under its final name (record not written)
     mid-shard   a random moment after the engine computed its j-th shard of the run (j from 1-3)
@@ -210,7 +211,12 @@ class Campaign:
             # within milliseconds, hence the fast polling
             return w.until(lambda: w.plan is not None, poll=0.0005) and w.sleep(rng.uniform(0.0, 0.003), poll=0.0005)
         if mode == "engine":
-            return w.until(lambda: ENGINE_LINE in w.text) and w.sleep(rng.uniform(0.0, self.engine_start_s))
+            # a random moment of the start-up as long as the reference's took, cut short when the
+            # engine reports itself ready (start-up is faster on a quieter machine)
+            if not w.until(lambda: ENGINE_LINE in w.text):
+                return False
+            end = time.monotonic() + rng.uniform(0.0, self.engine_start_s)
+            return w.until(lambda: ENGINE_READY in w.text or time.monotonic() >= end)
         if mode == "mid-write":
             # the moment the shard's temporary file exists; if the write is too quick to see,
             # the moment right after its rename

@@ -162,6 +162,20 @@ def _offsets_disagree(m: Path) -> None:
     _rewrite_header(m / "model.safetensors", change)
 
 
+def _byte_after_header(m: Path) -> None:
+    w = m / "model.safetensors"
+    raw = w.read_bytes()
+    w.write_bytes(raw[:8] + b"\t" + raw[8:])  # found by hypothesis: the header still parses
+
+
+def _overlapping_tensors(m: Path) -> None:
+    def change(h):
+        names = [k for k in h if k != "__metadata__"]
+        h[names[1]]["data_offsets"] = list(h[names[0]]["data_offsets"])
+        h[names[1]]["shape"], h[names[1]]["dtype"] = h[names[0]]["shape"], h[names[0]]["dtype"]
+    _rewrite_header(m / "model.safetensors", change)
+
+
 def _model_is_a_file(m: Path) -> None:
     shutil.rmtree(m)
     m.write_text("not a model")
@@ -177,6 +191,8 @@ MODEL_CASES = {
     "weight header with an unknown dtype": (_unknown_dtype, "unknown dtype 'BX16'"),
     "weight header whose offsets disagree with the shape": (_offsets_disagree, "bytes for shape"),
     "model path is a file": (_model_is_a_file, "does not exist"),
+    "weight file with a byte inserted after its length prefix": (_byte_after_header, "weight file model.safetensors"),
+    "weight header with two tensors on the same bytes": (_overlapping_tensors, "overlaps"),
 }
 
 
@@ -211,6 +227,18 @@ def test_a_dataset_with_nothing_to_extract_is_refused(tiny_llama, tmp_path, case
     assert_refused(o, code=EXIT_BAD_INPUT, message=message)
     assert not out.exists()
     _record(case, "extract", name, "refused, exit 2 (was: a 0-sample dataset, exit 0)")
+
+
+@pytest.mark.parametrize("role", [[], {}, 5, None])
+def test_a_chat_role_that_is_not_a_string_is_refused(tiny_llama, tmp_path, case, role):
+    """Regression (found by hypothesis): a list or object as a role ended in 'unhashable type'."""
+    data = write_jsonl(tmp_path / "rows.jsonl", [GOOD_ROWS[0], {"messages": [{"role": role, "content": "x"}]}])
+    out = tmp_path / "out"
+    o = run_cli("extract", "--model", tiny_llama, "--dataset", data, "--out", out, "--engine", "hf")
+    assert_refused(o, code=EXIT_BAD_INPUT, message=f"{data}:2: message 0 has unknown role")
+    assert not out.exists()
+    _record(case, "extract", f"chat role {json.dumps(role)}", "refused naming line 2 (was: TypeError traceback for "
+            "a list or object)")
 
 
 def test_an_output_path_that_is_a_file_is_refused(tiny_llama, rows, tmp_path, case):

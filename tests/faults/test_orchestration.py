@@ -23,9 +23,12 @@ import yaml
 
 from datagen.contract import MANIFEST_NAME
 from tests.builders import REPO, run_datagen
+from tests.faults.conftest import full_campaign
 from tests.support.prefect_server import Process, PrefectServer, flow_run_id, start_server
 
-pytestmark = [pytest.mark.prefect_server, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.prefect_server, pytest.mark.timeout(1500),
+              pytest.mark.skipif(not full_campaign(), reason="full campaign only (make faults): a Prefect server and "
+                                 "two flow runs per test; the flow tests cover Prefect in make test")]
 
 # The transformers engine: what is under test is Prefect's handling of the fault; killing the vLLM
 # engine's process group is the crash campaign's (test_crash_anywhere.py).
