@@ -3,16 +3,27 @@
 Import the fixture into a conftest::
 
     from tests.support.prefect_harness import prefect_harness  # noqa: F401
+
+Several conftests import it, and pytest makes one session fixture per conftest: the first one
+started runs the harness, the others reuse it (two harnesses at once would leave Prefect's
+events client talking to the wrong server).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+
+_active: list[Path] = []  # the storage directory of the running harness, if one runs
 
 
 @pytest.fixture(scope="session")
 def prefect_harness(tmp_path_factory):
     """Flows run against a temporary Prefect server; cache records go to a temporary directory."""
+    if _active:
+        yield _active[0]
+        return
     from prefect.settings import (
         PREFECT_LOCAL_STORAGE_PATH, PREFECT_SERVER_ANALYTICS_ENABLED, temporary_settings,
     )
@@ -22,4 +33,8 @@ def prefect_harness(tmp_path_factory):
     # Analytics off: its heartbeat competes with the runs for the harness's SQLite database.
     with temporary_settings(updates={PREFECT_LOCAL_STORAGE_PATH: storage, PREFECT_SERVER_ANALYTICS_ENABLED: False}):
         with prefect_test_harness(server_startup_timeout=120):
-            yield storage
+            _active.append(storage)
+            try:
+                yield storage
+            finally:
+                _active.clear()
