@@ -105,8 +105,16 @@ def run(dataset: str | Path, out: str | Path, *, fmt: ExportFormat = ExportForma
     root, out = Path(dataset), Path(out)
     m, raw = _load_manifest(root)
     msha = hashlib.sha256(raw).hexdigest()
-    layer_ids = [int(i) for i in m.spec["layer_ids"]]
-    n_layers = int(m.spec["model"]["num_hidden_layers"])
+    try:
+        layer_ids = [int(i) for i in m.spec["layer_ids"]]
+        n_layers = int(m.spec["model"]["num_hidden_layers"])
+        if not layer_ids:
+            raise ValueError("layer_ids is empty")
+    except (KeyError, TypeError, ValueError) as e:
+        raise DatasetError(
+            f"the manifest's spec does not name its layers and model depth ({type(e).__name__}: {e})",
+            path=str(root / MANIFEST_NAME), hint="this is not a dataset written by datagen extract; run datagen validate",
+        ) from None
     if layer_ids[-1] != n_layers:
         raise SpecError(
             f"speculators takes the last captured layer as the verifier's final hidden state, but this dataset's "

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from datagen import s3
 from datagen.checksums import CHECKSUM_MANIFEST, ChecksumKind, Expected, matches, parse_checksum_manifest
-from datagen.errors import ModelError, ModelNotFoundError
+from datagen.errors import ModelError, ModelNotFoundError, UnsafePathError
 from datagen.model_cache import ModelCache, VerifiedFile, VerifiedRecord, cache_key
 from datagen.sources import S3Source, file_set_name, needed_files
 from datagen.spec import canonical_json, sha256_hex
@@ -61,6 +61,12 @@ def _rel(source: S3Source, key: str) -> str:
     return key[len(source.prefix) + 1 :] if source.prefix else key
 
 
+def _escapes(rel: str) -> bool:
+    """True when joining ``rel`` to a directory would leave it (S3 keys may hold '..' and '/')."""
+    parts = rel.split("/")
+    return not rel or rel.startswith("/") or "\\" in rel or any(p in ("..", ".", "") for p in parts)
+
+
 def list_mirror(client, source: S3Source, *, trust_remote_code: bool) -> Mirror:
     """List the mirror and pick the engine's files. ModelNotFoundError when it is no model."""
     objects = {_rel(source, o.key): o for o in s3.list_objects(client, source)}
@@ -71,6 +77,12 @@ def list_mirror(client, source: S3Source, *, trust_remote_code: bool) -> Mirror:
         raise ModelNotFoundError(
             f"{source.uri} holds no config.json ({len(objects)} objects)",
             hint="point the source at the prefix that holds the model directory's files",
+        )
+    unsafe = [rel for rel in versioned if _escapes(rel)]
+    if unsafe:
+        raise UnsafePathError(
+            f"{source.uri} holds keys that lead out of the model directory: {unsafe[:3]}",
+            hint="mirror the model with plain relative keys (no '..', no leading '/')",
         )
     checksums: dict[str, str] = {}
     manifest = objects.get(CHECKSUM_MANIFEST)

@@ -225,12 +225,12 @@ def _golden(root, lm, scans, findings, report, *, n, seed, src, tolerance, fresh
         findings.add(Problem(ProblemKind.GOLDEN_UNAVAILABLE, f"model {src.model} is not reachable here, so "
                                       "no golden sample can be re-extracted (pass --model, or --golden 0 to skip)"))
         return
-    spec = lm.manifest.spec
     t = time.monotonic()
     report["golden"] = golden.run(
         root, scans, plan, model_dir=src.model, layer_ids=lm.expected.layer_ids,
         num_hidden_layers=lm.num_hidden_layers, dtype=lm.expected.dtype,
-        trust_remote_code=bool(spec.get("engine", {}).get("trust_remote_code", False)),
+        # Never the manifest's word: a manifest is data, not permission to run a model's own code.
+        trust_remote_code=False,
         tolerance=tolerance, findings=findings)
     if fresh is not None and not fresh.model_matches:
         report["golden"]["note"] = "the model found is not the one extracted from (see source_changed)"

@@ -56,7 +56,6 @@ def read_fresh(lm: LoadedManifest, src: Sources, findings: Findings) -> FreshRow
     from datagen.spec import parse_spec
 
     spec = lm.manifest.spec
-    eng = spec.get("engine", {})
     revision = spec["model"].get("revision")
     raw = {
         "model": str(src.model),
@@ -67,7 +66,8 @@ def read_fresh(lm: LoadedManifest, src: Sources, findings: Findings) -> FreshRow
         "max_seq_len": spec["preprocessing"]["max_seq_len"],
         "samples_per_shard": lm.samples_per_shard,
         "engine": {"name": "hf", "dtype": lm.expected.dtype,
-                   "trust_remote_code": bool(eng.get("trust_remote_code", False))},
+                   # never taken from the manifest: a manifest is data, not permission to run code
+                   "trust_remote_code": False},
     }
     try:
         p = plan(parse_spec(raw, source="the manifest's spec"))

@@ -153,9 +153,6 @@ def rows_file(tmp_path) -> Path:
     return write_jsonl(tmp_path / "rows.jsonl", ROWS)
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN (reported): datagen/s3_mirror.py joins mirror keys to the cache "
-                   "directory unchecked (dest / f.rel): a key with '..' or a leading '/' (AWS S3 allows both; "
-                   "SeaweedFS refuses them) writes outside the model cache")
 def test_mirror_keys_leading_out_of_the_model_cache_are_refused(monkeypatch, case):
     from datagen import s3 as s3mod
     from datagen.errors import DatagenError
@@ -267,9 +264,6 @@ def test_a_model_asking_for_its_own_code_never_runs_it_unless_allowed(tiny_llama
             "the model's code never ran")
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN (reported): datagen/validate.py and datagen/_validation/source.py take "
-                   "trust_remote_code from the manifest's spec, so a manifest edited to say true makes "
-                   "`datagen validate` import the model directory's Python code (golden check, fresh tokenization)")
 def test_validate_never_runs_model_code_because_a_manifest_says_so(tiny_llama, rows_file, tmp_path, marker, case):
     from datagen.spec import canonical_json, sha256_hex
 
