@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.errors import ModelNotFoundError
 from datagen.model_cache import ModelCache, VerifiedFile, VerifiedRecord, cache_root
-from datagen.modelinfo import FULL_HASH_LIMIT, inspect_model
+from datagen.modelinfo import hash_file_sampled, inspect_model
 from datagen.sources import HubSource, LocalSource, S3Source, SourceKind, SourcesSpec, load_sources_spec, needed_files
 
 HELP = "Download the spec's model (hf://, s3:// or a local dir) into the shared model cache, verified."
@@ -63,17 +63,7 @@ def files_fingerprint(model_dir: str | Path, files: list[str]) -> str:
     d = Path(model_dir)
     h = hashlib.sha256()
     for rel in sorted(files):
-        p = d / rel
-        size = p.stat().st_size
-        h.update(f"{rel}\0{size}\0".encode())
-        with p.open("rb") as f:
-            if size <= FULL_HASH_LIMIT:
-                while block := f.read(1 << 20):
-                    h.update(block)
-            else:
-                h.update(f.read(1 << 20))
-                f.seek(size - (1 << 20))
-                h.update(f.read(1 << 20))
+        hash_file_sampled(h, d / rel, rel)
     return h.hexdigest()
 
 

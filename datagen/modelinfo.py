@@ -233,17 +233,22 @@ def model_content_hash(info: ModelInfo) -> str:
     )
     for name in names:
         p = d / name
-        size = p.stat().st_size
-        h.update(f"{name}\0{size}\0".encode())
-        with p.open("rb") as f:
-            if size <= FULL_HASH_LIMIT:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    h.update(block)
-            else:
-                h.update(f.read(1 << 20))
-                f.seek(size - (1 << 20))
-                h.update(f.read(1 << 20))
+        hash_file_sampled(h, p, name)
     return h.hexdigest()
+
+
+def hash_file_sampled(h, path: Path, name: str) -> None:
+    """Feed ``name``, the size and the content (or, past FULL_HASH_LIMIT, the first and last MiB)."""
+    size = path.stat().st_size
+    h.update(f"{name}\0{size}\0".encode())
+    with path.open("rb") as f:
+        if size <= FULL_HASH_LIMIT:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        else:
+            h.update(f.read(1 << 20))
+            f.seek(size - (1 << 20))
+            h.update(f.read(1 << 20))
 
 
 def check_layer_ids(layer_ids: tuple[int, ...], info: ModelInfo) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import enum
 import fnmatch
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,13 +244,6 @@ def parse_sources_spec(raw: dict[str, Any], *, origin: str = "spec") -> SourcesS
 
 def load_sources_spec(path: str | Path) -> SourcesSpec:
     """Read ``--spec SPEC``: a JSON object with SourcesSpec's fields."""
-    p = Path(path)
-    try:
-        raw = json.loads(p.read_text())
-    except FileNotFoundError as e:
-        raise SpecError(f"spec file {p} does not exist", hint="pass the path of a spec JSON file") from e
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SpecError(f"spec file {p} is not valid JSON: {e}", hint="fix the file") from e
-    if not isinstance(raw, dict):
-        raise SpecError(f"spec file {p} must hold a JSON object", hint="see docs/sources.md")
-    return parse_sources_spec(raw, origin=str(p))
+    from datagen.spec import read_spec_file
+
+    return parse_sources_spec(read_spec_file(path, docs="docs/sources.md"), origin=str(path))

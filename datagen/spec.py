@@ -138,8 +138,8 @@ def sha256_hex(text: str | bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def load_spec(path: str | Path, **overrides: Any) -> ExtractSpec:
-    """Read a spec JSON file. Unknown fields and wrong types are a SpecError."""
+def read_spec_file(path: str | Path, *, docs: str = "README.md") -> dict:
+    """The JSON object in a spec file; SpecError when it is missing, not JSON or not an object."""
     p = Path(path)
     try:
         raw = json.loads(p.read_text())
@@ -148,7 +148,14 @@ def load_spec(path: str | Path, **overrides: Any) -> ExtractSpec:
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SpecError(f"spec file {p} is not valid JSON: {e}", hint="fix the file") from e
     if not isinstance(raw, dict):
-        raise SpecError(f"spec file {p} must hold a JSON object", hint="see docs/spec.md")
+        raise SpecError(f"spec file {p} must hold a JSON object", hint=f"see {docs}")
+    return raw
+
+
+def load_spec(path: str | Path, **overrides: Any) -> ExtractSpec:
+    """Read a spec JSON file. Unknown fields and wrong types are a SpecError."""
+    p = Path(path)
+    raw = read_spec_file(p)
     raw.update({k: v for k, v in overrides.items() if v is not None})
     return parse_spec(raw, source=str(p))
 
