@@ -65,7 +65,7 @@ def plot_overhead(rec: dict, out: Path) -> None:
             c = res["case"]
             tokens = c["rows"] * c["row_len"]
             labels.append(f"{m['model']}\n{c['row_len']} tok")
-            med = {v: median(res[v]) for v in rates}
+            med = {v: median(res[v]["wall"]) for v in rates}
             for v in rates:
                 rates[v].append(tokens / med[v])
             for v in ratios:
@@ -101,8 +101,8 @@ def plot_engines(rec: dict, out: Path) -> None:
             c = res["case"]
             tokens = c["rows"] * c["row_len"]
             labels.append(f"{m['model']}\n{c['row_len']} tok")
-            vllm.append(tokens / median(res["datagen"]))
-            hf.append(c["hf_rows"] * c["row_len"] / median(res["hf"]))
+            vllm.append(tokens / median(res["datagen"]["wall"]))
+            hf.append(c["hf_rows"] * c["row_len"] / median(res["hf"]["wall"]))
     fig, a = plt.subplots(figsize=(7, 4))
     x = list(range(len(labels)))
     a.bar([j - 0.2 for j in x], vllm, 0.4, label="vLLM engine (datagen extract)")
