@@ -127,8 +127,10 @@ def range_runs(server: PrefectServer, since: float) -> list:
 
 
 def worker_of(workers: dict[str, Process], run_id: UUID) -> str:
+    """The worker that ran the flow run. Several workers may try to submit one run (one wins):
+    the winner's log holds the run's own output, which names its URL."""
     for name, w in workers.items():
-        if f"submitting flow run '{run_id}'" in w.output():
+        if f"/flow-run/{run_id}" in w.output():
             return name
     return "?"
 
