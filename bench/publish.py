@@ -19,7 +19,7 @@ from pathlib import Path
 from bench._common import RESULTS, ROOT, SMOKE_RESULTS, Mode, Record, Row, setup_logging
 
 TARGET = 0.70
-SIZE = {Mode.FULL: {"shards": 8, "shard_mb": 32, "repeats": 3}, Mode.SMOKE: {"shards": 4, "shard_mb": 8, "repeats": 2}}
+SIZE = {Mode.FULL: {"shards": 8, "shard_mb": 32, "repeats": 5}, Mode.SMOKE: {"shards": 4, "shard_mb": 8, "repeats": 2}}
 
 
 def measure(shards: int, shard_mb: int, repeats: int) -> dict:
