@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in modules if m not in FIGURES]
     if unknown:
         ap.error(f"unknown figure modules {unknown}; choose from {', '.join(FIGURES)}")
+    if not args.only:  # a whole run replaces the previous one; --only updates its figures in place
+        for old in [*results.glob("*.json"), *results.glob("*.png"), results / "table.md"]:
+            old.unlink(missing_ok=True)
     t0 = time.monotonic()
     failed = {}
     for module in modules:
