@@ -75,7 +75,8 @@ class Kill:
     """One kill and what it left."""
 
     attempt: int
-    mode: str  # the mode drawn (see the module docstring)
+    mode: str  # the mode used (see the module docstring)
+    drawn: str = ""  # the mode drawn: "startup" replaces it once every shard is on disk
     phase: str = ""  # where the run was when the kill landed
     landed: bool = False  # the process group was alive when killed
     delay_s: float = 0.0  # seconds after launch
@@ -161,11 +162,12 @@ class Campaign:
             self.kill_once(i, mode)
 
     def kill_once(self, attempt: int, mode: str) -> Kill:
+        drawn = mode
         if mode in EXTRACTING_MODES | {"plan"} and self.all_shards_on_disk():
             # nothing left to extract: only a kill early in start-up is sure to land before the
             # manifest, after which nothing is left to kill
             mode = "startup"
-        k = Kill(attempt=attempt, mode=mode, shards_at_launch=len(self.shard_files()))
+        k = Kill(attempt=attempt, mode=mode, drawn=drawn, shards_at_launch=len(self.shard_files()))
         before = {p.name for p in self.shard_files()}
         proc, log = self.launch(attempt)
         t0 = time.monotonic()
@@ -226,7 +228,8 @@ class Campaign:
         if mode == "mid-shard":
             # the driver's j-th shard of this run (its progress line), then a random moment of the
             # next one: wherever the engine's writers are
-            j = rng.randint(1, max(min(3, total - len(before)), 1))
+            # (leaving a shard or more for the kills still to come)
+            j = rng.randint(1, max(min(3, total - len(before) - 1), 1))
             return w.until(lambda: w.submitted() >= j) and w.sleep(rng.uniform(0.0, self.slow_shard_s))
         raise ValueError(mode)
 

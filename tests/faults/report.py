@@ -19,6 +19,7 @@ from pathlib import Path
 
 from tests.faults._results import CATEGORIES, results_dir
 
+MAX_NAMES = 12  # case names listed in a summed-up row
 TITLES = {
     "crash": "Crash anywhere (kill -9, resume)",
     "infrastructure": "Infrastructure faults",
@@ -44,6 +45,19 @@ def _command(r: dict) -> str:
     return f"`{'DATAGEN_FAULTS_FULL=1 ' if full else ''}{r['command']}`"
 
 
+def _outcome(r: dict) -> str:
+    """The recorded outcome, with the crash campaign's phase counts when the record has them."""
+    d = r.get("details", {})
+    text = r["outcome"]
+    if "phases" in d:
+        phases = ", ".join(f"{n} {p}" for p, n in sorted(d["phases"].items(), key=lambda x: -x[1]))
+        text += f"; kills by phase: {phases}"
+    if d.get("unrecorded_shards_recovered"):
+        text += (f"; {d['unrecorded_shards_recovered']} shards killed between rename and record were recovered "
+                 "from their files")
+    return text
+
+
 def _cell(text) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
@@ -57,19 +71,22 @@ def rows(records: list[dict], *, detail: bool) -> dict[str, list[list[str]]]:
         if r["category"] == "bad-input" and group and group != "generated" and not detail:
             groups[group].append(r)
             continue
-        out[r["category"]].append([_cell(r["case"]), str(r["attempts"]), _cell(r["outcome"]), _cell(r["data_lost"]),
+        out[r["category"]].append([_cell(r["case"]), str(r["attempts"]), _cell(_outcome(r)), _cell(r["data_lost"]),
                                    _result(r), _command(r)])
     for group, rs in sorted(groups.items()):
         refused = sum(r["passed"] for r in rs)
         bad = [r for r in rs if not r["passed"]]
-        names = "; ".join(r["case"].split(": ", 1)[-1] for r in rs)
-        outcome = f"{refused}/{len(rs)} as specified (refused with exit code, problem named, `->` hint, nothing written)"
+        shown = [r["case"].split(": ", 1)[-1] for r in rs][:MAX_NAMES]
+        names = "; ".join(shown) + (f"; ... {len(rs) - len(shown)} more (--detail)" if len(rs) > len(shown) else "")
+        outcome = (f"{refused}/{len(rs)} as specified (a refusal: its exit code, the problem named, a `->` hint, "
+                   "nothing written)")
         if bad:
             outcome += "; " + "; ".join(f"{_result(r)}: {r['case']}: {r['outcome']}" for r in bad)
         files = sorted({r["command"].split("::")[0] for r in rs})
+        prefix = "DATAGEN_FAULTS_FULL=1 " if rs[0].get("details", {}).get("campaign") == "full" else ""
         out["bad-input"].append([_cell(f"{group}: {len(rs)} cases ({names})"), str(len(rs)), _cell(outcome), "n/a",
                                  "pass" if not bad else ("OPEN" if all(_result(r) == "OPEN" for r in bad) else "FAIL"),
-                                 f"`{' '.join(files)} -k ...`" if len(files) == 1 else _cell(files)])
+                                 f"`{prefix}{' '.join(files)}`"])
     return out
 
 

@@ -27,12 +27,13 @@ from tests.faults.conftest import full_campaign
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(2400)]
 
-ROWS = 20
-PER_SHARD = 2  # 10 shards: enough renames to aim at, few enough to finish
+ROWS = 28
+PER_SHARD = 2  # 14 shards: enough for every kill to find work left, few enough to finish
 SLOW_SHARD_S = 0.5  # the test hook's pause after each shard: a window to land mid-shard kills in
 # Eager mode starts the engine in about half the time; the reference uses it too (compiled and
 # eager kernels round differently, and the check is byte identity).
 ENV = {"DATAGEN_ENFORCE_EAGER": "1", "DATAGEN_PROGRESS_INTERVAL": "0"}
+KILLED_RUNS_ENV = {"DATAGEN_TEST_SLOW_SHARD_S": str(SLOW_SHARD_S)}  # the final, unkilled run goes at full speed
 # Planted in every run of the campaign; at the end every log and file is searched for them.
 SECRETS = {"AWS_SECRET_ACCESS_KEY": f"FaultsCrashSecret{uuid.uuid4().hex}",
            "HF_TOKEN": f"hf_FaultsCrashToken{uuid.uuid4().hex}"}
@@ -64,7 +65,7 @@ def test_kill_9_anywhere_and_resume_gives_the_uninterrupted_dataset(tiny_llama, 
     assert len(ref.shards) == ROWS // PER_SHARD
 
     out = tmp_path / "killed"
-    campaign = Campaign(_args(tiny_llama, rows, out), out, ref, env={**ENV, **SECRETS}, seed=seed, logs=tmp_path / "logs",
+    campaign = Campaign(_args(tiny_llama, rows, out), out, ref, env={**ENV, **KILLED_RUNS_ENV, **SECRETS}, seed=seed, logs=tmp_path / "logs",
                         engine_start_s=engine_start_s, slow_shard_s=SLOW_SHARD_S)
     modes = schedule(n_kills, seed)
     t0 = time.monotonic()
@@ -98,6 +99,7 @@ def test_kill_9_anywhere_and_resume_gives_the_uninterrupted_dataset(tiny_llama, 
         "unrecorded_shards_recovered": sum(k.unrecorded for k in campaign.kills),
         "temp_files_left_by_kills": sum(k.temp_files for k in campaign.kills),
         "complete_shards_redone": sum(k.redone or 0 for k in campaign.kills),
+        "kills_redirected_to_start_up": sum(k.mode != k.drawn for k in campaign.kills),
         # not a loss of data: shards the engine had computed but not yet written when killed
         "computed_not_written": sum(k.computed_not_written for k in campaign.kills),
         "differing_shards": differing, "leftover_temp_files": leftovers,
@@ -109,6 +111,9 @@ def test_kill_9_anywhere_and_resume_gives_the_uninterrupted_dataset(tiny_llama, 
     assert lost == 0 and duplicated == 0
     assert not leftovers
     assert len(landed) == n_kills
+    # a campaign whose shards were all written early degenerates into kills of idle start-ups
+    converted = [k for k in campaign.kills if k.mode != k.drawn]
+    assert len(converted) <= n_kills // 4, f"{len(converted)} kills had nothing left to aim at: {phases}"
     _no_secret_in(tmp_path / "logs", out, n_runs=len(campaign.kills) + 1)
     shutil.rmtree(tmp_path / "logs", ignore_errors=True)
 

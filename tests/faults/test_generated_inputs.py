@@ -17,7 +17,6 @@ import struct
 from collections import Counter
 from pathlib import Path
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -338,8 +337,9 @@ def spec_mutations(draw, base: dict, fields: set[str]):
     elif op == "replace":
         spec[draw(st.sampled_from(sorted(spec)))] = draw(json_values)
     elif op == "replace-engine":
-        spec.setdefault("engine", {})[draw(st.sampled_from(["name", "dtype", "tensor_parallel_size",
-                                                              "max_num_batched_tokens", "trust_remote_code"]))] = draw(json_values)
+        field = draw(st.sampled_from(["name", "dtype", "tensor_parallel_size", "max_num_batched_tokens",
+                                      "trust_remote_code"]))
+        spec.setdefault("engine", {})[field] = draw(json_values)
     else:
         del spec[draw(st.sampled_from(sorted(spec)))]
     return op, key, spec

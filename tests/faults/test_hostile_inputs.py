@@ -9,7 +9,6 @@ number), so the paths that can escape are shard paths, weight-file names and mir
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import struct
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 from datagen.contract import MANIFEST_NAME
 from datagen.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_VALIDATION
 from tests.builders import write_jsonl
-from tests.faults._refusal import assert_refused, run_cli, tree
+from tests.faults._refusal import assert_refused, run_cli
 from tests.support.extracted import extracted_dataset
 
 ROWS = [{"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]}, {"input_ids": [9, 10, 11]}]
@@ -132,17 +131,15 @@ def test_a_record_naming_a_path_outside_is_not_taken_as_a_finished_shard(tiny_ll
 def test_a_weight_index_naming_files_outside_the_model_is_refused(tiny_llama, rows_file, tmp_path, case):
     model = shutil.copytree(tiny_llama, tmp_path / "model")
     (tmp_path / "outside.safetensors").write_bytes((model / "model.safetensors").read_bytes())
-    header = json.loads((model / "model.safetensors").read_bytes()[8:8 + struct.unpack("<Q", (model / "model.safetensors").read_bytes()[:8])[0]])
-    names = [k for k in header if k != "__metadata__"]
-    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: "../outside.safetensors" for n in names}}))
-    for step in ("extract", "download"):
-        if step == "extract":
-            o = run_cli("extract", "--model", model, "--dataset", rows_file, "--out", tmp_path / "out", "--engine", "hf")
-        else:
-            spec = tmp_path / "spec.json"
-            spec.write_text(json.dumps({"model": str(model), "out": str(tmp_path / "out"), "model_cache": str(tmp_path / "c")}))
-            o = run_cli("download", "--spec", spec)
-        assert_refused(o, code=EXIT_BAD_INPUT, message="outside the model directory")
+    raw = (model / "model.safetensors").read_bytes()
+    header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+    weight_map = {name: "../outside.safetensors" for name in header if name != "__metadata__"}
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"model": str(model), "out": str(tmp_path / "out"), "model_cache": str(tmp_path / "c")}))
+    for argv in (("extract", "--model", model, "--dataset", rows_file, "--out", tmp_path / "out", "--engine", "hf"),
+                 ("download", "--spec", spec)):
+        assert_refused(run_cli(*argv), code=EXIT_BAD_INPUT, message="outside the model directory")
     assert not (tmp_path / "out").exists()
     _record(case, "model index (model.safetensors.index.json) naming ../outside.safetensors",
             "refused by extract and download (was: the outside file's header read and accepted as a weight file)")
@@ -164,12 +161,17 @@ def test_mirror_keys_leading_out_of_the_model_cache_are_refused(monkeypatch, cas
     rels = ["config.json", "../../../../tmp/evil.safetensors", "/etc/evil.safetensors", "model.safetensors"]
     objects = [s3mod.ObjectInfo(key=f"models/tiny/{rel}", size=1, etag="x") for rel in rels]
     monkeypatch.setattr(s3mod, "list_objects", lambda client, src: objects)
-    _record(case, "S3 model mirror listing keys <prefix>/../../../../tmp/evil.safetensors and <prefix>//etc/evil.safetensors",
-            "OPEN: selected for download; the local path escapes the model cache")
-    with pytest.raises(DatagenError):
+    name = "S3 model mirror listing keys <prefix>/../../../../tmp/evil.safetensors and <prefix>//etc/evil.safetensors"
+    try:
         mirror = list_mirror(None, source, trust_remote_code=False)
-        bad = [f.rel for f in mirror.files if ".." in Path(f.rel).parts or f.rel.startswith("/")]
-        assert not bad, f"selected for download outside the cache: {bad}"
+    except DatagenError as e:
+        _record(case, name, f"refused before anything is fetched (exit {e.exit_code}) (was: both selected for "
+                            "download, their local paths outside the model cache)")
+        assert e.exit_code == EXIT_BAD_INPUT and e.hint
+        return
+    bad = [f.rel for f in mirror.files if ".." in Path(f.rel).parts or f.rel.startswith("/")]
+    _record(case, name, f"selected for download outside the model cache: {bad}")
+    pytest.fail(f"selected for download outside the cache: {bad}")
 
 
 # --- oversized safetensors headers -----------------------------------------------------------------
@@ -281,6 +283,6 @@ def test_validate_never_runs_model_code_because_a_manifest_says_so(tiny_llama, r
     (out / MANIFEST_NAME).write_text(json.dumps(m))
     run_cli("validate", out, "--golden", "1")
     _record(case, "manifest edited to trust_remote_code=true, then `datagen validate`",
-            "OPEN: the model directory's code runs (golden check / fresh tokenization)" if marker.exists() else
-            "the model's code never ran")
+            "the model directory's code ran (golden check / fresh tokenization)" if marker.exists() else
+            "the model's code never ran (was: imported by the golden check and the fresh tokenization)")
     assert not marker.exists(), "validate imported the model's own code because the manifest said so"
