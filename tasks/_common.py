@@ -31,6 +31,10 @@ from tasks.runners import Mount, StepInvocation, StepOutcome, StepRunner
 T = TypeVar("T", bound=BaseModel)
 
 # Retry policy of every step task: transient faults only (see retry_if_transient).
+# Credentials a step may need, passed to it by name only (their values are never logged).
+AWS_CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+HUB_AND_AWS_CREDENTIAL_ENV = ("HF_TOKEN", *AWS_CREDENTIAL_ENV)
+
 STEP_RETRIES = 3
 STEP_RETRY_DELAYS_S = [5, 30, 120]  # a storage hiccup passes in seconds, a lost node in minutes
 STEP_RETRY_JITTER = 0.3

@@ -13,13 +13,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.pipeline_spec import PipelineSpec
 from tasks._common import (
+    HUB_AND_AWS_CREDENTIAL_ENV,
     STEP_RETRIES, STEP_RETRY_DELAYS_S, STEP_RETRY_JITTER, make_runner, mounts_for, retry_if_transient,
     run_step, spec_file, step_available,
 )
 from tasks.runners import StepInvocation
 
 STEP = "env-check"
-SECRET_ENV = ("HF_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+SECRET_ENV = HUB_AND_AWS_CREDENTIAL_ENV
 
 
 class EnvCheckOutcome(BaseModel):

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.spec import Runner
 from tasks._common import (
+    AWS_CREDENTIAL_ENV,
     STEP_RETRIES, STEP_RETRY_DELAYS_S, STEP_RETRY_JITTER, cache_key, make_runner, mounts_for,
     retry_if_transient, run_step, step_available,
 )
@@ -24,7 +25,7 @@ from tasks.settings import s3_step_env
 
 EVENT_READY = "datagen.dataset.ready"
 RESOURCE_PREFIX = "datagen.dataset."
-SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+SECRET_ENV = AWS_CREDENTIAL_ENV
 
 
 class PublishOutcome(BaseModel):
