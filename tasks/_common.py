@@ -97,6 +97,15 @@ def retry_if_transient(task, task_run, state) -> bool:
     return False
 
 
+# The retry policy of every step task: transient faults only, with backoff.
+STEP_RETRY_POLICY = dict(
+    retries=STEP_RETRIES,
+    retry_delay_seconds=STEP_RETRY_DELAYS_S,
+    retry_jitter_factor=STEP_RETRY_JITTER,
+    retry_condition_fn=retry_if_transient,
+)
+
+
 def step_available(step: str) -> bool:
     """True when ``datagen <step>`` exists in this version (its module is installed)."""
     module = STEPS.get(step)

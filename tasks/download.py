@@ -17,8 +17,9 @@ from datagen.errors import CannotRunHereError, ModelNotFoundError
 from datagen.pipeline_spec import PipelineSpec
 from datagen.sources import LocalSource, parse_model_source
 from tasks._common import (
+    STEP_RETRY_POLICY,
     HUB_AND_AWS_CREDENTIAL_ENV,
-    STEP_RETRIES, STEP_RETRY_DELAYS_S, STEP_RETRY_JITTER, make_runner, mounts_for, retry_if_transient,
+    make_runner, mounts_for, 
     run_step, spec_file, step_available,
 )
 from tasks.runners import StepInvocation
@@ -43,10 +44,7 @@ class ModelLocation(BaseModel):
 
 @task(
     name=STEP,
-    retries=STEP_RETRIES,
-    retry_delay_seconds=STEP_RETRY_DELAYS_S,
-    retry_jitter_factor=STEP_RETRY_JITTER,
-    retry_condition_fn=retry_if_transient,
+    **STEP_RETRY_POLICY,
 )
 def download(spec: PipelineSpec) -> ModelLocation:
     """`datagen download --spec SPEC`: resolve the revision, fetch what is missing, verify."""

@@ -13,8 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.pipeline_spec import PipelineSpec
 from tasks._common import (
+    STEP_RETRY_POLICY,
     HUB_AND_AWS_CREDENTIAL_ENV,
-    STEP_RETRIES, STEP_RETRY_DELAYS_S, STEP_RETRY_JITTER, make_runner, mounts_for, retry_if_transient,
+    make_runner, mounts_for, 
     run_step, spec_file, step_available,
 )
 from tasks.runners import StepInvocation
@@ -35,10 +36,7 @@ class EnvCheckOutcome(BaseModel):
 
 @task(
     name=STEP,
-    retries=STEP_RETRIES,
-    retry_delay_seconds=STEP_RETRY_DELAYS_S,
-    retry_jitter_factor=STEP_RETRY_JITTER,
-    retry_condition_fn=retry_if_transient,
+    **STEP_RETRY_POLICY,
 )
 def env_check(spec: PipelineSpec) -> EnvCheckOutcome:
     """`datagen env-check --spec SPEC`: GPUs, engine and patches, model config, storage, credentials."""

@@ -26,8 +26,9 @@ from datagen.pipeline_spec import ShardRange
 from datagen.spec import ExtractSpec, Runner
 from tasks import artifacts
 from tasks._common import (
-    STEP_RETRIES, STEP_RETRY_DELAYS_S, STEP_RETRY_JITTER, cache_key, make_runner, mounts_for,
-    parse_result, retry_if_transient, run_step, spec_file,
+    STEP_RETRY_POLICY,
+    cache_key, make_runner, mounts_for,
+    parse_result, run_step, spec_file,
 )
 from tasks.runners import StepInvocation
 
@@ -140,10 +141,7 @@ def _key_from_parameter(context, parameters) -> str:
 
 @task(
     name="plan",
-    retries=STEP_RETRIES,
-    retry_delay_seconds=STEP_RETRY_DELAYS_S,
-    retry_jitter_factor=STEP_RETRY_JITTER,
-    retry_condition_fn=retry_if_transient,
+    **STEP_RETRY_POLICY,
 )
 def plan(spec: ExtractSpec, *, runner: Runner) -> PlanResult:
     """`datagen plan`: fingerprints, shard keys, and what is on disk. Loads no weights; not cached
@@ -198,10 +196,7 @@ def finalize_cache_key(planned: PlanResult, *, identity: str, out: str) -> str:
     cache_key_fn=_key_from_parameter,
     persist_result=True,
     result_serializer=RESULT_SERIALIZER,
-    retries=STEP_RETRIES,
-    retry_delay_seconds=STEP_RETRY_DELAYS_S,
-    retry_jitter_factor=STEP_RETRY_JITTER,
-    retry_condition_fn=retry_if_transient,
+    **STEP_RETRY_POLICY,
 )
 def extract_range(
     spec: ExtractSpec,
@@ -249,10 +244,7 @@ def extract_range(
     cache_key_fn=_key_from_parameter,
     persist_result=True,
     result_serializer=RESULT_SERIALIZER,
-    retries=STEP_RETRIES,
-    retry_delay_seconds=STEP_RETRY_DELAYS_S,
-    retry_jitter_factor=STEP_RETRY_JITTER,
-    retry_condition_fn=retry_if_transient,
+    **STEP_RETRY_POLICY,
 )
 def finalize(spec: ExtractSpec, *, cache_key: str, runner: Runner) -> DatasetResult:
     """`datagen extract` without --shards after every range: checks every shard, writes the

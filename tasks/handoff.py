@@ -16,9 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.spec import Runner
 from tasks._common import (
+    STEP_RETRY_POLICY,
     AWS_CREDENTIAL_ENV,
-    STEP_RETRIES, STEP_RETRY_DELAYS_S, STEP_RETRY_JITTER, cache_key, make_runner, mounts_for,
-    retry_if_transient, run_step, step_available,
+    cache_key, make_runner, mounts_for,
+    run_step, step_available,
 )
 from tasks.runners import StepInvocation
 from tasks.settings import s3_step_env
@@ -51,10 +52,7 @@ def _key_from_parameter(context, parameters) -> str:
     cache_key_fn=_key_from_parameter,
     persist_result=True,
     result_serializer="json",
-    retries=STEP_RETRIES,
-    retry_delay_seconds=STEP_RETRY_DELAYS_S,
-    retry_jitter_factor=STEP_RETRY_JITTER,
-    retry_condition_fn=retry_if_transient,
+    **STEP_RETRY_POLICY,
 )
 def publish(dataset: str, *, destination: str, cache_key: str, runner: Runner) -> PublishOutcome:
     """`datagen publish DATASET --to s3://...`: shards first, manifest last, only if validated."""

@@ -113,6 +113,8 @@ def test_gpu_count_and_memory_decide_tensor_parallel():
 def test_vllm_outside_the_tested_range_is_reported(model_dir, tmp_path, monkeypatch):
     from datagen.engines import patches
 
+    # A stand-in, named as such: a second vLLM release cannot be installed beside the pinned one
+    # in this environment, so the version the check reads is replaced; the check itself is real.
     monkeypatch.setattr(patches, "installed_vllm_version", lambda: "0.10.1")
     report = env_check.run(spec_for(model_dir, tmp_path / "out"))
     version = check(report, "engine_version")
@@ -126,6 +128,7 @@ def test_vllm_outside_the_tested_range_is_reported(model_dir, tmp_path, monkeypa
 def test_missing_vllm_is_reported(model_dir, tmp_path, monkeypatch):
     from datagen.engines import patches
 
+    # A stand-in, named as such: the environment has vLLM installed (the tests need it).
     monkeypatch.setattr(patches, "installed_vllm_version", lambda: None)
     version = check(env_check.run(spec_for(model_dir, tmp_path / "out")), "engine_version")
     assert version.status is Status.FAILED and "not installed" in version.detail
