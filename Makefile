@@ -33,7 +33,7 @@ test: setup services
 services:
 	scripts/services.sh
 
-images: setup
+images: setup services
 	$(PY) images/build.py
 
 bench: setup
