@@ -238,6 +238,32 @@ def read_range_into(client, bucket: str, key: str, fd: int, *, start: int, end: 
         raise StorageError(f"short read of {where} bytes {start}-{end}: got {offset - start}", hint="retry")
 
 
+def get_range(client, bucket: str, key: str, *, start: int, end: int, etag: str | None = None) -> bytes:
+    """Bytes [start, end) of an object in one ranged GET. With ``etag``, refused (StorageError)
+    if the object no longer has it: a reader pinned to the object it checked never mixes two
+    versions of a shard."""
+    if end <= start:
+        return b""
+    where = f"s3://{bucket}/{key}"
+    extra = {"IfMatch": f'"{etag}"'} if etag else {}
+    with _translated("read", where):
+        data = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **extra)["Body"].read()
+    if len(data) != end - start:
+        raise StorageError(f"short read of {where} bytes {start}-{end}: got {len(data)}", hint="retry")
+    return data
+
+
+def sha256_object(client, bucket: str, key: str, *, etag: str | None = None) -> str:
+    """sha256 of a whole object, streamed (nothing is kept in memory or on disk)."""
+    extra = {"IfMatch": f'"{etag}"'} if etag else {}
+    h = hashlib.sha256()
+    with _translated("read", f"s3://{bucket}/{key}"):
+        body = client.get_object(Bucket=bucket, Key=key, **extra)["Body"]
+        for block in body.iter_chunks(1024 * 1024):
+            h.update(block)
+    return h.hexdigest()
+
+
 def put_bytes(client, bucket: str, key: str, data: bytes, *, sha256: str, content_type: str) -> None:
     """Write a small object in one request, with its checksum checked by the server."""
     with _translated("write", f"s3://{bucket}/{key}"):

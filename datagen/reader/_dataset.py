@@ -1,0 +1,186 @@
+"""``DatasetReader``: every sample of a dataset by number, read straight from its shards."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from pydantic import ValidationError
+
+from datagen.contract import FORMAT_VERSION, MANIFEST_NAME, Manifest
+from datagen.errors import DatasetError
+from datagen.reader._shards import (
+    FP8_CODES, ST_DTYPES, STORAGE_CODES, Expected, OpenShard, open_shard, verify_content,
+)
+from datagen.reader._store import LocalStore, open_store
+
+log = logging.getLogger(__name__)
+
+
+class Verify(str, enum.Enum):
+    """How a shard's content is checked against the manifest's sha256 before it is trained on.
+
+    Size, header, shard key, layers and tensor shapes are checked in every mode, when the
+    dataset is opened.
+    """
+
+    AUTO = "auto"  # FULL for a local dataset, STORED for S3
+    FULL = "full"  # hash the whole shard the first time one of its samples is read (once per process)
+    STORED = "stored"  # S3 only: the object's sha256 metadata must equal the manifest's; reads pinned to its ETag
+    NONE = "none"  # no content check (the dataset was validated where it lies and cannot change)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One training sample."""
+
+    row: int  # dataset row (line of the source JSONL)
+    input_ids: torch.Tensor  # int64 [T]
+    loss_mask: torch.Tensor  # int64 [T], 1 on assistant tokens
+    hidden_states: torch.Tensor  # [T, L, H] in the reader's dtype (bf16 by default), layers in layer_ids order
+
+
+def _expected(m: Manifest, where: str) -> Expected:
+    spec = m.spec
+    try:
+        layer_ids = tuple(int(i) for i in spec["layer_ids"])
+        hidden = int(spec["model"]["hidden_size"])
+        name = str(spec.get("storage_dtype") or spec["dtype"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise DatasetError(f"the manifest's spec lacks the layers, hidden size or dtype ({e})", path=where,
+                           hint="this is not a dataset written by `datagen extract`") from None
+    if name not in STORAGE_CODES:
+        raise DatasetError(f"hidden states stored as {name!r}, which this reader does not know", path=where,
+                           hint=f"known: {', '.join(sorted(STORAGE_CODES))}; update datagen")
+    return Expected(layer_ids=layer_ids, hidden_size=hidden, storage_code=STORAGE_CODES[name])
+
+
+class DatasetReader:
+    """Samples of a dataset (a directory or ``s3://bucket/prefix``), numbered in dataset-row order.
+
+    Sample ``i`` is the i-th stored sample in dataset-row order (skipped rows left out), the same
+    numbering as ``datagen export``'s ``hs_<i>``. The reader pickles small (the manifest and each
+    shard's header tensors), so DataLoader workers do not open the dataset again.
+    """
+
+    def __init__(self, location: str, *, verify: Verify = Verify.AUTO, dtype: torch.dtype = torch.bfloat16,
+                 open_threads: int = 16) -> None:
+        self.location = str(location)
+        self.store = open_store(location)
+        is_local = isinstance(self.store, LocalStore)
+        if verify is Verify.AUTO:
+            verify = Verify.FULL if is_local else Verify.STORED
+        if verify is Verify.STORED and is_local:
+            raise DatasetError("Verify.STORED needs an S3 dataset (objects record their sha256)",
+                               path=self.location, hint="use Verify.FULL (or AUTO) for a local dataset")
+        self.verify = verify
+        self.dtype = dtype
+        raw = self.store.read_text(MANIFEST_NAME)
+        try:
+            self.manifest = Manifest.model_validate_json(raw)
+        except ValidationError as e:
+            raise DatasetError(f"manifest.json does not match the contract: {e.errors()[0]['msg']}",
+                               path=self.location, hint="run `datagen validate` for details") from e
+        if self.manifest.format_version != FORMAT_VERSION:
+            raise DatasetError(f"format version {self.manifest.format_version}; this reader reads {FORMAT_VERSION}",
+                               path=self.location, hint="use the datagen release that wrote the dataset")
+        self.expected = _expected(self.manifest, self.location)
+        records = [r for r in self.manifest.shards if r.samples]
+        with ThreadPoolExecutor(max(1, min(open_threads, len(records))), thread_name_prefix="reader-open") as ex:
+            self.shards: list[OpenShard] = list(ex.map(
+                lambda r: open_shard(self.store, r, self.expected,
+                                     stored_sha256_required=verify is Verify.STORED), records))
+        if verify is Verify.NONE:
+            for s in self.shards:
+                s.verified = True
+        # sample i -> (shard, position in the shard), in dataset-row order
+        refs = [(int(row), k, pos) for k, s in enumerate(self.shards) for pos, row in enumerate(s.sample_index.tolist())]
+        refs.sort()
+        self._shard_of = torch.tensor([k for _, k, _ in refs], dtype=torch.int32)
+        self._pos = torch.tensor([p for _, _, p in refs], dtype=torch.int32)
+        self.rows = [r for r, _, _ in refs]
+        self.lengths = [int(self.shards[k].offsets[p + 1] - self.shards[k].offsets[p]) for _, k, p in refs]
+        self._locks: dict[int, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+        log.info("opened %s: %d samples in %d shards (verify=%s)", self.location, len(refs), len(self.shards),
+                 verify.value)
+
+    # -- shape of the dataset -------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return self.expected.layer_ids
+
+    @property
+    def hidden_size(self) -> int:
+        return self.expected.hidden_size
+
+    def shard_samples(self) -> list[list[int]]:
+        """For each opened shard, its sample numbers (in dataset-row order)."""
+        out: list[list[int]] = [[] for _ in self.shards]
+        for i, k in enumerate(self._shard_of.tolist()):
+            out[k].append(i)
+        return out
+
+    # -- reading --------------------------------------------------------------------------------
+    def ensure_verified(self, k: int) -> None:
+        """Check shard k's content per ``verify`` before any of its samples is handed out."""
+        s = self.shards[k]
+        if s.verified:
+            return
+        with self._locks_guard:
+            lock = self._locks.setdefault(k, threading.Lock())
+        with lock:
+            if not s.verified:
+                verify_content(self.store, s)
+
+    def __getitem__(self, i: int) -> Sample:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} of {len(self)}")
+        k, p = int(self._shard_of[i]), int(self._pos[i])
+        self.ensure_verified(k)
+        s = self.shards[k]
+        a, b = int(s.offsets[p]), int(s.offsets[p + 1])
+        rb = s.row_bytes
+        buf = self.store.read(s.record.path, s.states.start + a * rb, s.states.start + b * rb, etag=s.info.etag)
+        if not isinstance(buf, bytearray):
+            buf = bytearray(buf)
+        _, layers, hidden = s.states.shape
+        hs = torch.frombuffer(buf, dtype=ST_DTYPES[s.states.dtype]).view(b - a, layers, hidden)
+        if s.states.dtype in FP8_CODES:
+            hs = (hs.to(torch.float32) * s.scale[a:b].unsqueeze(-1)).to(self.dtype)
+        elif hs.dtype != self.dtype:
+            hs = hs.to(self.dtype)
+        return Sample(row=self.rows[i], input_ids=s.input_ids[a:b].to(torch.int64),
+                      loss_mask=s.loss_mask[a:b].to(torch.int64), hidden_states=hs)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        del state["_locks"], state["_locks_guard"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._locks, self._locks_guard = {}, threading.Lock()
+
+
+def open_dataset(location, *, verify: Verify = Verify.AUTO, dtype: torch.dtype = torch.bfloat16) -> DatasetReader:
+    """Open the dataset at ``location`` (a directory or ``s3://bucket/prefix``) for reading.
+
+    Args:
+        location: the dataset's root (it holds ``manifest.json``).
+        verify: how shard contents are checked against the manifest (``Verify``).
+        dtype: dtype of the hidden states handed out (fp8 shards are dequantized to it).
+
+    Raises:
+        DatasetError: no manifest, or one this reader cannot read.
+        ShardRefused: a shard's size, header, key, layers or tensors disagree with the manifest
+            (when opening), or its sha256 (when first read, per ``verify``).
+    """
+    return DatasetReader(str(location), verify=verify, dtype=dtype)
