@@ -36,6 +36,19 @@ def model_cache() -> Path:
     return Path(os.environ.get("DATAGEN_MODEL_CACHE", Path.home() / ".cache" / "datagen" / "models"))
 
 
+def spool_dir() -> Path | None:
+    """DATAGEN_SPOOL: this host's local directory where a fanned-out range writes its shards before
+    they are uploaded to the dataset's bucket (fast local disk); unset: the spec's output."""
+    raw = os.environ.get("DATAGEN_SPOOL")
+    return Path(raw) if raw else None
+
+
+def lost_host_window_s(default: int) -> int:
+    """DATAGEN_LOST_HOST_WINDOW_S: seconds without a flow-run heartbeat after which the lost-host
+    automation marks the run Crashed (read when the automation is deployed)."""
+    return _int("DATAGEN_LOST_HOST_WINDOW_S", default)
+
+
 def progress_interval_s() -> float:
     """DATAGEN_PROGRESS_INTERVAL: seconds between progress log lines when not on a terminal."""
     return _float("DATAGEN_PROGRESS_INTERVAL", 10.0)
