@@ -49,7 +49,7 @@ class PreparedDataset:
     truncated: list[TruncatedRow]
     line_hashes: list[bytes]  # sha256 digest of each row's raw bytes
     chat_template_hash: str | None  # sha256 of the chat template when chat rows exist
-    tokenizer_hash: str | None  # sha256 of tokenizer.json when chat rows exist
+    tokenizer_hash: str | None  # tokenizer_fingerprint() when chat rows exist
     kinds: set[str] = field(default_factory=set)  # {"chat", "tokens"}
 
     def shard_rows_hash(self, first: int, count: int) -> str:
@@ -151,6 +151,15 @@ def _check_tokens_row(obj: dict, *, path: str, line: int, vocab_size: int) -> tu
     return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
 
 
+# Optional message fields a chat template may render (tool calls, thinking blocks), by role.
+OPTIONAL_FIELDS = {
+    "assistant": {"reasoning_content", "tool_calls", "name"},
+    "tool": {"tool_call_id", "name"},
+    "user": {"name"},
+    "system": {"name"},
+}
+
+
 def _check_messages(obj: dict, *, path: str, line: int) -> list[dict]:
     unknown = set(obj) - {"messages"}
     if unknown:
@@ -162,9 +171,9 @@ def _check_messages(obj: dict, *, path: str, line: int) -> list[dict]:
     if not isinstance(msgs, list):
         raise DatasetError("messages must be a list", path=path, line=line, hint="see README")
     for j, m in enumerate(msgs):
-        if not isinstance(m, dict) or set(m) - {"role", "content"} or "role" not in m or "content" not in m:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise DatasetError(
-                f"message {j} must be an object with exactly 'role' and 'content'",
+                f"message {j} must be an object with exactly 'role' and 'content' (and its role's optional fields)",
                 path=path, line=line, hint='e.g. {"role": "user", "content": "hi"}',
             )
         if not isinstance(m["role"], str) or m["role"] not in ROLES:
@@ -172,52 +181,132 @@ def _check_messages(obj: dict, *, path: str, line: int) -> list[dict]:
                 f"message {j} has unknown role {m['role']!r}", path=path, line=line,
                 hint=f"roles are {', '.join(sorted(ROLES))}",
             )
+        extra = set(m) - {"role", "content"} - OPTIONAL_FIELDS[m["role"]]
+        if extra:
+            allowed = ", ".join(sorted(OPTIONAL_FIELDS[m["role"]]))
+            raise DatasetError(
+                f"message {j} ({m['role']}) has unknown fields {sorted(extra)}", path=path, line=line,
+                hint=f"a {m['role']} message has role, content and optionally {allowed}",
+            )
         if not isinstance(m["content"], str):
             raise DatasetError(
                 f"message {j} content must be a string, got {type(m['content']).__name__}",
                 path=path, line=line, hint="write the text of the message as a JSON string",
             )
+        for key in ("reasoning_content", "tool_call_id", "name"):
+            if key in m and not isinstance(m[key], str):
+                raise DatasetError(f"message {j} {key} must be a string", path=path, line=line,
+                                   hint=f"write {key} as a JSON string")
+        if "tool_calls" in m and not _valid_tool_calls(m["tool_calls"]):
+            raise DatasetError(
+                f"message {j} tool_calls must be a list of {{id, type, function: {{name, arguments}}}}",
+                path=path, line=line,
+                hint='e.g. [{"id": "f:0", "type": "function", "function": {"name": "f", "arguments": "{}"}}]',
+            )
     return msgs
 
 
-def tokenize_chat(tokenizer, messages: list[dict], *, path: str = "", line: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids and the assistant loss mask of one chat.
+def _valid_tool_calls(calls) -> bool:
+    if not isinstance(calls, list):
+        return False
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if (not isinstance(fn, dict) or not isinstance(c.get("id"), str) or not isinstance(fn.get("name"), str)
+                or not isinstance(fn.get("arguments"), (str, dict))):
+            return False
+    return True
 
-    The template is rendered for each prefix of the chat: the text between the
-    prompt for assistant turn i (``add_generation_prompt=True``) and the render
-    that includes turn i is that turn's target, end-of-turn token included.
-    Tokens are marked by character offsets in the full render, so the mask is
-    right whatever the tokenizer merges across turn boundaries.
+
+def target_spans(tokenizer, messages: list[dict], *, path: str = "", line: int = 0) -> tuple[str, list[tuple[int, int]]]:
+    """The whole chat's render and the character spans of its assistant targets.
+
+    The template is rendered for each prefix of the chat: the text between the prompt for
+    assistant turn i (``add_generation_prompt=True``) and the render that includes turn i is that
+    turn's target (thinking block, content, tool calls and end-of-turn marker, whatever the
+    template writes after the prompt). Both renders must be prefixes of the whole chat's.
     """
     def render(msgs, gen):
         return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
 
     full = render(messages, False)
-    spans = []
+    spans: list[tuple[int, int]] = []
     for i, m in enumerate(messages):
         if m["role"] != TARGET_ROLE:
             continue
         start_text = render(messages[:i], True)
         end_text = render(messages[: i + 1], False)
-        if not full.startswith(start_text) or not full.startswith(end_text):
+        if not full.startswith(start_text) or not full.startswith(end_text) or len(end_text) < len(start_text):
             raise DatasetError(
-                "the chat template does not render this chat's prefixes as prefixes of the "
-                "whole chat, so assistant tokens cannot be located",
+                f"the chat template renders the chat up to message {i} differently from the whole chat "
+                "(it is not a prefix of it: the template rewrites earlier turns, e.g. drops their "
+                "reasoning), so assistant tokens cannot be located",
                 path=path, line=line,
-                hint="pre-tokenize this dataset with input_ids and loss_mask",
+                hint="split the chat at that turn, or pre-tokenize this dataset with input_ids and loss_mask",
             )
+        if spans and len(start_text) < spans[-1][1]:
+            raise DatasetError(f"assistant message {i} starts before the previous one ends in the render",
+                               path=path, line=line, hint="pre-tokenize this dataset with input_ids and loss_mask")
         spans.append((len(start_text), len(end_text)))
+    return full, spans
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+
+def tokenize_chat(tokenizer, messages: list[dict], *, path: str = "", line: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and the assistant loss mask of one chat, with any tokenizer (slow or fast).
+
+    The render is cut at the targets' boundaries and tokenized piece by piece; the pieces'
+    tokens concatenated must equal the whole render's tokenization, which makes the mask exact
+    (no token straddles a boundary). Chat templates put a special token or a newline at every
+    turn boundary, where BPE does not merge; a tokenizer that merges across one anyway is read
+    by character offsets when it is a fast tokenizer (a token is a target when its first
+    character is), and refused otherwise.
+    """
+    full, spans = target_spans(tokenizer, messages, path=path, line=line)
+    cuts = sorted({0, len(full), *(c for span in spans for c in span)})
+    ids: list[int] = []
+    mask: list[int] = []
+    for a, b in zip(cuts, cuts[1:]):
+        piece = _ids(tokenizer, full[a:b])
+        target = any(s <= a and b <= e for s, e in spans)
+        ids.extend(piece)
+        mask.extend([int(target)] * len(piece))
+    whole = _ids(tokenizer, full)
+    if whole == ids:
+        return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
+    if getattr(tokenizer, "is_fast", False):
+        return _tokenize_by_offsets(tokenizer, full, spans)
+    first = next((k for k, (x, y) in enumerate(zip(ids, whole)) if x != y), min(len(ids), len(whole)))
+    raise DatasetError(
+        f"the tokenizer merges tokens across an assistant turn's boundary (token {first} differs when "
+        "the turns are tokenized apart), and as a slow tokenizer it gives no character offsets",
+        path=path, line=line,
+        hint="end turns with a special token in the chat template, or pre-tokenize this dataset",
+    )
+
+
+def _tokenize_by_offsets(tokenizer, full: str, spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids = np.asarray(enc["input_ids"], dtype=np.int32)
     mask = np.zeros(len(ids), dtype=np.uint8)
     for t, (s, e) in enumerate(enc["offset_mapping"]):
-        if e <= s:
-            continue
-        for a, b in spans:
-            if s >= a and s < b:
-                mask[t] = 1
-                break
+        if e > s and any(a <= s < b for a, b in spans):
+            mask[t] = 1
     return ids, mask
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of what decides token ids: a fast tokenizer's serialized state, else the class,
+    the vocabulary and the added tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if getattr(tokenizer, "is_fast", False) and backend is not None:
+        return hashlib.sha256(backend.to_str().encode()).hexdigest()
+    added = {int(i): str(t) for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+    state = {"class": type(tokenizer).__name__, "vocab": sorted(tokenizer.get_vocab().items()),
+             "added": sorted(added.items())}
+    return hashlib.sha256(json.dumps(state, ensure_ascii=False).encode()).hexdigest()
 
 
 def file_fingerprint(path: str | Path) -> str:
@@ -294,7 +383,7 @@ def prepare_dataset(
     template_hash = tok_hash = None
     if tokenizer is not None:
         template_hash = hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()
-        tok_hash = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
+        tok_hash = tokenizer_fingerprint(tokenizer)
     return PreparedDataset(
         path=str(p),
         rows=len(rows),

@@ -96,13 +96,15 @@ def plan(spec: ExtractSpec) -> Plan:
             )
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(spec.model, trust_remote_code=spec.engine.trust_remote_code)
+        try:  # slow or fast; its own code (Kimi's tokenization_kimi.py) only when the spec allows it
+            tok = AutoTokenizer.from_pretrained(spec.model, trust_remote_code=spec.engine.trust_remote_code)
+        except (OSError, ValueError, ImportError) as e:
+            raise ModelError(f"transformers cannot load the tokenizer of {spec.model}: {e}",
+                             hint="a tokenizer shipped as code needs engine.trust_remote_code=true; "
+                                  "or pre-tokenize the dataset") from e
         if not getattr(tok, "chat_template", None):
             raise ModelError(f"the tokenizer of {spec.model} has no chat template",
                              hint="add chat_template to tokenizer_config.json, or pre-tokenize the dataset")
-        if not tok.is_fast:
-            raise ModelError("the tokenizer is not a fast tokenizer; loss masks need character offsets",
-                             hint="provide tokenizer.json, or pre-tokenize the dataset")
         return tok
 
     data = prepare_dataset(spec.dataset, load_tokenizer=load_tokenizer, vocab_size=info.vocab_size,

@@ -208,7 +208,7 @@ def inspect_model(path: str | Path, *, trust_remote_code: bool = False) -> Model
     files = _weight_files(d)
     for name in files:
         read_safetensors_header(d / name)
-    has_tok = (d / "tokenizer.json").is_file() or (d / "tokenizer.model").is_file()
+    has_tok = has_tokenizer_files(d)
     return ModelInfo(
         path=str(d.resolve()),
         architecture=arch,
@@ -221,6 +221,17 @@ def inspect_model(path: str | Path, *, trust_remote_code: bool = False) -> Model
         has_tokenizer=has_tok,
         wants_remote_code=wants_remote,
     )
+
+
+# A tokenizer's own files: fast (tokenizer.json), sentencepiece, tiktoken ranks (Kimi's tiktoken.model,
+# *.tiktoken), GPT-2 style vocab + merges.
+TOKENIZER_FILE_GLOBS = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "*.tiktoken", "vocab.json", "spiece.model")
+
+
+def has_tokenizer_files(d: Path) -> bool:
+    """True when ``d`` holds a tokenizer transformers can load (a tokenizer class shipped as code,
+    as Kimi-K2.5's, is named in tokenizer_config.json's auto_map and reads one of these files)."""
+    return any(p.is_file() for g in TOKENIZER_FILE_GLOBS for p in d.glob(g))
 
 
 def model_content_hash(info: ModelInfo) -> str:
