@@ -96,6 +96,179 @@ def _on_cuda() -> bool:
         return False
 
 
+# --- deepseek-final-layer-aux ------------------------------------------------------------------
+# vLLM 0.24.0's DeepseekV2Model (the decoder of DeepSeek-V2/V3, Kimi-K2 and Kimi-K2.5's
+# language_model) adds aux states only inside its layer loop, so id N (= num_hidden_layers: the
+# last layer's output before the final norm) is silently dropped; 0.32.0 adds it after the loop.
+# The patch gives 0.24.0's forward the two lines 0.32.0 has, by rewriting the released source
+# (inserted right before the final norm, after the pipeline-parallel early return), so every other
+# line stays vLLM's own. It is installed in the worker process when the capture extension is
+# imported: before the model is built, so torch.compile traces and CUDA graphs capture the patched
+# forward. It acts on the class, so it applies to whatever model's decoder is that class.
+
+DEEPSEEK_FINAL_LAYER_AUX = "deepseek-final-layer-aux"
+# Text-config model_types whose vLLM decoder is DeepseekV2Model (vLLM's registry, 0.24.0 and 0.32.0).
+DEEPSEEK_DECODER_MODEL_TYPES = frozenset({"deepseek", "deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2"})
+_FINAL_NORM_LINE = "hidden_states, _ = self.norm(hidden_states, residual)"
+_FINAL_AUX_TEST = "self.end_layer in self.aux_hidden_state_layers"
+_PATCH_FILENAME = f"<datagen patch {DEEPSEEK_FINAL_LAYER_AUX}>"
+
+
+def _deepseek_forward_source() -> tuple[str, int]:
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV2Model
+
+    fn = getattr(DeepseekV2Model.forward, "_datagen_original", DeepseekV2Model.forward)
+    lines, first = inspect.getsourcelines(fn)
+    return "".join(lines), first
+
+
+def deepseek_returns_final_layer(source: str | None = None) -> bool:
+    """True when DeepseekV2Model.forward (as released, or ``source``) returns aux id N itself."""
+    src = source if source is not None else _deepseek_forward_source()[0]
+    return _FINAL_AUX_TEST in src
+
+
+def patched_deepseek_forward_source(source: str) -> str:
+    """0.24.0's forward with id N added before the final norm, as 0.32.0 does (dedented)."""
+    import textwrap
+
+    src = textwrap.dedent(source)
+    hits = [i for i, line in enumerate(src.splitlines()) if line.strip() == _FINAL_NORM_LINE]
+    assert len(hits) == 1, f"DeepseekV2Model.forward has {len(hits)} final-norm lines ({_FINAL_NORM_LINE!r}), not 1"
+    lines = src.splitlines(keepends=True)
+    line = lines[hits[0]]
+    indent = line[: len(line) - len(line.lstrip())]
+    assert "aux_hidden_states = []" in src and "return hidden_states, aux_hidden_states" in src, (
+        "DeepseekV2Model.forward no longer collects aux_hidden_states as the patch expects")
+    insert = (f"{indent}if {_FINAL_AUX_TEST}:  # datagen patch {DEEPSEEK_FINAL_LAYER_AUX}\n"
+              f"{indent}    aux_hidden_states.append(hidden_states + residual)\n")
+    return "".join(lines[: hits[0]]) + insert + "".join(lines[hits[0]:])
+
+
+def _compile_patched_forward():
+    import linecache
+
+    from vllm.model_executor.models import deepseek_v2
+
+    original = deepseek_v2.DeepseekV2Model.forward
+    original = getattr(original, "_datagen_original", original)
+    source, first = _deepseek_forward_source()
+    patched = patched_deepseek_forward_source(source)
+    # keep the released line numbers (tracebacks, the compile cache's key reads co_firstlineno)
+    code = compile("\n" * (first - 1) + patched, _PATCH_FILENAME, "exec")
+    linecache.cache[_PATCH_FILENAME] = (len(patched), None, ("\n" * (first - 1) + patched).splitlines(True),
+                                        _PATCH_FILENAME)
+    namespace: dict = {}
+    exec(code, deepseek_v2.__dict__, namespace)  # the module's globals: islice, get_pp_group, ...
+    fn = namespace["forward"]
+    fn.__qualname__ = original.__qualname__
+    fn.__module__ = original.__module__
+    fn.__doc__ = original.__doc__
+    fn.__annotations__ = dict(original.__annotations__)
+    fn._datagen_original = original  # noqa: SLF001
+    fn._datagen_patch = DEEPSEEK_FINAL_LAYER_AUX  # noqa: SLF001
+    return fn
+
+
+def install_deepseek_final_layer_aux(version: str | None = None) -> bool:
+    """Install the patch on DeepseekV2Model when this vLLM needs it. True when it is installed.
+
+    Not applied where the released forward already returns id N (0.32.0) or the vLLM release is
+    not one the patch was tested on. Idempotent.
+    """
+    v = version or installed_vllm_version()
+    if v not in _patch(DEEPSEEK_FINAL_LAYER_AUX).versions:
+        return False
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV2Model
+
+    if getattr(DeepseekV2Model.forward, "_datagen_patch", None) == DEEPSEEK_FINAL_LAYER_AUX:
+        return True
+    if deepseek_returns_final_layer():
+        return False
+    DeepseekV2Model.forward = _compile_patched_forward()
+    return True
+
+
+def _test_deepseek_final_layer_aux() -> None:
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV2Model, DeepseekV3ForCausalLM
+
+    v = installed_vllm_version()
+    source, _ = _deepseek_forward_source()
+    returns_n = deepseek_returns_final_layer(source)
+    applies = v in _patch(DEEPSEEK_FINAL_LAYER_AUX).versions
+    assert applies != returns_n, (
+        f"vLLM {v}: DeepseekV2Model.forward {'returns' if returns_n else 'does not return'} layer id N, and the "
+        f"patch is {'' if applies else 'not '}applied to this release"
+    )
+    for cls in (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM):
+        assert "set_aux_hidden_state_layers" in dir(cls), f"{cls.__name__} has no set_aux_hidden_state_layers"
+    if not applies:
+        return
+    patched = patched_deepseek_forward_source(source)
+    assert deepseek_returns_final_layer(patched)
+    # the insertion lands after the layer loop and the pipeline-parallel return, before the norm
+    body = patched.splitlines()
+    at = next(i for i, line in enumerate(body) if _FINAL_AUX_TEST in line)
+    assert any("for idx, layer in enumerate" in line for line in body[:at]), "the layer loop is not above the patch"
+    assert any("is_last_rank" in line for line in body[:at]), "the pipeline-parallel return is not above the patch"
+    fn = _compile_patched_forward()
+    assert inspect.signature(fn) == inspect.signature(fn._datagen_original), "the patched forward's signature differs"
+    assert hasattr(DeepseekV2Model, "forward")
+
+
+def _patch(name: str) -> "Patch":
+    return next(p for p in PATCHES if p.name == name)
+
+
+def install_model_patches(vllm_config, version: str | None = None) -> list[str]:
+    """Install the code patches the model about to be built needs; the names installed.
+
+    Called by the capture extension in each worker right before the model runner builds the
+    model (so before torch.compile and CUDA-graph capture). Decided by the text config's
+    ``model_type`` (the decoder vLLM builds), never by the top-level architecture string.
+    """
+    model_config = vllm_config.model_config
+    text = getattr(model_config, "hf_text_config", None) or model_config.hf_config
+    model_type = str(getattr(text, "model_type", ""))
+    installed = []
+    if model_type in DEEPSEEK_DECODER_MODEL_TYPES and install_deepseek_final_layer_aux(version):
+        installed.append(DEEPSEEK_FINAL_LAYER_AUX)
+    return installed
+
+
+def uncapturable_layers(model_type: str, num_hidden_layers: int, layer_ids, version: str | None) -> dict[int, str]:
+    """Layer ids this vLLM release cannot capture for a model whose text config has ``model_type``.
+
+    Decided from the config alone (before any download): the text decoder's family, not the
+    top-level architecture (Kimi-K2.5's wrapper runs a DeepSeek decoder). Returns id -> reason.
+    """
+    out: dict[int, str] = {}
+    if model_type in DEEPSEEK_DECODER_MODEL_TYPES:
+        if 0 in layer_ids:
+            out[0] = ("vLLM's DeepSeek decoder takes aux states as hidden_states + residual before each layer, "
+                      "and there is no residual before layer 0")
+        n = num_hidden_layers
+        if n in layer_ids and version is not None and version not in TESTED_VLLM_VERSIONS:
+            out[n] = f"vLLM {version} is untested; its DeepSeek decoder may not return layer id {n}"
+    return out
+
+
+def check_capturable(model_type: str, num_hidden_layers: int, layer_ids, version: str | None, *,
+                     model: str = "this model") -> None:
+    """EngineUnsupportedError naming each layer this vLLM cannot capture for the model (config only)."""
+    bad = uncapturable_layers(model_type, num_hidden_layers, tuple(layer_ids), version)
+    if bad:
+        engine = f"vLLM {version}" if version else "the vLLM engine"
+        first = min(bad)
+        raise EngineUnsupportedError(
+            f"this engine ({engine}) cannot capture layer {', '.join(map(str, sorted(bad)))} of {model} "
+            f"(text decoder {model_type}): {bad[first]}",
+            hint=f"leave out layer id {', '.join(map(str, sorted(bad)))}: the EAGLE-3 default "
+                 f"{[min(2, num_hidden_layers), num_hidden_layers // 2, max(num_hidden_layers - 3, 0), num_hidden_layers]} "
+                 "is capturable",
+        )
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         "engine-args",
@@ -123,6 +296,14 @@ PATCHES: tuple[Patch, ...] = (
         TESTED_VLLM_VERSIONS,
         "map the LLM's request ids to engine-core ids, which may carry a random suffix",
         _test_request_ids,
+    ),
+    Patch(
+        DEEPSEEK_FINAL_LAYER_AUX,
+        (CUDA_VLLM_RELEASE,),
+        "DeepseekV2Model.forward (DeepSeek-V2/V3, Kimi-K2, Kimi-K2.5's language model) also returns aux layer "
+        "id N (the last layer's output before the final norm, hidden_states + residual) as vLLM 0.32.0 does; "
+        "installed in the worker before the model is built and compiled",
+        _test_deepseek_final_layer_aux,
     ),
     Patch(
         "pin-v1-model-runner",

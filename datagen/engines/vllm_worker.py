@@ -237,6 +237,9 @@ def _install_capture_on_load() -> None:
 
         @functools.wraps(original)
         def load_model(self, *args, _original=original, **kwargs):
+            from datagen.engines.patches import install_model_patches
+
+            install_model_patches(self.vllm_config)  # code patches, before the model is built and compiled
             result = _original(self, *args, **kwargs)
             _enable_capture(self)
             return result
@@ -264,8 +267,3 @@ class CaptureExtension:
     def datagen_collect(self, wait: bool = False) -> dict | None:
         capture = self._datagen()
         return None if capture is None else capture.collect(wait)
-
-    def datagen_attention_backends(self) -> list[str]:
-        """Names of the attention backends the loaded model's layers run (e.g. ["CPU_MLA"])."""
-        layers = self.vllm_config.compilation_config.static_forward_context.values()
-        return sorted({layer.attn_backend.get_name() for layer in layers if hasattr(layer, "attn_backend")})
