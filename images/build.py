@@ -1,7 +1,8 @@
 """Builds the step images that are missing and prints their tags (`make images`).
 
     python images/build.py                      # datagen-steps and datagen-extract-cpu
-    python images/build.py datagen-extract-cuda --base-image vllm/vllm-openai:v0.24.0
+    python images/build.py datagen-extract-cuda # the GPU image, from wheels (`make images-cuda`)
+    python images/build.py datagen-extract-cuda-official --base-image vllm/vllm-openai@sha256:...
 
 An image whose tag (``images/tags.py``: project version + hash of its inputs) already exists
 is not built again, so a second run with nothing changed builds nothing and prints the same
