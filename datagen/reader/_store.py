@@ -69,7 +69,11 @@ class LocalStore:
         return self.root / _inside(rel)
 
     def read_text(self, rel: str) -> bytes:
-        return self._path(rel).read_bytes()
+        try:
+            return self._path(rel).read_bytes()
+        except FileNotFoundError:
+            raise DatasetError(f"no {rel}: the dataset is incomplete or not a datagen dataset", path=self.uri,
+                               hint="finish `datagen extract` (it writes the manifest last)") from None
 
     def info(self, rel: str) -> FileInfo:
         try:

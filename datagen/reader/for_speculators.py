@@ -1,0 +1,77 @@
+"""speculators (0.9.x) trains from the shards without ``datagen export``.
+
+``SpeculatorsDataset`` is a ``speculators.train.data.BaseDataset``: it hands speculators'
+``CollateFn`` exactly what its ``ArrowDataset`` hands it from an export (the same keys, dtypes
+and shapes: aux layers flattened into ``hidden_states`` [T, (L-1)*H], the final layer as
+``verifier_last_hidden_states`` [T, H], int64 ``input_ids`` and ``loss_mask``, plus
+``lengths`` and ``position_ids``), with the same train/val split by ``train_ratio``. So
+speculators' multipack sampler, collate function and trainer run unchanged::
+
+    from datagen.reader import open_dataset
+    from datagen.reader.for_speculators import SpeculatorsDataset
+
+    data = SpeculatorsDataset(open_dataset("s3://bucket/ds"), max_len=4096, train_ratio=0.9, split="train")
+    loader = speculators.train.dataloader._setup_dataloader(data, 4096, data.hidden_size, ...)
+
+Only this module imports speculators.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from speculators.train.data import BaseDataset
+
+from datagen.errors import SpecError
+from datagen.reader._dataset import DatasetReader
+
+
+class SpeculatorsDataset(BaseDataset):
+    """The reader's samples in speculators' ``ArrowDataset`` form (module docstring).
+
+    Raises:
+        SpecError: the dataset's last layer is not the model's final layer (speculators takes the
+            last captured layer as the verifier's final hidden state), or the split is empty.
+    """
+
+    def __init__(self, reader: DatasetReader, *, max_len: int, train_ratio: float = 1.0,
+                 split: Literal["train", "val"] = "train", hidden_states_dtype: torch.dtype = torch.bfloat16) -> None:
+        final = int(reader.manifest.spec["model"]["num_hidden_layers"])
+        if reader.layer_ids[-1] != final:
+            raise SpecError(f"speculators needs the final layer {final} last; this dataset has {list(reader.layer_ids)}",
+                            hint=f"extract with the final layer in --layers (the EAGLE-3 default ends in {final})")
+        if not 0.0 < train_ratio <= 1.0:
+            raise SpecError(f"train_ratio must be in (0, 1], got {train_ratio}", hint="pass e.g. 0.9")
+        cut = int(len(reader) * train_ratio)  # speculators' ArrowDataset splits the same way
+        self.indices = range(0, cut) if split == "train" else range(cut, len(reader))
+        if not len(self.indices):
+            raise SpecError(f"the {split} split of {len(reader)} samples with train_ratio={train_ratio} is empty",
+                            hint="use more samples or another train_ratio")
+        self.reader = reader
+        super().__init__(max_len, hidden_states_dtype)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.reader.hidden_size
+
+    @property
+    def num_target_layers(self) -> int:
+        """Aux layers speculators' collate function concatenates (all but the final one)."""
+        return len(self.reader.layer_ids) - 1
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def _compute_approx_lengths(self) -> list[int]:
+        return [self.reader.lengths[i] for i in self.indices]
+
+    def _get_raw_data(self, index: int) -> dict:
+        s = self.reader[self.indices[index]]
+        hs = s.hidden_states.to(self.hidden_states_dtype)
+        return {
+            "hidden_states": hs[:, :-1].flatten(1),  # [T, (L-1) * H]
+            "input_ids": s.input_ids,  # int64 [T]
+            "verifier_last_hidden_states": hs[:, -1],  # [T, H]
+            "loss_mask": s.loss_mask,  # int64 [T]
+        }
