@@ -33,6 +33,7 @@ from packaging.version import Version
 
 from datagen.errors import CannotRunHereError, DatagenError
 from images.base import OFFLINE_BASES, ensure_base_image
+from images.lock_cuda import pip_env
 from images.requirements import Pin
 from images.tags import DEFAULT_IMAGES, ROOT, ImageName, ImagePlan, plan_image
 
@@ -109,7 +110,11 @@ def _ensure_wheels(plan: ImagePlan, folder: Path) -> list[Path]:
     missing = [p for p in plan.pins if _key(p) not in _wheels_in(folder)]
     if missing:
         logger.info("wheelhouse %s: downloading %d wheels", folder.name, len(missing))
-        _download(missing, folder, python=plan.recipe.python)
+        # A whole-lock image's pins came from the index alone (images/lock_cuda.py): fetch them
+        # from there too, not from a local wheel folder that may hold another build of a pin
+        # (`torch==2.11.0` also matches a `2.11.0+cpu` wheel).
+        env = pip_env() if plan.recipe.whole_lock else None
+        _download(missing, folder, python=plan.recipe.python, env=env)
     have = _wheels_in(folder)
     for pin in plan.pins:
         if _key(pin) not in have:
@@ -132,7 +137,7 @@ def _wheels_in(folder: Path) -> dict[tuple[str, Version], Path]:
     return wheels
 
 
-def _download(pins: list[Pin], folder: Path, *, python: str) -> None:
+def _download(pins: list[Pin], folder: Path, *, python: str, env: dict | None = None) -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as reqs:
         reqs.write("".join(p.line + "\n" for p in pins))
         reqs.flush()
@@ -144,7 +149,7 @@ def _download(pins: list[Pin], folder: Path, *, python: str) -> None:
             cmd += ["--abi", abi, "--abi", "abi3", "--abi", "none"]
             for platform in ("manylinux_2_28_x86_64", "manylinux2014_x86_64", "linux_x86_64"):
                 cmd += ["--platform", platform]
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         tail = "\n".join(done.stderr.splitlines()[-10:])
         raise CannotRunHereError(

@@ -102,7 +102,7 @@ def _origin(req: Requirement) -> str:
     return "pyproject.toml or " + ROOTS_IN
 
 
-def _pip_env() -> dict[str, str]:
+def pip_env() -> dict[str, str]:
     """The environment without this machine's pip configuration (extra indexes, local wheel
     folders, constraints): the lock must come from the package index alone."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
@@ -132,7 +132,7 @@ def resolve(root: Path, wheelhouse: Path) -> list[Path]:
         for platform in PLATFORMS:
             cmd += ["--platform", platform]
         cmd += ["-r", str(reqs)]
-        done = subprocess.run(cmd, env=_pip_env(), capture_output=True, text=True)
+        done = subprocess.run(cmd, env=pip_env(), capture_output=True, text=True)
         if done.returncode != 0:
             tail = "\n".join(done.stderr.splitlines()[-20:])
             raise CannotRunHereError(
