@@ -26,6 +26,7 @@ from datagen.errors import EXIT_FAILED, EXIT_OK, CannotRunHereError, DatagenErro
 STEPS = {
     "plan": "datagen.plan",
     "extract": "datagen.extract",
+    "assemble": "datagen.assemble",
     "env-check": "datagen.env_check",
     "download": "datagen.download",
     "validate": "datagen.validate",

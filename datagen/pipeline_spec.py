@@ -94,12 +94,14 @@ class FanOutSettings(BaseModel):
         DEFAULT_RANGE_DEPLOYMENT,
         description="Deployment ('flow-name/deployment-name') that extracts one shard range.",
     )
-    lease_ttl_s: float = Field(
+    lease_s: float = Field(
         300.0,
-        gt=0,
-        description="Seconds a range's lease on its shards lives without renewal (renewed every "
-        "third of it). A range whose run is still 'Running' but whose lease expired has lost its "
-        "host: the run is marked Crashed and the range is submitted again.",
+        ge=60,
+        le=86400,
+        description="Seconds of a range's lease on Prefect's server (the one slot of the range's global "
+        "concurrency limit; 60 s at least, the server's minimum). Its holder renews it every three "
+        "quarters of that; a holder whose host died loses it that long after its last renewal, and "
+        "only then does the range's next run start writing.",
     )
     max_resubmits: int = Field(
         3, ge=0, description="How many times one range is submitted again after its run crashed."
@@ -165,13 +167,15 @@ class PipelineSpec(BaseModel):
         "dtype of the stored hidden states, batching limits.",
     )
     output: str = Field(
-        description="Local directory the dataset is written to (shared by all workers when ranges "
-        "fan out to other hosts)."
+        description="Local directory the dataset is written to. Fanned out (ranges_in_flight > 1): "
+        "each worker's spool for its range's shards before upload (under $DATAGEN_SPOOL when set), "
+        "and where the parent assembles the manifest; no host reads another's."
     )
     publish_to: str | None = Field(
         None,
         description="s3://bucket/prefix to publish the finished dataset to (manifest last); "
-        "None: the dataset stays in `output`.",
+        "None: the dataset stays in `output`. Fanned out: where the ranges write their shards "
+        "and the parent the manifest, last.",
     )
     validation: ValidationSettings = Field(
         default_factory=ValidationSettings, description="How the finished dataset is validated."
@@ -323,6 +327,15 @@ class PipelineSpec(BaseModel):
     def fans_out(self) -> bool:
         """True when ranges run as flow runs of ``fan_out.deployment`` rather than in-process."""
         return self.ranges_in_flight > 1
+
+    @model_validator(mode="after")
+    def _fan_out_writes_to_a_bucket(self) -> "PipelineSpec":
+        if self.fans_out and self.publish_to is None:
+            raise ValueError(
+                f"ranges_in_flight {self.ranges_in_flight} fans ranges out to other hosts, which share no file "
+                "system: set publish_to to the s3:// location the ranges write the dataset to"
+            )
+        return self
 
 
 def parse_pipeline_spec(raw: dict[str, Any], *, source: str = "pipeline spec") -> PipelineSpec:

@@ -9,7 +9,9 @@ runner, streams its output into the run log, retries transient faults and caches
 expensive. Shard ranges are the unit of caching, retry and fan-out: with ``ranges_in_flight`` 1
 they run one after the other in this process; with more, each runs as a flow run of the
 ``extract-shards`` deployment on a work pool (``flows/extract_shards.py``), so every GPU host's
-worker takes the next range.
+worker takes the next range, and the dataset is written straight to its bucket (``publish_to``):
+ranges upload their shards, this flow checks every shard object and writes the manifest last
+(``tasks/fanout.py``).
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ from tasks.env_check import env_check
 from tasks.extract import (
     PlanResult, RangeResult, extract_range, finalize, finalize_cache_key, plan, range_cache_key,
 )
-from tasks.fanout import dispatch_range
+from tasks.fanout import assemble, bucket_state, dispatch_range
 from tasks.handoff import PublishOutcome, announce, publish, publish_cache_key
-from tasks.validate import validate, validate_cache_key
+from tasks.validate import ValidationOutcome, validate, validate_cache_key
 
 
 @flow(name="extract", description="Extract a model's hidden states for a dataset into a validated dataset.")
@@ -49,34 +51,15 @@ def extract(spec: PipelineSpec) -> dict:
     planned = plan(xspec, runner=spec.runner)
     identity = runner_identity(spec.runner, gpu=spec.gpus > 0)
     checked.result()
+    if spec.fans_out:  # the dataset lives in its bucket: what is done is what the bucket holds
+        planned = bucket_state(spec, planned)
 
     ranges = _extract_ranges(spec, xspec, planned, identity)
 
-    dataset = finalize.with_options(refresh_cache=not planned.dataset_complete, **_storage(spec))(
-        xspec, cache_key=finalize_cache_key(planned, identity=identity, out=xspec.out), runner=spec.runner
-    )
-    verdict = validate.with_options(
-        refresh_cache=planned.validated_manifest_sha256 != dataset.manifest_sha256, **_storage(spec)
-    )(
-        dataset.dataset,
-        manifest_sha256=dataset.manifest_sha256,
-        cache_key=validate_cache_key(
-            fingerprint=dataset.fingerprint, manifest_sha256=dataset.manifest_sha256, identity=identity,
-            settings=spec.validation,
-        ),
-        runner=spec.runner,
-        settings=spec.validation,
-        model=xspec.model,
-        source=xspec.dataset,
-    )
-    published = PublishOutcome()
-    if spec.publish_to:
-        published = publish.with_options(**_storage(spec))(
-            dataset.dataset,
-            destination=spec.publish_to,
-            cache_key=publish_cache_key(manifest_sha256=dataset.manifest_sha256, destination=spec.publish_to),
-            runner=spec.runner,
-        )
+    if spec.fans_out:
+        dataset, verdict, published = _assemble(spec, xspec, planned, identity)
+    else:
+        dataset, verdict, published = _finalize_validate_publish(spec, xspec, planned, identity)
     changed = any(r.shards_extracted for r, _ in ranges) or not planned.dataset_complete
     uri = published.destination or dataset.dataset
     announce(
@@ -103,6 +86,49 @@ def extract(spec: PipelineSpec) -> dict:
     }
 
 
+def _assemble(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, identity: str):
+    """A fanned-out dataset: every shard object in the bucket checked, the manifest written there
+    last. Its shards were checked against their records when they were uploaded and again here
+    (size, sha256); the validate step reads a local dataset and is not run on it."""
+    dest = spec.publish_to
+    dataset = assemble.with_options(refresh_cache=not planned.dataset_complete, **_storage(spec))(
+        spec, xspec, planned, cache_key=finalize_cache_key(planned, identity=identity, out=dest),
+    )
+    verdict = ValidationOutcome(ran=False, summary="shard objects checked in the bucket (size, sha256); "
+                                                   "the validate step is not run on a fanned-out dataset")
+    return dataset, verdict, PublishOutcome(destination=dest)
+
+
+def _finalize_validate_publish(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, identity: str):
+    """A dataset written on this host: the manifest, validation, then the publish to S3."""
+    dataset = finalize.with_options(refresh_cache=not planned.dataset_complete, **_storage(spec))(
+        xspec, cache_key=finalize_cache_key(planned, identity=identity, out=xspec.out), runner=spec.runner
+    )
+    verdict = validate.with_options(
+        refresh_cache=planned.validated_manifest_sha256 != dataset.manifest_sha256, **_storage(spec)
+    )(
+        dataset.dataset,
+        manifest_sha256=dataset.manifest_sha256,
+        cache_key=validate_cache_key(
+            fingerprint=dataset.fingerprint, manifest_sha256=dataset.manifest_sha256, identity=identity,
+            settings=spec.validation,
+        ),
+        runner=spec.runner,
+        settings=spec.validation,
+        model=xspec.model,
+        source=xspec.dataset,
+    )
+    published = PublishOutcome()
+    if spec.publish_to:
+        published = publish.with_options(**_storage(spec))(
+            dataset.dataset,
+            destination=spec.publish_to,
+            cache_key=publish_cache_key(manifest_sha256=dataset.manifest_sha256, destination=spec.publish_to),
+            runner=spec.runner,
+        )
+    return dataset, verdict, published
+
+
 def _storage(spec: PipelineSpec) -> dict:
     """Task options that put results and cache records in the spec's storage block, if it names one."""
     return {"result_storage": spec.result_storage} if spec.result_storage else {}
@@ -120,14 +146,15 @@ def _extract_ranges(
     )
 
     def submit(r: ShardRange) -> PrefectFuture:
-        key = range_cache_key(planned, r, identity=identity, out=xspec.out)
+        # A fanned-out dataset lives in its bucket (``planned`` says what the bucket holds).
+        key = range_cache_key(planned, r, identity=identity, out=spec.publish_to if spec.fans_out else xspec.out)
         # A range whose shards are not on disk is never served from the cache (the dataset was
         # deleted or moved since the cache record was written).
         refresh = not planned.range_on_disk(r)
         if spec.fans_out:
             return dispatch_range.with_options(refresh_cache=refresh, **_storage(spec)).submit(
                 spec, r, cache_key=key, fingerprint=planned.fingerprint, model_revision=xspec.model_revision,
-                progress=progress,
+                shard_keys=planned.shard_keys[r.first : r.stop], in_bucket=not refresh, progress=progress,
             )
         return extract_range.with_options(refresh_cache=refresh, **_storage(spec)).submit(
             xspec, r, cache_key=key, runner=spec.runner, gpus=spec.gpus, progress=progress

@@ -187,7 +187,8 @@ def _step_images(*, gpu: bool) -> dict[str, str]:
     steps = resolve_image(ImageName.STEPS).tag
     extract = resolve_image(_extract_image(gpu)).tag
     # plan reads the engine's version (part of every fingerprint): it runs in the engine's image.
-    return {"*": steps, "extract": extract, "plan": extract, "env-check": extract}
+    # assemble plans the spec again (the engine's version is in every fingerprint): the same image.
+    return {"*": steps, "extract": extract, "plan": extract, "assemble": extract, "env-check": extract}
 
 
 def runner_identity(kind: Runner, *, gpu: bool = False) -> str:

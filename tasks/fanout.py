@@ -1,50 +1,96 @@
-"""Fan-out: one shard range as a flow run of the `extract-shards` deployment on a work pool.
+"""Fan-out: shard ranges as flow runs of the `extract-shards` deployment, the dataset in a bucket.
 
-``dispatch_range`` is the parent's task for one range. It has the same cache key as the local
-``extract_range`` (and as the child's own ``extract_range``), so a range extracted by any of them
-is Cached for all, and a second run submits nothing. It submits the range with
-``run_deployment`` (a subflow of the parent: the UI shows the tree), then watches the child:
+Nothing here is a scheduler or a lock of ours: exclusivity, lost hosts and placement are Prefect's,
+and the only store hosts share is the dataset's bucket (``datagen.fleet``).
 
-* Completed: the range is done; its outcome is read from the receipt the child left next to its
-  leases (the child may run on another host; the output store is what both share).
-* Crashed: its process or host died. The range is submitted again (``fan_out.max_resubmits``).
-* Running, but its lease expired: the host is gone without a word (a killed worker cannot
-  report). The child is marked Crashed and the range submitted again; the new run takes the
-  expired lease and resumes (complete shards are kept).
-* Failed or Cancelled: permanent (the child already retried its transient faults): the task
-  fails with the child's message.
+Parent side (the `extract` flow with ``ranges_in_flight > 1``):
 
-Scheduling is Prefect's: the pool's workers take ranges as they have room (``--limit``), the
-deployment's and the pool's concurrency limits apply, and per-host GPU limits are global
-concurrency limits the child takes (``flows/extract_shards.py``).
+* ``bucket_state``: what the bucket holds (complete shards, a manifest of this dataset or of
+  another, which is refused). A range whose shards are all there is never submitted.
+* ``dispatch_range``: one range. It creates the range's global concurrency limit (limit 1), submits
+  the range with ``run_deployment`` (a subflow of the parent: the UI shows the tree) and watches the
+  child. Completed: the range is done (its receipt in the bucket says what it did). Crashed: its
+  process or host died -- the worker reports a dead process; a dead host is marked Crashed by the
+  lost-host automation when its heartbeats stop (``flows/automations.py``) -- and the range is
+  submitted again (up to ``fan_out.max_resubmits``). Failed or Cancelled: permanent, the parent
+  fails. Same cache key as ``extract_range``: a second run submits nothing.
+* ``assemble``: every shard object checked, then the manifest written, last.
+
+Child side (``flows/extract_shards.py``):
+
+* ``range_lease``: the range's slot, a server-side lease of ``fan_out.lease_s`` renewed by the
+  holder. A second run of the range waits for it; a holder that stops renewing (its host died) loses
+  it when it expires and the server's repossessor frees the slot; a holder whose renewal fails stops
+  its own execution, so two runs never write one range.
+* ``extract_to_bucket``: extract the shards the bucket lacks into this host's spool, upload each as
+  soon as it is written (publish path, checksums), remove it from the spool.
+
+Per-host GPU limits are global concurrency limits too (``gpu_slots``).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from uuid import UUID
 
 from prefect import get_client, get_run_logger, task
 from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
-from prefect.states import Crashed
 
+from datagen import fleet, s3, settings
+from datagen.contract import MANIFEST_NAME, ShardRecord
+from datagen.errors import StorageError
 from datagen.pipeline_spec import PipelineSpec, ShardRange
+from datagen.spec import ExtractSpec
 from tasks import artifacts
-from tasks.extract import RangeResult
-from tasks.leases import LeaseStore
+from tasks._common import STEP_RETRY_POLICY, make_runner, mounts_for, run_step, scratch_dir, spec_file
+from tasks.extract import DatasetResult, PlanResult, RangeResult, ShardRow, extract_range
+from tasks.runners import StepInvocation
 
 WAITING_LOG_INTERVAL_S = 300.0  # how often "still waiting for a worker" is logged
+UPLOAD_POLL_S = 1.0  # how often a range looks for newly written shards to upload
+RANGE_LIMIT_PREFIX = "datagen-range"
 
 
 class RangeRunFailed(RuntimeError):
     """The flow run of a range failed for a reason a re-run would not fix."""
 
 
+def range_limit_name(fingerprint: str, shard_range: ShardRange) -> str:
+    """The global concurrency limit (limit 1) whose one slot is the lease on a range."""
+    return f"{RANGE_LIMIT_PREFIX}-{fingerprint[:16]}-{shard_range.first}-{shard_range.stop}"
+
+
 def _key_from_parameter(context, parameters) -> str:
     return parameters["cache_key"]
+
+
+def _client(spec: PipelineSpec):
+    transfer = s3.TransferSettings.from_settings()
+    return s3.make_client(transfer), transfer, fleet.location(spec.publish_to)
+
+
+# --- parent side --------------------------------------------------------------------------------
+
+@task(name="bucket-state", **STEP_RETRY_POLICY)
+def bucket_state(spec: PipelineSpec, planned: PlanResult) -> PlanResult:
+    """The plan with what the dataset's bucket holds: its complete shards, and the fingerprint of
+    its manifest. Refuses a bucket location that holds another dataset."""
+    logger = get_run_logger()
+    client, _, dest = _client(spec)
+    manifest = fleet.check_destination(client, dest, planned.fingerprint)
+    done = fleet.shards_in_bucket(client, dest, dict(enumerate(planned.shard_keys)))
+    logger.info("%s holds %d of %d shards%s", dest.uri, len(done), planned.num_shards,
+                " and this dataset's manifest" if manifest else "")
+    return planned.model_copy(update={
+        "shards_complete": sorted(done),
+        "manifest_fingerprint": manifest.fingerprint if manifest else None,
+        "validated_manifest_sha256": None,
+    })
 
 
 @task(
@@ -60,50 +106,69 @@ def dispatch_range(
     *,
     cache_key: str,
     fingerprint: str,
+    shard_keys: list[str],
     model_revision: str | None = None,
+    in_bucket: bool = False,
     progress: UUID | None = None,
 ) -> RangeResult:
-    """Run the range on the pool; re-submit it when its run's host is lost. See the module docstring."""
+    """Run the range on the pool; submit it again when its run is lost. See the module docstring.
+    ``in_bucket``: every shard of the range is in the bucket already; nothing is submitted."""
     logger = get_run_logger()
-    store = LeaseStore(spec.output)
     fan = spec.fan_out
+    client, _, dest = _client(spec)
+    board = artifacts.board(progress)
+    if in_bucket:
+        logger.info("range %s: every shard is in %s already; nothing to submit", shard_range, dest.uri)
+        return _result(shard_range, fingerprint, fleet.read_receipt(client, dest, cache_key)).served_from_cache()
+    limit = range_limit_name(fingerprint, shard_range)
+    with get_client(sync_client=True) as api:
+        api.upsert_global_concurrency_limit_by_name(limit, 1)
     for attempt in range(fan.max_resubmits + 1):
         child = run_deployment(
             fan.deployment,
             parameters={"spec": spec.model_dump(mode="json"), "shard_range": shard_range.model_dump(),
-                        "cache_key": cache_key, "fingerprint": fingerprint, "model_revision": model_revision},
+                        "cache_key": cache_key, "fingerprint": fingerprint, "shard_keys": shard_keys,
+                        "model_revision": model_revision},
             timeout=0,
             flow_run_name=f"range-{shard_range.first}-{shard_range.stop}" + (f"-retry{attempt}" if attempt else ""),
         )
         logger.info("range %s: submitted as flow run %s (%s)", shard_range, child.name, child.id)
-        outcome = _watch(child.id, shard_range, cache_key, store, spec, logger)
+        outcome = _watch(child.id, shard_range, spec, logger)
         if outcome == "completed":
-            receipt = store.read_receipt(cache_key) or {}
-            result = RangeResult.model_validate({"range": shard_range.arg, "shards_extracted": [],
-                                                 "shards_cached": [], "tokens": 0, "seconds": 0.0, **receipt})
-            board = artifacts.board(progress)
+            result = _result(shard_range, fingerprint, fleet.read_receipt(client, dest, cache_key))
             if board is not None:
                 board.set(shard_range.arg, 1.0, force=True)
+            _delete_limit(limit)
             return result
         logger.warning("range %s: flow run %s was lost (%s); submitting the range again", shard_range, child.name, outcome)
     raise RangeRunFailed(
         f"range {shard_range}: its flow run was lost {fan.max_resubmits + 1} times; giving up "
-        "(check the workers of the pool, then re-run: completed ranges are cached)"
+        "(check the workers of the pool, then re-run: the shards in the bucket are kept)"
     )
 
 
-def _watch(run_id: UUID, shard_range: ShardRange, cache_key: str, store: LeaseStore, spec: PipelineSpec,
-           logger) -> str:
+def _result(shard_range: ShardRange, fingerprint: str, receipt: dict | None) -> RangeResult:
+    base = {"range": shard_range.arg, "fingerprint": fingerprint, "shards_extracted": [],
+            "shards_cached": list(shard_range.shards), "tokens": 0, "seconds": 0.0}
+    return RangeResult.model_validate({**base, **(receipt or {}), "range": shard_range.arg})
+
+
+def _delete_limit(name: str) -> None:
+    try:
+        with get_client(sync_client=True) as api:
+            api.delete_global_concurrency_limit_by_name(name)
+    except Exception:  # already gone, or the API is briefly unreachable: a leftover limit is harmless
+        pass
+
+
+def _watch(run_id: UUID, shard_range: ShardRange, spec: PipelineSpec, logger) -> str:
     """Wait for the child's end. Returns "completed" or why it was lost; raises if it failed."""
-    fan = spec.fan_out
-    running_since: float | None = None
     last_waiting_log = time.monotonic()
     with get_client(sync_client=True) as client:
         while True:
             run: FlowRun = client.read_flow_run(run_id)
             state = run.state
             if state is None or state.is_scheduled() or state.is_pending():
-                running_since = None
                 if time.monotonic() - last_waiting_log > WAITING_LOG_INTERVAL_S:
                     logger.info("range %s: still waiting for a worker of the pool (%s)", shard_range,
                                 state.name if state else "no state")
@@ -116,26 +181,204 @@ def _watch(run_id: UUID, shard_range: ShardRange, cache_key: str, store: LeaseSt
                 raise RangeRunFailed(
                     f"range {shard_range}: flow run {run.name} ended {state.name}: {state.message}"
                 )
-            elif state.is_running():
-                running_since = running_since or time.monotonic()
-                if time.monotonic() - running_since > fan.lease_ttl_s and _lost(run_id, shard_range, cache_key, store):
-                    client.set_flow_run_state(
-                        run_id,
-                        Crashed(message=f"lost its host: the lease on range {shard_range} expired "
-                                        f"(not renewed for {fan.lease_ttl_s:.0f} s)"),
-                        force=True,
-                    )
-                    return "lease expired"
-            time.sleep(fan.poll_interval_s)
+            time.sleep(spec.fan_out.poll_interval_s)
 
 
-def _lost(run_id: UUID, shard_range: ShardRange, cache_key: str, store: LeaseStore) -> bool:
-    """No live lease on the range, and no receipt from this run (it releases only after writing it)."""
-    if store.holders(shard_range):
-        return False
-    receipt = store.read_receipt(cache_key) or {}
-    return receipt.get("worker") != str(run_id)
+@task(
+    name="assemble",
+    cache_key_fn=_key_from_parameter,
+    persist_result=True,
+    result_serializer="json",
+    **STEP_RETRY_POLICY,
+)
+def assemble(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, *, cache_key: str) -> DatasetResult:
+    """Check every shard object in the bucket, write the manifest (`datagen assemble`), upload it
+    last. A bucket that already holds this dataset's manifest keeps it."""
+    logger = get_run_logger()
+    client, _, dest = _client(spec)
+    existing = fleet.manifest_in_bucket(client, dest)
+    if existing is not None and existing[1].fingerprint == planned.fingerprint:
+        logger.info("%s already holds this dataset's manifest", dest.uri)
+        return _dataset(dest, existing[0])
+    fleet.check_destination(client, dest, planned.fingerprint)
+    records = fleet.shards_in_bucket(client, dest, dict(enumerate(planned.shard_keys)))
+    logger.info("%s: %d of %d shard objects checked (size, sha256)", dest.uri, len(records), planned.num_shards)
+    out = Path(xspec.out)
+    with scratch_dir() as scratch, spec_file(xspec) as path:
+        fleet.write_records(records, scratch / "records")
+        invocation = StepInvocation(
+            step="assemble", args=("--spec", str(path), "--records", str(scratch / "records")),
+            mounts=mounts_for(out.parent, read_only=(xspec.model, xspec.dataset, path.parent, scratch)),
+            labels={"task": "assemble"},
+        )
+        run_step(invocation, make_runner(spec.runner), log=logger.info)
+    raw = (out / MANIFEST_NAME).read_bytes()
+    fleet.put_manifest(client, dest, raw)
+    logger.info("manifest written: %s/%s", dest.uri, MANIFEST_NAME)
+    return _dataset(dest, raw)
 
+
+def _dataset(dest, raw: bytes) -> DatasetResult:
+    import hashlib
+    import json
+
+    manifest = json.loads(raw)
+    return DatasetResult(
+        dataset=dest.uri,
+        fingerprint=manifest["fingerprint"],
+        manifest_sha256=hashlib.sha256(raw).hexdigest(),
+        layer_ids=manifest["spec"].get("layer_ids", []),
+        engine=manifest["spec"].get("engine", {}),
+        totals=manifest["totals"],
+        shards=[ShardRow.model_validate(s) for s in manifest["shards"]],
+    )
+
+
+# --- child side ---------------------------------------------------------------------------------
+
+@contextmanager
+def range_lease(spec: PipelineSpec, shard_range: ShardRange, fingerprint: str, *, log) -> Iterator[None]:
+    """Hold the range's slot (a lease of ``fan_out.lease_s`` on Prefect's server) while the block
+    runs; wait while another run holds it. A renewal that fails stops this run."""
+    from prefect.client.schemas.objects import ConcurrencyLeaseHolder
+    from prefect.concurrency.sync import concurrency
+    from prefect.runtime import flow_run
+
+    name = range_limit_name(fingerprint, shard_range)
+    with get_client(sync_client=True) as api:
+        api.upsert_global_concurrency_limit_by_name(name, 1)  # the parent made it; a run started by hand too
+    run_id = flow_run.get_id()
+    holder = ConcurrencyLeaseHolder(type="flow_run", id=UUID(str(run_id))) if run_id else None
+    t0 = time.monotonic()
+    log.info("range %s: taking its lease (%s, %.0f s)", shard_range, name, spec.fan_out.lease_s)
+    with concurrency(name, occupy=1, lease_duration=spec.fan_out.lease_s, strict=True, holder=holder,
+                     raise_on_lease_renewal_failure=True):
+        log.info("range %s: lease held (waited %.1f s)", shard_range, time.monotonic() - t0)
+        yield
+
+
+def spool_dir(spec: PipelineSpec) -> Path:
+    """This host's local directory for the range's shards before upload: ``$DATAGEN_SPOOL/<name of
+    the output>``, or the spec's output when DATAGEN_SPOOL is not set."""
+    root = settings.spool_dir()
+    return (root / Path(spec.output).name).absolute() if root is not None else Path(spec.output)
+
+
+def extract_to_bucket(spec: PipelineSpec, xspec: ExtractSpec, shard_range: ShardRange, *, shard_keys: list[str],
+                      cache_key: str, log) -> RangeResult:
+    """Extract the range's shards that the bucket lacks into the spool (``xspec.out``), uploading
+    each as soon as it is written; returns what was done. The parent's plan gives the shard keys."""
+    client, transfer, dest = _client(spec)
+    expected = {k: shard_keys[k - shard_range.first] for k in shard_range.shards}
+    t0 = time.monotonic()
+    held = fleet.shards_in_bucket(client, dest, expected)
+    todo = [k for k in shard_range.shards if k not in held]
+    log.info("range %s: %d shards in %s already, %d to extract", shard_range, len(held), dest.uri, len(todo))
+    storage = {"result_storage": spec.result_storage} if spec.result_storage else {}
+    spool = Path(xspec.out)
+    extracted: list[RangeResult] = []
+    for run in _runs(todo):
+        sub = ShardRange(first=run[0], stop=run[-1] + 1)
+        with _Uploader(client, spool, dest, {k: expected[k] for k in sub.shards}, transfer, log):
+            extracted.append(extract_range.with_options(refresh_cache=True, **storage)(
+                xspec, sub, cache_key=f"{cache_key}-{sub.first}-{sub.stop}", runner=spec.runner, gpus=spec.gpus
+            ))
+    final = fleet.shards_in_bucket(client, dest, expected)
+    missing = [k for k in shard_range.shards if k not in final]
+    if missing:
+        raise StorageError(f"range {shard_range}: shards {missing} are not in {dest.uri} after the range ran",
+                           hint="retry: the range extracts and uploads what is missing")
+    seconds = time.monotonic() - t0
+    tokens_extracted = sum(r.tokens_extracted for r in extracted)
+    return RangeResult(
+        range=shard_range.arg,
+        fingerprint=extracted[0].fingerprint if extracted else "",
+        shards_extracted=todo,
+        shards_cached=sorted(held),
+        tokens=sum(final[k].tokens for k in shard_range.shards),
+        tokens_extracted=tokens_extracted,
+        seconds=round(seconds, 3),
+        tokens_per_s=round(tokens_extracted / seconds, 1) if tokens_extracted and seconds > 0 else 0.0,
+        engine=extracted[0].engine if extracted else {},
+    )
+
+
+def write_receipt(spec: PipelineSpec, cache_key: str, result: RangeResult, worker: str) -> None:
+    client, _, dest = _client(spec)
+    fleet.write_receipt(client, dest, cache_key, {**result.model_dump(mode="json"), "worker": worker})
+
+
+def _runs(indices: list[int]) -> list[list[int]]:
+    """Consecutive runs of sorted indices: each is one `datagen extract --shards A:B`."""
+    runs: list[list[int]] = []
+    for k in indices:
+        if runs and runs[-1][-1] == k - 1:
+            runs[-1].append(k)
+        else:
+            runs.append([k])
+    return runs
+
+
+class _Uploader:
+    """Uploads each shard of ``expected`` as soon as the extraction has written it (its record in
+    the spool names the expected key), then removes it from the spool. A background thread while
+    the extraction runs; a last pass, whose errors are raised, when the block ends."""
+
+    def __init__(self, client, spool: Path, dest, expected: dict[int, str], transfer, log) -> None:
+        self.client, self.spool, self.dest, self.expected, self.transfer, self.log = client, spool, dest, expected, transfer, log
+        self.uploaded: set[int] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="shard-upload", daemon=True)
+
+    def __enter__(self) -> "_Uploader":
+        self._thread.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._stop.set()
+        self._thread.join(timeout=600)
+        if exc_type is None:
+            self.sweep()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(UPLOAD_POLL_S):
+            try:
+                self.sweep()
+            except Exception as e:  # the last pass retries and raises
+                self.log.warning("uploading shards failed (retried at the end of the range): %s", e)
+
+    def _ready(self) -> list[ShardRecord]:
+        ready = []
+        for k, key in self.expected.items():
+            if k in self.uploaded:
+                continue
+            path = self.spool / fleet.record_rel(k)
+            try:
+                rec = ShardRecord.model_validate_json(path.read_bytes())
+            except (OSError, ValueError):
+                continue
+            f = self.spool / rec.path
+            if rec.shard_key == key and rec.index == k and f.is_file() and f.stat().st_size == rec.bytes:
+                ready.append(rec)
+        return ready
+
+    def sweep(self) -> None:
+        with self._lock:
+            ready = self._ready()
+            if not ready:
+                return
+            t0 = time.monotonic()
+            sent = fleet.upload_shards(self.client, self.spool, ready, self.dest, transfer=self.transfer)
+            for rec in ready:
+                self.uploaded.add(rec.index)
+                (self.spool / rec.path).unlink(missing_ok=True)
+            dt = max(time.monotonic() - t0, 1e-6)
+            self.log.info("uploaded shards %s to %s: %.1f MB at %.1f MB/s", [r.index for r in ready], self.dest.uri,
+                          sent / 1e6, sent / dt / 1e6)
+
+
+# --- per-host GPU limits ------------------------------------------------------------------------
 
 def gpu_slots_name(host: str | None = None) -> str:
     """The global concurrency limit of one GPU host: its limit is the host's GPU count."""

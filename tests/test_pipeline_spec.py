@@ -73,9 +73,11 @@ def test_a_bad_field_is_named_in_one_spec_error(overrides, field):
         parse_pipeline_spec(raw)
 
 
-def test_ranges_in_flight_above_one_fans_out():
+def test_ranges_in_flight_above_one_fans_out_to_a_bucket():
     assert not spec().fans_out
-    assert spec(ranges_in_flight=4).fans_out
+    assert spec(ranges_in_flight=4, publish_to="s3://datasets/ds").fans_out
+    with pytest.raises(SpecError, match="publish_to"):
+        parse_pipeline_spec({"model": "m", "dataset": "d.jsonl", "output": "o", "ranges_in_flight": 4})
 
 
 def test_validation_settings_become_validate_options():
