@@ -8,12 +8,13 @@ off by one moves them by tens of percent.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from datagen._validation.report import Findings, Problem, ProblemKind
-from datagen.contract import MANIFEST_NAME, Manifest
+from datagen.contract import MANIFEST_NAME, LayerStats, Manifest
 
 DEFAULT_THRESHOLD = 0.25
 
@@ -45,17 +46,41 @@ def check(current: Manifest, previous: Path, *, threshold: float, findings: Find
         findings.add(Problem(ProblemKind.PREVIOUS_INCOMPATIBLE, "the previous dataset is of another model or "
                              "layer set: " + ", ".join(f"{k} {v[0]} vs {v[1]}" for k, v in differ.items())))
         return details
-    for cur, old in zip(current.layer_stats, prev.layer_stats):
+    for d in layer_drift(current.layer_stats, prev.layer_stats, threshold=threshold):
+        details["layers"][str(d.layer_id)] = {
+            "mean": d.mean, "previous_mean": d.previous_mean, "std": d.std, "previous_std": d.previous_std,
+            "mean_shift_in_std": round(d.mean_shift, 6), "std_ratio": round(d.std_ratio, 6),
+        }
+        if d.drifted:
+            findings.add(Problem(ProblemKind.DRIFT, f"mean moved by {d.mean_shift:.2f} previous std, std changed by "
+                                 f"{d.std_ratio - 1.0:+.1%} (threshold {threshold:.0%})", layer_id=d.layer_id))
+    return details
+
+
+@dataclass(frozen=True)
+class LayerDrift:
+    """How far one layer's statistics moved from the previous dataset's."""
+
+    layer_id: int
+    mean: float
+    previous_mean: float
+    std: float
+    previous_std: float
+    mean_shift: float  # |mean - previous mean| in previous standard deviations
+    std_ratio: float  # std / previous std
+    drifted: bool  # either beyond the threshold
+
+
+def layer_drift(current: list[LayerStats], previous: list[LayerStats], *, threshold: float) -> list[LayerDrift]:
+    """Per-layer drift of ``current`` from ``previous`` (the rule of ``check``); layers without values skipped."""
+    out = []
+    for cur, old in zip(current, previous):
         if not cur.count or not old.count:
             continue
         scale = max(old.std, 1e-12)
         shift = abs(cur.mean - old.mean) / scale
         ratio = cur.std / scale
-        details["layers"][str(cur.layer_id)] = {
-            "mean": cur.mean, "previous_mean": old.mean, "std": cur.std, "previous_std": old.std,
-            "mean_shift_in_std": round(shift, 6), "std_ratio": round(ratio, 6),
-        }
-        if shift > threshold or abs(ratio - 1.0) > threshold:
-            findings.add(Problem(ProblemKind.DRIFT, f"mean moved by {shift:.2f} previous std, std changed by "
-                                 f"{ratio - 1.0:+.1%} (threshold {threshold:.0%})", layer_id=cur.layer_id))
-    return details
+        out.append(LayerDrift(layer_id=cur.layer_id, mean=cur.mean, previous_mean=old.mean, std=cur.std,
+                              previous_std=old.std, mean_shift=shift, std_ratio=ratio,
+                              drifted=shift > threshold or abs(ratio - 1.0) > threshold))
+    return out
