@@ -292,6 +292,32 @@ def check_architecture(spec: SourcesSpec, config: dict) -> Check:
     return Check(name="architecture", status=Status.OK, detail=f"{arch} supports aux hidden-state capture")
 
 
+def check_capture(spec: SourcesSpec, config: dict, layer_ids: tuple[int, ...]) -> Check:
+    """Every layer id capturable by the engine that will run, from config.json alone (before any
+    download): decided by the text decoder (Kimi-K2.5's text_config is DeepSeek's), not the wrapper."""
+    from datagen.engines import patches
+
+    if spec.engine.name is not EngineName.VLLM:
+        return Check(name="capture", status=Status.OK, detail="the transformers engine captures every layer id 0..N")
+    text = _text_config(config)
+    n, model_type = int(text["num_hidden_layers"]), str(text.get("model_type") or config.get("model_type", ""))
+    installed = patches.installed_vllm_version() if "vllm" in _installed_engine_modules() else None
+    versions = [installed] if installed else list(patches.TESTED_VLLM_VERSIONS)
+    for version in versions:
+        bad = patches.uncapturable_layers(model_type, n, layer_ids, version)
+        if bad:
+            ids = ", ".join(map(str, sorted(bad)))
+            return Check(
+                name="capture",
+                status=Status.FAILED,
+                detail=f"this engine (vLLM {version}) cannot capture layer {ids} of this model "
+                       f"({spec.model}, text decoder {model_type}): {bad[min(bad)]}",
+                fix=f"leave out layer id {ids}; the EAGLE-3 default {list(default_layer_ids(n))} is capturable",
+            )
+    return Check(name="capture", status=Status.OK,
+                 detail=f"vLLM {' and '.join(versions)} capture layers {list(layer_ids)} of a {model_type} text decoder")
+
+
 def _installed_engine_modules() -> set[str]:
     import importlib.util
 
@@ -452,6 +478,8 @@ def run(spec: SourcesSpec) -> EnvReport:
         layer_check, layer_ids, hidden = check_layers(spec, facts.config)
         checks.append(layer_check)
         checks.append(_guarded("architecture", lambda: check_architecture(spec, facts.config)))
+        if layer_ids:
+            checks.append(_guarded("capture", lambda: check_capture(spec, facts.config, layer_ids)))
     checks.append(check_tensor_parallel(spec, acc, facts.total_bytes if facts else None))
     checks.append(check_cpu_engine(spec, acc))
     version = _guarded("engine_version", lambda: check_engine_version(spec))

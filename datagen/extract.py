@@ -106,6 +106,11 @@ def plan(spec: ExtractSpec) -> Plan:
     info = inspect_model(spec.model, trust_remote_code=spec.engine.trust_remote_code)
     layer_ids = spec.layer_ids or default_layer_ids(info.num_hidden_layers)
     check_layer_ids(layer_ids, info)
+    if spec.engine.name is EngineName.VLLM:  # from the config alone: the text decoder, not the wrapper
+        from datagen.engines import patches
+
+        patches.check_capturable(info.model_type, info.num_hidden_layers, layer_ids, patches.installed_vllm_version(),
+                                 model=spec.model)
     spec = spec.model_copy(update={"max_seq_len": resolve_max_seq_len(spec, info)})
     engine_desc = describe_engine(spec, info)
 

@@ -56,11 +56,35 @@ class ModelInfo:
     weight_files: tuple[str, ...]
     has_tokenizer: bool
     wants_remote_code: bool
+    # What vLLM runs: the decoder's architecture inside a multimodal wrapper (Kimi-K2.5:
+    # KimiK25ForConditionalGeneration around a DeepseekV3ForCausalLM), and the weights'
+    # quantization (in the real Kimi-K2.5 checkpoint, inside text_config).
+    text_architecture: str | None = None
+    quantization: str | None = None  # "compressed-tensors pack-quantized int4 group 32", None = unquantized
 
 
 def _text_config(cfg: dict) -> dict:
     # Multimodal wrappers (Kimi-K2.5) nest the language model's config.
     return cfg.get("text_config") or cfg
+
+
+def describe_quantization(cfg: dict) -> str | None:
+    """The checkpoint's quantization in words, from config.json (top level or text_config), or None."""
+    q = cfg.get("quantization_config") or _text_config(cfg).get("quantization_config")
+    if not isinstance(q, dict):
+        return None
+    words = [str(q.get("quant_method", "quantized"))]
+    if q.get("format"):
+        words.append(str(q["format"]))
+    groups = q.get("config_groups") or {}
+    for g in groups.values() if isinstance(groups, dict) else []:
+        w = (g or {}).get("weights") or {}
+        if w.get("num_bits"):
+            words.append(f"{w.get('type', 'int')}{w['num_bits']}")
+        if w.get("group_size"):
+            words.append(f"group {w['group_size']}")
+        break
+    return " ".join(words)
 
 
 def read_safetensors_header(path: Path) -> dict:
@@ -220,6 +244,8 @@ def inspect_model(path: str | Path, *, trust_remote_code: bool = False) -> Model
         weight_files=files,
         has_tokenizer=has_tok,
         wants_remote_code=wants_remote,
+        text_architecture=(text.get("architectures") or [None])[0] if text is not cfg else arch,
+        quantization=describe_quantization(cfg),
     )
 
 

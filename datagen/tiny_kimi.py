@@ -210,7 +210,7 @@ def _pack_int4(q):
     import torch
 
     u = (q.to(torch.int32) + 8).reshape(q.shape[0], q.shape[1] // 8, 8)
-    shifts = torch.arange(8, dtype=torch.int32) * 4
+    shifts = torch.arange(8, dtype=torch.int32, device=q.device) * 4
     return (u << shifts).sum(dim=-1, dtype=torch.int32)
 
 
@@ -304,7 +304,7 @@ def make_tiny_kimi(
                 q, scale, deq = _pow2_int4(w, gen)
                 text_tensors[f"{key}.weight"] = deq
                 if quantization == "int4":
-                    quantized[f"{key}.weight_packed"] = _pack_int4(q.cpu())
+                    quantized[f"{key}.weight_packed"] = _pack_int4(q).cpu()
                     quantized[f"{key}.weight_scale"] = scale.cpu()
                     quantized[f"{key}.weight_shape"] = torch.tensor(list(shape), dtype=torch.int32)
     text_tensors["model.norm.weight"] = ones(H)

@@ -184,3 +184,43 @@ def test_tiny_kimi_checkpoint_has_kimi_names_config_and_int4_layout(tmp_path):
         "KimiK25ForConditionalGeneration", "kimi_k2", 3, 256)
     twin = json.loads((p.twin / "config.json").read_text())
     assert twin["architectures"] == ["DeepseekV3ForCausalLM"] and "quantization_config" not in twin
+
+
+# --- capture-ability before any download -----------------------------------------------------------
+
+def test_env_check_says_which_layer_this_engine_cannot_capture_from_the_config_alone(tmp_path):
+    from datagen import env_check
+    from datagen.sources import parse_sources_spec
+    from datagen.tiny_kimi import text_config
+
+    model = tmp_path / "kimi-config-only"
+    model.mkdir()
+    text = text_config(vocab_size=163840, num_layers=61, hidden_size=7168, num_attention_heads=64, q_lora_rank=1536,
+                       kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                       intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=384,
+                       num_experts_per_tok=8, max_position_embeddings=262144)
+    (model / "config.json").write_text(json.dumps({"architectures": ["KimiK25ForConditionalGeneration"],
+                                                   "model_type": "kimi_k25", "text_config": text}))
+    bad = env_check.run(parse_sources_spec({"model": str(model), "out": str(tmp_path / "o"), "layer_ids": [0, 30, 61]}))
+    c = next(c for c in bad.checks if c.name == "capture")
+    assert c.status is env_check.Status.FAILED and "cannot capture layer 0 of this model" in c.detail, c.detail
+    assert "kimi_k2" in c.detail and "[2, 30, 58, 61]" in c.fix
+    good = env_check.run(parse_sources_spec({"model": str(model), "out": str(tmp_path / "o"), "layer_ids": [2, 30, 58, 61]}))
+    c = next(c for c in good.checks if c.name == "capture")
+    assert c.status is env_check.Status.OK, c.detail
+
+
+def test_plan_refuses_a_layer_the_engine_cannot_capture(tmp_path):
+    from datagen.tiny_kimi import make_tiny_kimi
+    from tests.builders import result_of, run_datagen, token_rows, write_jsonl
+
+    p = make_tiny_kimi(tmp_path / "kimi", quantization="int4", vocab_size=512, num_layers=3, n_routed_experts=4,
+                       write_twin=False)
+    data = write_jsonl(tmp_path / "rows.jsonl", token_rows([5, 9], vocab=512))
+    args = ("plan", "--model", str(p.model), "--dataset", str(data), "--out", str(tmp_path / "out"), "--engine", "vllm")
+    proc = run_datagen(*args, "--layers", "0,2,3")
+    assert proc.returncode != 0 and "cannot capture layer 0 of" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
+    ok = run_datagen(*args, "--layers", "1,2,3")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert result_of(ok)["layer_ids"] == [1, 2, 3]
