@@ -15,12 +15,13 @@ import shutil
 import struct
 import subprocess
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from datagen.contract import MANIFEST_NAME
-from datagen.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_VALIDATION, SpecError
+from datagen.errors import EXIT_BAD_INPUT, EXIT_CANNOT_RUN_HERE, EXIT_OK, EXIT_VALIDATION, SpecError
 from tests.builders import REPO, datagen_cmd, result_of, run_datagen, token_rows, write_jsonl
 from tests.faults._refusal import assert_refused, run_cli, tree
 from tests.support.extracted import extracted_dataset
@@ -400,6 +401,173 @@ def test_an_unreadable_claim_record_is_treated_as_another_specs(tiny_llama, rows
     assert_refused(run_cli(*args), code=EXIT_BAD_INPUT, message="holds a dataset of another spec")
     _record(case, "extract", "an output whose .datagen/run.json is not JSON",
             "no shards: taken over; with shards: refused, exit 2 (was: JSONDecodeError traceback)")
+
+
+# --- extract: every refusal leaves the output location as it was found ----------------------------
+# Each exit-2 and exit-3 path of `datagen extract`, into each state an output location can be in
+# before a run. The refusals at engine start come after the output was checked: they must leave
+# no claim, no directory and no lock behind, and a later run with other arguments must be able to
+# use the location.
+
+class _RefusingEngine:
+    """A stand-in engine whose start() raises a given refusal: the clean-up is under test here, not
+    the engine (the real refusals at start are the cases that follow it in OUTPUT_REFUSALS)."""
+
+    name = "refusing"
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def start(self) -> None:
+        raise self.error
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def _prior_absent(out: Path) -> None:
+    """Nothing there: the output and its parent are created by the run."""
+
+
+def _prior_empty(out: Path) -> None:
+    out.mkdir(parents=True)
+
+
+def _prior_claimed_without_shards(out: Path) -> None:
+    """A claim of another spec that wrote no shard (a run refused by an older datagen)."""
+    (out / ".datagen" / "shards").mkdir(parents=True)
+    (out / "shards").mkdir()
+    (out / ".datagen" / "run.json").write_text(json.dumps({"extraction_fingerprint": "0" * 64, "spec": {}}))
+
+
+PRIOR_STATES = {"absent": _prior_absent, "empty": _prior_empty, "claimed without shards": _prior_claimed_without_shards}
+
+
+def _amx_here() -> bool:
+    from datagen.engines.vllm_engine import cpu_has_amx
+
+    return cpu_has_amx()
+
+
+@dataclass(frozen=True)
+class Refusal:
+    args: tuple = ()  # extra `datagen extract` arguments
+    engine: dict = field(default_factory=lambda: {"name": "hf"})  # the spec file's engine block
+    code: int = EXIT_BAD_INPUT
+    message: str = ""
+    deepseek: bool = False  # the tiny DeepSeek-V3 (MLA) instead of the tiny Llama
+    row: dict | None = None  # a second dataset row, after a good one
+    change: str | None = None  # what _apply patches in
+
+
+VLLM = {"name": "vllm"}
+OUTPUT_REFUSALS = {
+    "invalid spec field": Refusal(("--samples-per-shard", "0"), message="samples_per_shard"),
+    "layer id beyond the model": Refusal(("--layers", "2,9"), message="layer"),
+    "max_seq_len beyond the model's positions": Refusal(("--max-seq-len", "100000"), message="does not fit"),
+    "bad dataset row": Refusal(row={"input_ids": [1, "x"]}, message="list of integers"),
+    "mla_backend for a model without MLA": Refusal(engine={**VLLM, "mla_backend": "CPU_MLA"},
+                                                   message="has no MLA attention"),
+    "AMX_MLA in float32": Refusal(engine={**VLLM, "mla_backend": "AMX_MLA", "dtype": "float32"}, deepseek=True,
+                                  message="bfloat16 only"),
+    "vLLM outside the tested range (exit 3)": Refusal(engine=VLLM, change="vllm_0.99", code=EXIT_CANNOT_RUN_HERE,
+                                                      message="outside the tested range"),
+    "engine start: tensor parallel 2 on a CPU (exit 3)": Refusal(engine={**VLLM, "tensor_parallel_size": 2},
+                                                                 code=EXIT_CANNOT_RUN_HERE, message="asks for GPUs"),
+    "engine start: AMX_MLA on a CPU without AMX (exit 3)": Refusal(engine={**VLLM, "mla_backend": "AMX_MLA"},
+                                                                   deepseek=True, change="no_amx",
+                                                                   code=EXIT_CANNOT_RUN_HERE,
+                                                                   message="needs a CPU with AMX"),
+    "engine start: any exit-3 refusal": Refusal(engine=VLLM, change="refuse_3", code=EXIT_CANNOT_RUN_HERE,
+                                                message="a refusal at start"),
+    "engine start: any exit-2 refusal": Refusal(engine=VLLM, change="refuse_2", message="a refusal at start"),
+}
+
+
+def _apply(monkeypatch, change: str | None) -> None:
+    from datagen import extract
+    from datagen.engines import patches
+    from datagen.errors import EngineUnsupportedError, ModelError
+
+    if change == "vllm_0.99":
+        monkeypatch.setattr(patches, "installed_vllm_version", lambda: "0.99.0")
+    elif change == "no_amx" and _amx_here():
+        pytest.skip("this CPU has AMX: AMX_MLA runs here (tests/test_extract_vllm.py runs it)")
+    elif change == "refuse_3":
+        error = EngineUnsupportedError("a refusal at start (stand-in)", hint="nothing to do: a test")
+        monkeypatch.setattr(extract, "make_engine", lambda p: _RefusingEngine(error))
+    elif change == "refuse_2":
+        error = ModelError("a refusal at start (stand-in)", hint="nothing to do: a test")
+        monkeypatch.setattr(extract, "make_engine", lambda p: _RefusingEngine(error))
+
+
+def _refused_run(r: Refusal, *, llama: Path, deepseek: Path, rows: Path, out: Path, tmp_path: Path):
+    if r.row is not None:
+        rows = write_jsonl(tmp_path / "bad.jsonl", [GOOD_ROWS[0], r.row])
+    spec = tmp_path / "engine.json"
+    spec.write_text(json.dumps({"engine": r.engine}))
+    return run_cli("extract", "--spec", spec, "--model", deepseek if r.deepseek else llama, "--dataset", rows,
+                   "--out", out, *r.args)
+
+
+@pytest.mark.parametrize("prior", list(PRIOR_STATES))
+@pytest.mark.parametrize("name", list(OUTPUT_REFUSALS))
+def test_a_refused_extract_leaves_the_output_location_as_found(tiny_llama, tiny_deepseek, rows, tmp_path, monkeypatch,
+                                                               case, name, prior):
+    r = OUTPUT_REFUSALS[name]
+    _apply(monkeypatch, r.change)
+    parent = tmp_path / "place"
+    out = parent / "out"
+    PRIOR_STATES[prior](out)
+    before = tree(tmp_path / "place")
+    o = _refused_run(r, llama=tiny_llama, deepseek=tiny_deepseek, rows=rows, out=out, tmp_path=tmp_path)
+    assert_refused(o, code=r.code, message=r.message)
+    assert tree(tmp_path / "place") == before, f"left behind: {sorted(set(tree(tmp_path / 'place')) - set(before))}"
+    assert parent.exists() == (prior != "absent")
+    if prior == "claimed without shards":
+        assert json.loads((out / ".datagen" / "run.json").read_text())["extraction_fingerprint"] == "0" * 64
+    _record(case, "extract", f"{name}, into an output that is {prior}",
+            f"refused, exit {r.code}, the output location as found")
+
+
+@pytest.mark.parametrize("name", [n for n in OUTPUT_REFUSALS if n.startswith("engine start")])
+def test_after_a_refusal_at_engine_start_another_run_may_use_the_output(tiny_llama, tiny_deepseek, rows, tmp_path,
+                                                                        monkeypatch, case, name):
+    """Regression: a refusal at engine start (vLLM 0.24.0's layer-id refusal, exit 3) left
+    .datagen/run.json, .datagen/shards/ and shards/ in the output."""
+    r = OUTPUT_REFUSALS[name]
+    out = tmp_path / "out"
+    with monkeypatch.context() as m:
+        _apply(m, r.change)
+        o = _refused_run(r, llama=tiny_llama, deepseek=tiny_deepseek, rows=rows, out=out, tmp_path=tmp_path)
+        assert_refused(o, code=r.code, message=r.message)
+    assert not out.exists() and not list(tmp_path.glob(".out.lock"))
+    o = run_cli("extract", "--model", tiny_llama, "--dataset", rows, "--out", out, "--engine", "hf", "--layers", "1,2")
+    assert o.code == EXIT_OK, o.err
+    _record(case, "extract", f"{name}, then a run with other arguments into the same --out",
+            "refused leaving nothing (was: a claim left behind); the next run succeeds")
+
+
+def test_a_refusal_at_engine_start_keeps_a_finished_dataset_of_fewer_rows(tiny_llama, tmp_path, monkeypatch, case):
+    """The manifest of a dataset the run would extend is dropped only once the engine runs: a
+    refusal before keeps the finished dataset as it was."""
+    data = write_jsonl(tmp_path / "rows.jsonl", token_rows([5, 6, 7], seed=2))
+    out = tmp_path / "out"
+    args = ("extract", "--model", tiny_llama, "--dataset", data, "--out", out, "--engine", "hf",
+            "--samples-per-shard", "2")
+    assert run_cli(*args).code == EXIT_OK
+    write_jsonl(data, token_rows([5, 6, 7, 8], seed=2))  # one more row: shard 1 changes
+    before = {str(f.relative_to(out)): f.read_bytes() for f in out.rglob("*") if f.is_file()}
+    with monkeypatch.context() as m:
+        _apply(m, "refuse_3")
+        assert_refused(run_cli(*args), code=EXIT_CANNOT_RUN_HERE)
+    assert {str(f.relative_to(out)): f.read_bytes() for f in out.rglob("*") if f.is_file()} == before
+    assert run_cli(*args).code == EXIT_OK
+    _record(case, "extract", "refused at engine start over a finished dataset of fewer rows",
+            "refused, exit 3; manifest, shards and records untouched")
 
 
 # --- validate ---------------------------------------------------------------------------------------
