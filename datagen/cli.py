@@ -32,6 +32,7 @@ STEPS = {
     "validate": "datagen.validate",
     "publish": "datagen.publish",
     "export": "datagen.export",
+    "report": "datagen.report",
     "make-tiny": "datagen.tiny",
 }
 RESULT_PREFIX = "datagen-result: "

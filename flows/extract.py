@@ -58,6 +58,7 @@ def extract(spec: PipelineSpec) -> dict:
 
     if spec.fans_out:
         dataset, verdict, published = _assemble(spec, xspec, planned, identity)
+        artifacts.layer_report(dataset.dataset)
     else:
         dataset, verdict, published = _finalize_validate_publish(spec, xspec, planned, identity)
     changed = any(r.shards_extracted for r, _ in ranges) or not planned.dataset_complete
@@ -104,6 +105,8 @@ def _finalize_validate_publish(spec: PipelineSpec, xspec: ExtractSpec, planned: 
     dataset = finalize.with_options(refresh_cache=not planned.dataset_complete, **_storage(spec))(
         xspec, cache_key=finalize_cache_key(planned, identity=identity, out=xspec.out), runner=spec.runner
     )
+    # before validation: a drift that fails the run is on the plot of that run
+    artifacts.layer_report(dataset.dataset, previous=spec.validation.previous)
     verdict = validate.with_options(
         refresh_cache=planned.validated_manifest_sha256 != dataset.manifest_sha256, **_storage(spec)
     )(

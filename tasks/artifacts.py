@@ -163,3 +163,87 @@ def report(
         for s in dataset.get("shards", [])
     ]
     create_table_artifact(rows, key="extract-shards", description="Every shard of the dataset.")
+
+
+# --- the nightly report: per-layer statistics of the last runs, drift marked --------------------
+
+REPORT_RUNS = 8  # runs on the plot: this one and up to 7 before it
+STATS_KEY_PREFIX = "layer-stats"
+
+
+def stats_key(flow_name: str | None, deployment_name: str | None) -> str:
+    """Artifact key of a deployment's per-run statistics: each run adds a version, the report reads the last
+    ones (keys hold lowercase letters, digits and dashes)."""
+    raw = f"{STATS_KEY_PREFIX}-{flow_name or 'flow'}-{deployment_name or 'no-deployment'}".lower()
+    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", raw)).strip("-")
+
+
+def _history(key: str, limit: int, *, exclude_flow_run) -> list:
+    """The last ``limit`` runs' statistics recorded under ``key``, oldest first."""
+    import json
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    from datagen.report import RunStats
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
+                                      sort=ArtifactSort.CREATED_DESC, limit=limit + 1)
+    runs = []
+    for a in found:
+        if exclude_flow_run is not None and a.flow_run_id == exclude_flow_run:
+            continue  # a retry of this run: not a run before it
+        rows = json.loads(a.data) if isinstance(a.data, str) else a.data
+        if rows:
+            runs.append(RunStats.from_rows(rows))
+    return list(reversed(runs[:limit]))
+
+
+def report_markdown(png: bytes, table: str, *, drifted: list[int]) -> str:
+    import base64
+
+    head = (f"# Layer statistics: DRIFT in layers {drifted}" if drifted else "# Layer statistics: no drift")
+    return "\n".join([head, "", f"![per-layer statistics of the last runs](data:image/png;base64,"
+                      f"{base64.b64encode(png).decode()})", "", table])
+
+
+@task(name="layer-report")
+def layer_report(dataset: str, *, previous: str | None = None, runs: int = REPORT_RUNS) -> list[int]:
+    """Attach the plot of this run's per-layer statistics next to the deployment's previous runs (the
+    `datagen report` plot) and record this run's statistics for the next. Drift is measured against
+    ``previous`` when validation has one (the dataset it compares with), else the run before.
+    Returns the drifted layers. A report that cannot be drawn is logged, never fails the run."""
+    from prefect import get_run_logger
+    from prefect.runtime import deployment, flow_run
+
+    from datagen import report as step
+
+    logger = get_run_logger()
+    try:
+        key = stats_key(flow_run.flow_name, deployment.name)
+        current = step.run_stats(step.load_manifest(dataset))
+        history = _history(key, runs - 1, exclude_flow_run=flow_run.id)
+        reference = step.run_stats(step.load_manifest(previous), label="previous") if previous else None
+        shown = history + [current]
+        threshold = step.DEFAULT_THRESHOLD
+        drift = step.drift_of(shown, threshold=threshold, reference=reference)
+        drifted = [d.layer_id for d in drift if d.drifted]
+        png = step.plot(shown, drift, threshold=threshold,
+                        title=f"{flow_run.flow_name}/{deployment.name or '-'}: last {len(shown)} runs")
+        table = step.markdown_table(shown, drift, threshold=threshold)
+    except Exception as e:  # noqa: BLE001  (a report must not fail the night's data)
+        logger.warning("layer report not drawn: %s: %s", type(e).__name__, e)
+        return []
+    create_markdown_artifact(report_markdown(png, table, drifted=drifted), key="layer-report",
+                             description="Per-layer mean, std, absmax and tokens of this and the previous runs; "
+                                         "drift marked in red.")
+    create_table_artifact(current.to_rows(), key=key,
+                          description="This run's per-layer statistics (the next runs' report reads them).")
+    if drifted:
+        logger.warning("layer statistics drifted beyond %.0f%% in layers %s (validation fails on it)",
+                       100 * threshold, drifted)
+    else:
+        logger.info("layer report of %d runs attached; no drift", len(shown))
+    return drifted

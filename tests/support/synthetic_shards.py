@@ -80,7 +80,8 @@ def make_synthetic_dataset(
             "sample_offsets": offsets,
         }
         if storage == "fp8":
-            scale = (states.abs().amax(-1) / FP8_MAX).clamp(min=1e-12)
+            amax = states.abs().amax(-1)
+            scale = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)  # the writer's rule
             tensors["hidden_states"] = (states / scale.unsqueeze(-1)).to(torch.float8_e4m3fn)
             tensors["hidden_states_scale"] = scale.to(torch.float32)
             stored = tensors["hidden_states"].float() * scale.unsqueeze(-1)
@@ -89,8 +90,10 @@ def make_synthetic_dataset(
             stored = tensors["hidden_states"]
         rel = shard_name(k)
         key = f"synthetic-{seed}-{k}"
-        meta = {"datagen": json.dumps({"format": SHARD_FORMAT, "shard_key": key, "layer_ids": list(layer_ids)},
-                                      sort_keys=True)}
+        stamp = {"format": SHARD_FORMAT, "shard_key": key, "layer_ids": list(layer_ids)}
+        if storage == "fp8":
+            stamp["storage_dtype"] = "fp8_e4m3"
+        meta = {"datagen": json.dumps(stamp, sort_keys=True)}
         save_file(tensors, str(root / rel), metadata=meta)
         stats = layer_stats(stored, tuple(layer_ids))
         if t:
@@ -102,7 +105,7 @@ def make_synthetic_dataset(
                       "hidden_size": hidden},
             "layer_ids": list(layer_ids), "dtype": "bfloat16", "samples_per_shard": samples_per_shard}
     if storage == "fp8":
-        spec["storage_dtype"] = "float8_e4m3fn"
+        spec["storage_dtype"] = "fp8_e4m3"
     manifest = Manifest(
         fingerprint=f"synthetic-{seed}", extraction_fingerprint=f"synthetic-x-{seed}", spec=spec, shards=records,
         totals={"rows": rows, "samples": sum(r.samples for r in records), "tokens": sum(r.tokens for r in records),
