@@ -29,10 +29,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--records", required=True, help="directory of shard-NNNNNN.json records (checked in the bucket)")
 
 
-def read_records(directory: Path, p) -> tuple[dict[int, ShardRecord], list[int]]:
-    """This plan's records found in ``directory``, and the shards without one."""
+def read_records(directory: Path, p) -> tuple[dict[int, ShardRecord], list[int], list[int]]:
+    """This plan's records found in ``directory``, the shards without one, and the shards whose
+    record names another shard key (extracted for another model, dataset or engine)."""
     found: dict[int, ShardRecord] = {}
     missing: list[int] = []
+    foreign: list[int] = []
     for k in range(p.num_shards):
         path = directory / f"shard-{k:06d}.json"
         try:
@@ -41,10 +43,10 @@ def read_records(directory: Path, p) -> tuple[dict[int, ShardRecord], list[int]]
             missing.append(k)
             continue
         if rec.index != k or rec.shard_key != p.shard_key(k):
-            missing.append(k)
+            foreign.append(k)
             continue
         found[k] = rec
-    return found, missing
+    return found, missing, foreign
 
 
 def main(args) -> dict:
@@ -53,11 +55,16 @@ def main(args) -> dict:
     if not records_dir.is_dir():
         raise SpecError(f"--records {records_dir} is not a directory", hint="pass the directory of shard records")
     p = plan(spec)
-    records, missing = read_records(records_dir, p)
-    if missing:
-        shown = ", ".join(str(k) for k in missing[:20]) + (" ..." if len(missing) > 20 else "")
+    records, missing, foreign = read_records(records_dir, p)
+    if missing or foreign:
+        def shown(ks: list[int]) -> str:
+            return ", ".join(str(k) for k in ks[:20]) + (" ..." if len(ks) > 20 else "")
+
+        parts = ([f"{len(missing)} are not in the dataset's bucket ({shown(missing)})"] if missing else []) + (
+            [f"{len(foreign)} were extracted with another shard key ({shown(foreign)}): the model, dataset "
+             "or engine differ from this plan's"] if foreign else [])
         raise ValidationFailed(
-            f"{len(missing)} of {p.num_shards} shards are not in the dataset's bucket with this spec's key: {shown}",
+            f"of {p.num_shards} shards, " + "; ".join(parts),
             hint="run the extraction again: the ranges that hold them are extracted again (the rest is kept)",
         )
     check_dataset_unchanged(p)
