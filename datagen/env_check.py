@@ -392,7 +392,8 @@ def check_storage(spec: SourcesSpec, cache: ModelCache, facts: ModelFacts | None
     if local_out is None:
         checks.append(Check(name="storage.output", status=Status.SKIPPED, detail="output is in S3 (see remote.output)"))
     elif output_bytes is None:
-        checks.append(Check(name="storage.output", status=Status.SKIPPED, detail="the spec gives no expected_tokens"))
+        checks.append(Check(name="storage.output", status=Status.SKIPPED,
+                            detail="the spec gives no expected_tokens: plan checks the output against its token count"))
     else:
         out_at, out_free, out_dev = _free(local_out)
         shared = out_dev == cache_dev and need_cache
@@ -400,6 +401,22 @@ def check_storage(spec: SourcesSpec, cache: ModelCache, facts: ModelFacts | None
         what = "the output" + (" and the model download (same disk)" if shared else "")
         checks.append(_space_check("storage.output", out_at, out_free, need, what, "the spec's out"))
     return checks
+
+
+def output_bytes_per_token(n_layers: int, hidden_size: int, dtype: str) -> int:
+    """Bytes one stored token costs: its states in ``dtype`` plus its id and mask."""
+    return n_layers * hidden_size * DTYPE_BYTES.get(dtype, 1) + TOKEN_OVERHEAD_BYTES
+
+
+def check_output_space(out: str | Path, *, tokens: int, n_layers: int, hidden_size: int, dtype: str) -> Check:
+    """Whether the output location holds ``tokens`` more tokens (the plan's count of what is
+    still to extract): the estimate the env check makes from ``expected_tokens``, made exact."""
+    if is_s3_uri(str(out)):
+        return Check(name="storage.output", status=Status.SKIPPED, detail="output is in S3")
+    at, free, _ = _free(Path(out))
+    per_token = output_bytes_per_token(n_layers, hidden_size, dtype)
+    return _space_check("storage.output", at, free, tokens * per_token,
+                        f"the output ({tokens} tokens x {per_token} bytes)", "the spec's out")
 
 
 def _size(n: float) -> str:

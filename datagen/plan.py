@@ -22,6 +22,7 @@ def main(args) -> dict:
     spec = spec_from_args(args)
     p = plan(spec)
     done = completed_shards(p) if _claimed_by(p) else {}
+    _check_output_space(p, done)
     return {
         "fingerprint": p.fingerprint,
         "extraction_fingerprint": p.extraction_fingerprint,
@@ -48,3 +49,20 @@ def _claimed_by(p) -> bool:
         return json.loads(run_file.read_text()).get("extraction_fingerprint") == p.extraction_fingerprint
     except (OSError, ValueError):
         return False
+
+
+def _check_output_space(p, done: dict) -> None:
+    """Refuse before any engine starts when the output cannot hold what is left to extract.
+
+    The env check can only estimate the output from a spec's ``expected_tokens`` (it runs before
+    the model and its tokenizer are here); the plan has the exact count.
+    """
+    from datagen.env_check import Status, check_output_space
+    from datagen.errors import CannotRunHereError
+
+    left = p.data.tokens - sum(rec.tokens for rec in done.values())
+    dtype = getattr(p.spec, "storage_dtype", None) or p.spec.engine.dtype  # fp8 storage, where the spec has it
+    check = check_output_space(p.spec.out, tokens=max(left, 0), n_layers=len(p.layer_ids),
+                               hidden_size=p.info.hidden_size, dtype=str(getattr(dtype, "value", dtype)))
+    if check.status is Status.FAILED:
+        raise CannotRunHereError(f"the output location cannot hold this dataset: {check.detail}", hint=check.fix)

@@ -1,0 +1,42 @@
+"""`datagen plan`: the output-size check from the plan's own token count."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from datagen.cli import main as datagen_main
+from datagen.errors import EXIT_CANNOT_RUN_HERE
+from tests.builders import token_rows, write_jsonl
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 KiB tmpfs: it holds a few hundred tokens of the tiny Llama's states, not more."""
+    mnt = tmp_path / "small-disk"
+    mnt.mkdir()
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], check=True, capture_output=True)
+    except (subprocess.CalledProcessError, FileNotFoundError) as e:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {e}")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=False)
+
+
+def _plan(capsys, model, rows, out):
+    code = datagen_main(["plan", "--model", str(model), "--dataset", str(rows), "--out", str(out), "--engine", "hf"])
+    return code, capsys.readouterr().err
+
+
+def test_plan_refuses_an_output_that_cannot_hold_its_token_count(capsys, tmp_path, tiny_llama, small_disk):
+    # 3 layers x 128 x 2 bytes + 5 = 773 bytes per token: 1000 tokens need 773 KB, 100 need 77 KB.
+    big = write_jsonl(tmp_path / "big.jsonl", token_rows([500, 500]))
+    code, err = _plan(capsys, tiny_llama, big, small_disk / "ds")
+    assert code == EXIT_CANNOT_RUN_HERE, err
+    assert "cannot hold this dataset" in err and "1000 tokens x 773 bytes" in err and "->" in err
+    assert list(small_disk.iterdir()) == [], "a refused plan leaves the output location as it found it"
+
+    small = write_jsonl(tmp_path / "small.jsonl", token_rows([50, 50]))
+    code, err = _plan(capsys, tiny_llama, small, small_disk / "ds")
+    assert code == 0, err
