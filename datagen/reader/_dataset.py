@@ -106,6 +106,7 @@ class DatasetReader:
         self.lengths = [int(self.shards[k].offsets[p + 1] - self.shards[k].offsets[p]) for _, k, p in refs]
         self._locks: dict[int, threading.Lock] = {}
         self._locks_guard = threading.Lock()
+        self._by_pos: list[list[int]] | None = None
         log.info("opened %s: %d samples in %d shards (verify=%s)", self.location, len(refs), len(self.shards),
                  verify.value)
 
@@ -144,21 +145,56 @@ class DatasetReader:
         if not -len(self) <= i < len(self):
             raise IndexError(f"sample {i} of {len(self)}")
         k, p = int(self._shard_of[i]), int(self._pos[i])
+        return self.sample_in(k, p, self.read_run(k, p, p + 1), p)
+
+    def positions(self) -> list[list[int]]:
+        """For each opened shard, the sample number stored at each position (storage order)."""
+        out = [[0] * len(s.sample_index) for s in self.shards]
+        for i, (k, p) in enumerate(zip(self._shard_of.tolist(), self._pos.tolist())):
+            out[k][p] = i
+        return out
+
+    def run_bytes(self, k: int, first: int, last: int) -> int:
+        """Bytes of the states of positions [first, last) of shard k."""
+        s = self.shards[k]
+        return int(s.offsets[last] - s.offsets[first]) * s.row_bytes
+
+    def read_run(self, k: int, first: int, last: int) -> bytearray:
+        """The states of the samples at positions [first, last) of shard k, in one ranged read
+        (after the shard's content check, per ``verify``)."""
         self.ensure_verified(k)
         s = self.shards[k]
+        a, b = int(s.offsets[first]), int(s.offsets[last])
+        buf = self.store.read(s.record.path, s.states.start + a * s.row_bytes, s.states.start + b * s.row_bytes,
+                              etag=s.info.etag)
+        return buf if isinstance(buf, bytearray) else bytearray(buf)
+
+    def sample_in(self, k: int, p: int, run: bytearray, first: int) -> Sample:
+        """Sample at position p of shard k, cut from ``run`` (``read_run(k, first, ...)``)."""
+        s = self.shards[k]
+        base = int(s.offsets[first])
         a, b = int(s.offsets[p]), int(s.offsets[p + 1])
-        rb = s.row_bytes
-        buf = self.store.read(s.record.path, s.states.start + a * rb, s.states.start + b * rb, etag=s.info.etag)
-        if not isinstance(buf, bytearray):
-            buf = bytearray(buf)
         _, layers, hidden = s.states.shape
-        hs = torch.frombuffer(buf, dtype=ST_DTYPES[s.states.dtype]).view(b - a, layers, hidden)
+        rb = s.row_bytes
+        dtype = ST_DTYPES[s.states.dtype]
+        if len(run) != (b - a) * rb:
+            # a sample's own bytes (a memcpy; torch's copy would start its thread pool for it): a view
+            # into the run would keep the whole run alive
+            run = bytearray(memoryview(run)[(a - base) * rb:(b - base) * rb])
+        hs = torch.frombuffer(run, dtype=dtype).view(b - a, layers, hidden)
         if s.states.dtype in FP8_CODES:
             hs = (hs.to(torch.float32) * s.scale[a:b].unsqueeze(-1)).to(self.dtype)
         elif hs.dtype != self.dtype:
             hs = hs.to(self.dtype)
+        i = self.positions_index(k, p)
         return Sample(row=self.rows[i], input_ids=s.input_ids[a:b].to(torch.int64),
                       loss_mask=s.loss_mask[a:b].to(torch.int64), hidden_states=hs)
+
+    def positions_index(self, k: int, p: int) -> int:
+        """Sample number of position p of shard k."""
+        if self._by_pos is None:
+            self._by_pos = self.positions()
+        return self._by_pos[k][p]
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)

@@ -20,17 +20,18 @@ from __future__ import annotations
 import random
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
 from typing import Iterator
 
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from datagen.reader._dataset import DatasetReader
+from datagen.reader._dataset import DatasetReader, Sample
 
 
-def _as_dict(reader: DatasetReader, i: int) -> dict:
-    return asdict(reader[i])
+def _as_dict(sample: Sample) -> dict:
+    # not dataclasses.asdict: it deep-copies every tensor
+    return {"row": sample.row, "input_ids": sample.input_ids, "loss_mask": sample.loss_mask,
+            "hidden_states": sample.hidden_states}
 
 
 class SampleDataset(Dataset):
@@ -43,7 +44,7 @@ class SampleDataset(Dataset):
         return len(self.reader)
 
     def __getitem__(self, i: int) -> dict:
-        return _as_dict(self.reader, i)
+        return _as_dict(self.reader[i])
 
 
 def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:
@@ -59,19 +60,29 @@ def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:
 class ShardStreamDataset(IterableDataset):
     """Iterable: seeded shuffle across shards, split over ranks and workers (module docstring).
 
+    A worker reads its shards in runs of consecutive samples of up to ``run_bytes`` (one ranged
+    read each, so S3 streams at its sequential rate instead of paying a request per sample), and
+    yields the samples of ``runs_mixed`` runs, from different shards of its window, in a seeded
+    random order while the next runs are read.
+
     Args:
         reader: the opened dataset.
         seed: the same on every rank.
-        shards_in_flight: shards whose samples are shuffled together by one worker.
-        prefetch: sample reads in flight per worker (threads; hides S3 latency).
+        shards_in_flight: shards whose runs are shuffled together by one worker.
+        run_bytes: largest ranged read (a sample larger than it is read alone).
+        runs_mixed: runs whose samples are mixed together (memory: about 2 x runs_mixed x run_bytes).
+        prefetch: reads in flight per worker (threads).
         rank, world_size: default to ``torch.distributed``'s, or 0 and 1.
     """
 
-    def __init__(self, reader: DatasetReader, *, seed: int = 0, shards_in_flight: int = 4, prefetch: int = 8,
+    def __init__(self, reader: DatasetReader, *, seed: int = 0, shards_in_flight: int = 4,
+                 run_bytes: int = 16 << 20, runs_mixed: int = 4, prefetch: int = 4,
                  rank: int | None = None, world_size: int | None = None) -> None:
         self.reader = reader
         self.seed = seed
         self.shards_in_flight = max(1, shards_in_flight)
+        self.run_bytes = max(1, run_bytes)
+        self.runs_mixed = max(1, runs_mixed)
         self.prefetch = max(1, prefetch)
         self.rank, self.world_size = rank, world_size
         self.epoch: int | None = None
@@ -80,34 +91,59 @@ class ShardStreamDataset(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def plan(self, epoch: int, rank: int, world: int, worker: int, workers: int) -> list[int]:
-        """Sample numbers worker ``worker`` of rank ``rank`` yields in ``epoch``, in order."""
-        per_shard = self.reader.shard_samples()
-        order = list(range(len(per_shard)))
+    def _runs(self, k: int, kept: set[int]) -> list[tuple[int, int, int]]:
+        """Shard k's positions cut into runs (k, first, last) of at most run_bytes, kept samples only."""
+        n = len(self.reader.shards[k].sample_index)
+        out, first = [], None
+        for p in range(n + 1):
+            if first is not None and (p == n or p not in kept or
+                                      self.reader.run_bytes(k, first, p + 1) > self.run_bytes):
+                out.append((k, first, p))
+                first = None
+            if p < n and p in kept and first is None:
+                first = p
+        return out
+
+    def groups(self, epoch: int, rank: int, world: int, worker: int, workers: int) -> list:
+        """What worker ``worker`` of rank ``rank`` reads in ``epoch``: groups of runs, each with the order
+        its samples are yielded in ((shard, position) pairs)."""
+        positions = self.reader.positions()
+        order = list(range(len(positions)))
         random.Random(f"{self.seed}/{epoch}/shards").shuffle(order)
         shares = [order[r::world] for r in range(world)]
-        even = min(sum(len(per_shard[k]) for k in share) for share in shares)
+        even = min(sum(len(positions[k]) for k in share) for share in shares)
         # the rank's shards in its order, each cut so that the rank yields exactly `even` samples
         keep, left = {}, even
         for k in shares[rank]:
-            keep[k] = min(len(per_shard[k]), left)
+            keep[k] = min(len(positions[k]), left)
             left -= keep[k]
         mine = [k for k in shares[rank][worker::workers] if keep[k]]
-        out: list[int] = []
+        out = []
         for w in range(0, len(mine), self.shards_in_flight):
-            window = []
+            runs = []
             for k in mine[w:w + self.shards_in_flight]:
-                samples = list(per_shard[k])
-                random.Random(f"{self.seed}/{epoch}/shard/{k}").shuffle(samples)
-                window.extend(samples[:keep[k]])
-            random.Random(f"{self.seed}/{epoch}/{rank}/{worker}/{w}").shuffle(window)
-            out.extend(window)
+                picked = list(range(len(positions[k])))
+                random.Random(f"{self.seed}/{epoch}/shard/{k}").shuffle(picked)
+                runs.extend(self._runs(k, set(picked[:keep[k]])))
+            rng = random.Random(f"{self.seed}/{epoch}/{rank}/{worker}/{w}")
+            rng.shuffle(runs)
+            for g in range(0, len(runs), self.runs_mixed):
+                group = runs[g:g + self.runs_mixed]
+                samples = [(k, p) for k, a, b in group for p in range(a, b)]
+                rng.shuffle(samples)
+                out.append((group, samples))
         return out
+
+    def plan(self, epoch: int, rank: int, world: int, worker: int, workers: int) -> list[int]:
+        """Sample numbers worker ``worker`` of rank ``rank`` yields in ``epoch``, in order."""
+        positions = self.reader.positions()
+        return [positions[k][p] for _, samples in self.groups(epoch, rank, world, worker, workers)
+                for k, p in samples]
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch (all its workers together)."""
         rank, world = _rank_world(self.rank, self.world_size)
-        return len(self.plan(0, rank, world, 0, 1))
+        return sum(len(samples) for _, samples in self.groups(0, rank, world, 0, 1))
 
     def __iter__(self) -> Iterator[dict]:
         rank, world = _rank_world(self.rank, self.world_size)
@@ -115,16 +151,22 @@ class ShardStreamDataset(IterableDataset):
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         epoch = self.epoch if self.epoch is not None else self._next_epoch
         self._next_epoch = epoch + 1
-        todo = self.plan(epoch, rank, world, worker, workers)
+        groups = self.groups(epoch, rank, world, worker, workers)
+        r = self.reader
         with ThreadPoolExecutor(self.prefetch, thread_name_prefix="reader") as ex:
+            def fetch(group):
+                return {(k, a): ex.submit(r.read_run, k, a, b) for k, a, b in group}
+
             pending: deque = deque()
-            it = iter(todo)
-            for i in it:
-                pending.append(ex.submit(_as_dict, self.reader, i))
-                if len(pending) >= self.prefetch:
-                    break
-            for i in it:
-                yield pending.popleft().result()
-                pending.append(ex.submit(_as_dict, self.reader, i))
-            while pending:
-                yield pending.popleft().result()
+            for g in range(len(groups)):
+                while len(pending) < 2 and g + len(pending) < len(groups):
+                    pending.append(fetch(groups[g + len(pending)][0]))
+                reads = pending.popleft()
+                group, samples = groups[g]
+                starts = {k: [] for k, _, _ in group}
+                for k, a, _ in group:
+                    starts[k].append(a)
+                bufs = {key: f.result() for key, f in reads.items()}
+                for k, p in samples:
+                    a = max(x for x in starts[k] if x <= p)
+                    yield _as_dict(r.sample_in(k, p, bufs[(k, a)], a))

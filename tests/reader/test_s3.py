@@ -104,3 +104,18 @@ def test_an_object_replaced_while_training_is_not_mixed_in(s3_env, local):
 
     with pytest.raises(StorageError, match="shard-000000"):
         reader[0]
+
+
+def test_the_stream_reads_each_shard_in_large_ranged_reads(s3_env, local):
+    from datagen.reader import ShardStreamDataset
+
+    uri = published(s3_env, local)
+    reader = open_dataset(uri)
+    gets = record_gets(reader)
+    rows = [x["row"] for x in ShardStreamDataset(reader, seed=0)]
+
+    assert sorted(rows) == reader.rows
+    assert len(gets) == len(reader.shards)  # each shard's states in one read (they are smaller than a run)
+    rows_again = [x["row"] for x in ShardStreamDataset(reader, seed=0, run_bytes=10_000)]
+    assert rows_again != rows and sorted(rows_again) == reader.rows
+    assert len(gets) > 2 * len(reader.shards)  # smaller runs: more reads, each of whole samples
