@@ -209,28 +209,32 @@ def markdown(report: dict) -> str:
 # --- Kimi's real width, few layers and experts (tensor-parallel throughput and rank-0 agreement) ----
 
 def wide(args) -> None:
-    """Make a Kimi-width checkpoint (hidden 7168, 64 heads, MLA 1536/512/64/128/128, vocab 163840,
-    INT4 group-32 experts) with ``--layers`` layers and ``--experts`` routed experts on the GPU, run
-    ``datagen extract`` at ``--tp`` (compiled) with layers [2, N/2, N-3, N], time plain vLLM prefill of
-    the same rows with the same engine settings, and (``--ref-tp``) extract again at that TP to
-    compare rank-0 states. Writes kimi-wide-*.json under --out."""
+    """A checkpoint at Kimi-K2.5's real width (hidden 7168, 64 heads, MLA 1536/512/64/128/128, vocab
+    163840, INT4 group-32 routed experts, the wrapper) with ``--layers`` layers and ``--experts`` routed
+    experts, made on the GPU. Then, each in its own process: (1) at ``--tp``, compiled, plain vLLM
+    prefill of the rows and the project's extraction (``datagen.extract``'s plan, engine and shard
+    writer, layers [2, N/2, N-3, N]) timed around the shard loop, each on a started engine
+    (``wide-bench``); (2) ``datagen extract`` of the same rows at ``--ref-tp`` (eager) through the
+    CLI; (3) rank-0 states of (1) against (2). Writes kimi-wide-tp<tp>.json under --out."""
     import numpy as np
-    import torch
 
     sys.path.insert(0, str(REPO))
     from datagen.tiny_kimi import kimi_width, make_tiny_kimi
 
     work, out = Path(args.work), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rec: dict = {"layers": args.layers, "experts": args.experts, "tp": args.tp, "rows": args.rows,
-                 "row_len": args.row_len}
+    rec: dict = {"layers": args.layers, "experts": args.experts, "tp": args.tp, "ref_tp": args.ref_tp,
+                 "rows": args.rows, "row_len": args.row_len, "budget": args.budget}
     t0 = time.time()
     if not (work / "kimi" / "config.json").exists():
-        make_tiny_kimi(work / "kimi", quantization="int4", num_layers=args.layers, n_routed_experts=args.experts,
-                       num_experts_per_tok=min(8, args.experts), write_twin=False, device="cuda", **kimi_width())
-        torch.cuda.empty_cache()
+        width = kimi_width() if args.width == "kimi" else {"vocab_size": 163840}
+        make_tiny_kimi(work / "kimi", quantization=args.quantization, num_layers=args.layers,
+                       n_routed_experts=args.experts, num_experts_per_tok=min(8, args.experts), write_twin=False,
+                       device="cuda" if args.cuda else "cpu", **width)
     rec["make_s"] = round(time.time() - t0, 1)
     rec["checkpoint_bytes"] = sum(p.stat().st_size for p in (work / "kimi").glob("*.safetensors"))
+    cfg = json.loads((work / "kimi" / "config.json").read_text())["text_config"]
+    rec["hidden_size"] = cfg["hidden_size"]
     rng = np.random.default_rng(0)
     with (work / "rows.jsonl").open("w") as f:
         for _ in range(args.rows):
@@ -238,72 +242,119 @@ def wide(args) -> None:
     n = args.layers
     layers = sorted({2, n // 2, n - 3, n})
     rec["layer_ids"] = layers
-    runs = {}
-    for tp in [args.tp] + ([args.ref_tp] if args.ref_tp else []):
-        run = work / "runs" / f"tp{tp}"
-        cmd = [sys.executable, "-m", "datagen", "extract", "--model", str(work / "kimi"), "--dataset",
-               str(work / "rows.jsonl"), "--out", str(run), "--layers", ",".join(map(str, layers)),
-               "--tensor-parallel-size", str(tp), "--max-seq-len", str(args.row_len + 8),
-               "--samples-per-shard", str(args.per_shard), "--max-num-batched-tokens", str(args.budget)]
+    if not args.make_only:
+        env = dict(os.environ)
         t1 = time.time()
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
-        (out / f"kimi-wide-tp{tp}.log").write_text(proc.stderr[-60000:] + "\n--- stdout ---\n" + proc.stdout[-20000:])
-        result = next((json.loads(ln[len("datagen-result: "):]) for ln in reversed(proc.stdout.splitlines())
-                       if ln.startswith("datagen-result: ")), None)
-        runs[tp] = {"rc": proc.returncode, "wall_s": round(time.time() - t1, 1), "result": result,
-                    "command": "datagen extract " + " ".join(cmd[4:])}
-        print(f"[wide tp{tp}] rc={proc.returncode} {runs[tp]['wall_s']} s {json.dumps(result)[:400] if result else proc.stderr[-1500:]}",
+        proc = subprocess.run([sys.executable, __file__, "wide-bench", "--work", str(work), "--tp", str(args.tp),
+                               "--layers", ",".join(map(str, layers)), "--row-len", str(args.row_len),
+                               "--budget", str(args.budget), "--per-shard", str(args.per_shard)],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
+        (out / f"kimi-wide-tp{args.tp}-bench.log").write_text(proc.stderr[-60000:] + "\n--- stdout ---\n" + proc.stdout[-20000:])
+        bench = next((json.loads(ln[len("wide-bench: "):]) for ln in reversed(proc.stdout.splitlines())
+                      if ln.startswith("wide-bench: ")), None)
+        rec["bench"] = bench or {"rc": proc.returncode, "stderr_tail": proc.stderr[-3000:]}
+        rec["bench_wall_s"] = round(time.time() - t1, 1)
+        print(f"[wide-bench tp{args.tp}] rc={proc.returncode} {json.dumps(bench)[:800] if bench else proc.stderr[-2500:]}",
               flush=True)
-    rec["extract"] = runs
-    if args.plain and runs[args.tp]["rc"] == 0:
-        rec["plain"] = _plain_prefill(work, args)
-    if args.ref_tp and all(r["rc"] == 0 for r in runs.values()):
-        from datagen.compare import token_rel_err
+        if args.ref_tp and bench:
+            run = work / "runs" / f"tp{args.ref_tp}"
+            cmd = [sys.executable, "-m", "datagen", "extract", "--model", str(work / "kimi"), "--dataset",
+                   str(work / "rows.jsonl"), "--out", str(run), "--layers", ",".join(map(str, layers)),
+                   "--tensor-parallel-size", str(args.ref_tp), "--max-seq-len", str(args.row_len + 8),
+                   "--samples-per-shard", str(args.per_shard), "--max-num-batched-tokens", str(args.budget)]
+            t1 = time.time()
+            proc = subprocess.run(cmd, cwd=REPO, env={**env, "DATAGEN_ENFORCE_EAGER": "1"}, capture_output=True,
+                                  text=True, timeout=args.timeout)
+            (out / f"kimi-wide-tp{args.ref_tp}.log").write_text(proc.stderr[-60000:] + "\n--- stdout ---\n" + proc.stdout[-20000:])
+            rec["reference"] = {"rc": proc.returncode, "wall_s": round(time.time() - t1, 1), "eager": True,
+                                "command": "DATAGEN_ENFORCE_EAGER=1 datagen extract " + " ".join(cmd[4:])}
+            print(f"[reference tp{args.ref_tp}] rc={proc.returncode} {rec['reference']['wall_s']} s "
+                  + ("" if proc.returncode == 0 else proc.stderr[-2500:]), flush=True)
+            if proc.returncode == 0:
+                from datagen.compare import token_rel_err
 
-        a = {row: hs for row, _, hs in _samples(work / "runs" / f"tp{args.tp}")}
-        b = {row: hs for row, _, hs in _samples(work / "runs" / f"tp{args.ref_tp}")}
-        rec["rank0_vs_ref"] = {str(k): _stats([token_rel_err(a[r][:, c], b[r][:, c]) for r in a])
-                               for c, k in enumerate(layers)}
-    res = runs[args.tp].get("result") or {}
-    if res.get("tokens_per_s"):
-        per_token = len(layers) * 7168 * 2
-        rec["tokens_per_s"] = res["tokens_per_s"]
-        rec["gb_per_s"] = res["tokens_per_s"] * per_token / 1e9
+                a = {row: hs for row, _, hs in _samples(work / "runs" / f"tp{args.tp}")}
+                b = {row: hs for row, _, hs in _samples(run)}
+                rec["rank0_vs_reference"] = {str(k): _stats([token_rel_err(a[r][:, c], b[r][:, c]) for r in a])
+                                             for c, k in enumerate(layers)}
     (out / f"kimi-wide-tp{args.tp}.json").write_text(json.dumps(rec, indent=1))
-    print(json.dumps({k: v for k, v in rec.items() if k != "extract"}, indent=1), flush=True)
+    print(json.dumps(rec, indent=1), flush=True)
 
 
-def _plain_prefill(work: Path, args) -> dict:
-    """Plain vLLM prefill of the same rows with the extraction's engine settings (no capture)."""
-    code = f"""
-import json, time, sys
-sys.path.insert(0, {str(REPO)!r})
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
-from datagen.engines.vllm_engine import VllmEngine
-from datagen.modelinfo import inspect_model
-info = inspect_model({str(work / 'kimi')!r})
-eng = VllmEngine(info, layer_ids=(2,), dtype="bfloat16", max_seq_len={args.row_len + 8}, tensor_parallel_size={args.tp},
-                 max_num_batched_tokens={args.budget})
-kw = eng.engine_kwargs(); kw.pop("worker_extension_cls"); kw.pop("additional_config")
-llm = LLM(**kw)
-rows = [json.loads(l)["input_ids"] for l in open({str(work / 'rows.jsonl')!r})]
-sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows[:4]], sp, use_tqdm=False)
-out = []
-for _ in range(2):
-    t0 = time.time(); llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], sp, use_tqdm=False)
-    out.append(sum(map(len, rows)) / (time.time() - t0))
-print("plain-result: " + json.dumps(out))
-"""
-    env = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_USE_V2_MODEL_RUNNER": "0"}
+def wide_bench(args) -> None:
+    """In one process: plain prefill, then the project's extraction, each timed on a started engine."""
+    import statistics
+
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from datagen.extract import build_job, claim_output, make_engine, plan, write_manifest
+    from datagen.spec import parse_spec
+
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    work = Path(args.work)
+    layers = [int(x) for x in args.layers.split(",")]
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    rows = [json.loads(ln)["input_ids"] for ln in (work / "rows.jsonl").open()]
+    tokens = sum(map(len, rows))
+
+    def spec(out):
+        return parse_spec({"model": str(work / "kimi"), "dataset": str(work / "rows.jsonl"), "out": str(out),
+                           "layer_ids": layers, "max_seq_len": args.row_len + 8, "samples_per_shard": args.per_shard,
+                           "engine": {"tensor_parallel_size": args.tp, "max_num_batched_tokens": args.budget}})
+
+    res: dict = {"tokens": tokens}
+    p = plan(spec(work / "runs" / "warm"))
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    eng = make_engine(p)
+    kw = eng.engine_kwargs()
+    kw.pop("worker_extension_cls")
+    kw.pop("additional_config")
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, env=env,
-                          timeout=args.timeout)
-    vals = next((json.loads(ln[len("plain-result: "):]) for ln in reversed(proc.stdout.splitlines())
-                 if ln.startswith("plain-result: ")), None)
-    return {"rc": proc.returncode, "wall_s": round(time.time() - t0, 1), "tokens_per_s": vals,
-            "stderr_tail": None if vals else proc.stderr[-3000:]}
+    llm = LLM(**kw)
+    res["plain_start_s"] = round(time.time() - t0, 1)
+    prompts = [TokensPrompt(prompt_token_ids=r) for r in rows]
+    sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    llm.generate(prompts[:4], sp, use_tqdm=False)
+    plain = []
+    for _ in range(args.repeats):
+        sync()
+        t0 = time.time()
+        llm.generate(prompts, sp, use_tqdm=False)
+        plain.append(tokens / (time.time() - t0))
+    res["plain_tokens_per_s"] = plain
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+    eng = make_engine(p)
+    t0 = time.time()
+    eng.start()
+    res["extract_start_s"] = round(time.time() - t0, 1)
+    res["engine"] = eng.describe()
+    claim_output(p)
+    eng.submit(build_job(p, 0))  # warm-up
+    eng.finish()
+    extract, written = [], []
+    for i in range(args.repeats):
+        pi = plan(spec(work / "runs" / f"tp{args.tp}" if i == 0 else work / "runs" / f"rep{i}"))
+        claim_output(pi)
+        t0 = time.time()
+        for k in range(pi.num_shards):
+            eng.submit(build_job(pi, k))
+        records = {r.index: r for r in eng.finish()}
+        dt = time.time() - t0
+        write_manifest(pi, records)
+        extract.append(tokens / dt)
+        written.append(sum(r.bytes for r in records.values()) / dt)
+    eng.close()
+    res["extract_tokens_per_s"] = extract
+    res["extract_bytes_per_s"] = written
+    res["overhead"] = statistics.median(plain) / statistics.median(extract)
+    print("wide-bench: " + json.dumps(res), flush=True)
 
 
 def main() -> None:
@@ -332,17 +383,29 @@ def main() -> None:
     p.add_argument("--work", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--ref-tp", type=int, default=0)
+    p.add_argument("--ref-tp", type=int, default=0, help="TP of the reference run (0: none)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--row-len", type=int, default=1024)
-    p.add_argument("--per-shard", type=int, default=32)
+    p.add_argument("--per-shard", type=int, default=16)
     p.add_argument("--budget", type=int, default=16384)
-    p.add_argument("--plain", action="store_true")
-    p.add_argument("--timeout", type=float, default=540)
+    p.add_argument("--width", choices=["kimi", "tiny"], default="kimi", help="tiny: a CPU dry run of the script")
+    p.add_argument("--quantization", choices=["int4", "none"], default="int4")
+    p.add_argument("--cuda", action="store_true", help="generate the weights on the GPU")
+    p.add_argument("--make-only", action="store_true")
+    p.add_argument("--timeout", type=float, default=400)
+    p = sub.add_parser("wide-bench")
+    p.add_argument("--work", required=True)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--layers", required=True)
+    p.add_argument("--row-len", type=int, default=1024)
+    p.add_argument("--per-shard", type=int, default=16)
+    p.add_argument("--budget", type=int, default=16384)
+    p.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
-    {"make": make, "extract": extract, "compare": compare, "wide": wide}[args.cmd](args)
+    {"make": make, "extract": extract, "compare": compare, "wide": wide,
+     "wide-bench": wide_bench}[args.cmd](args)
 
 
 if __name__ == "__main__":

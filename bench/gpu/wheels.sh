@@ -22,7 +22,9 @@ dl() { "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3
          --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
          --implementation cp --dest "$WHEELS" "$@"; }
 dl "vllm==$VLLM"
-for d in "${DEPS[@]}"; do dl "$d"; done
+for d in "${DEPS[@]}"; do   # a pin this index lacks: take the newest it has, and say so
+  dl "$d" 2>/dev/null || { name=${d%%[<>=]*}; echo "wheels: $d not found, taking the newest $name" >&2; dl "$name"; }
+done
 # Pack: vllm in parts, then wheels largest first into the folder with most room (<= 58.5 MB each).
 rm -rf .gpu[A-Z]
 W=$(ls "$WHEELS"/vllm-"$VLLM"-*.whl)

@@ -155,9 +155,10 @@ def _compile_patched_forward():
     source, first = _deepseek_forward_source()
     patched = patched_deepseek_forward_source(source)
     # keep the released line numbers (tracebacks, the compile cache's key reads co_firstlineno)
-    code = compile("\n" * (first - 1) + patched, _PATCH_FILENAME, "exec")
-    linecache.cache[_PATCH_FILENAME] = (len(patched), None, ("\n" * (first - 1) + patched).splitlines(True),
-                                        _PATCH_FILENAME)
+    text = "\n" * (first - 1) + patched
+    filename = _patch_file(text)
+    code = compile(text, filename, "exec")
+    linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
     namespace: dict = {}
     exec(code, deepseek_v2.__dict__, namespace)  # the module's globals: islice, get_pp_group, ...
     fn = namespace["forward"]
@@ -168,6 +169,27 @@ def _compile_patched_forward():
     fn._datagen_original = original  # noqa: SLF001
     fn._datagen_patch = DEEPSEEK_FINAL_LAYER_AUX  # noqa: SLF001
     return fn
+
+
+def _patch_file(text: str) -> str:
+    """A real file holding the patched source: vLLM's compile cache hashes the files Dynamo traced,
+    so the patched forward's content enters the key of a cached compiled graph. Falls back to a
+    pseudo file name (then only the released file and additional_config key the cache)."""
+    import hashlib
+    import tempfile
+    from pathlib import Path
+
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    path = Path(tempfile.gettempdir()) / "datagen-patches" / f"{DEEPSEEK_FINAL_LAYER_AUX}-{digest}.py"
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(text)
+            os.replace(tmp, path)
+        return str(path)
+    except OSError:
+        return _PATCH_FILENAME
 
 
 def install_deepseek_final_layer_aux(version: str | None = None) -> bool:
