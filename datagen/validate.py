@@ -69,7 +69,9 @@ def validation_path(dataset: str | Path) -> Path:
 def run(dataset: str | Path, *, previous: str | Path | None = None, golden_rows: int = DEFAULT_GOLDEN,
         seed: int | None = None, workers: int | None = None, golden_tolerance: float = golden.DEFAULT_TOLERANCE,
         drift_threshold: float = drift.DEFAULT_THRESHOLD, model: str | None = None,
-        source_rows: str | None = None) -> dict:
+        source_rows: str | None = None, golden_reference: golden.GoldenReference = golden.GoldenReference.AUTO,
+        golden_criterion: golden.GoldenCriterionName = golden.GoldenCriterionName.ROBUST,
+        trust_remote_code: bool = False) -> dict:
     """Validate the dataset at ``dataset`` and return the report (``report["ok"]``).
 
     Args:
@@ -79,6 +81,12 @@ def run(dataset: str | Path, *, previous: str | Path | None = None, golden_rows:
         workers: shards scanned in parallel (default: the number of CPUs, at most 8).
         model, source_rows: the source model directory and JSONL, when they are no longer
             where the manifest's spec says.
+        golden_reference: the engine that re-extracts golden rows (auto: transformers where it
+            has the model's class, else vLLM in eager mode with layer hooks).
+        golden_criterion: how golden rows are judged (robust: per-layer median, p90 and
+            neighbours; max-token: every token within ``golden_tolerance``).
+        trust_remote_code: the pipeline spec's permission to run the model's own code (its
+            tokenizer, the engine reference's model); never read from the manifest.
 
     Returns:
         The report (JSON-ready). When ``ok`` it is also written to
@@ -102,7 +110,9 @@ def run(dataset: str | Path, *, previous: str | Path | None = None, golden_rows:
     if lm is not None:
         _validate(root, lm, findings, report, previous=previous, golden_rows=golden_rows, seed=seed,
                   workers=workers or min(8, os.cpu_count() or 1), golden_tolerance=golden_tolerance,
-                  drift_threshold=drift_threshold, model=model, source_rows=source_rows)
+                  drift_threshold=drift_threshold, model=model, source_rows=source_rows,
+                  golden_reference=golden_reference, golden_criterion=golden_criterion,
+                  trust_remote_code=trust_remote_code)
     for name, kinds in CHECKS.items():
         if name not in findings.checks:
             if lm is None and name != "manifest":
@@ -131,7 +141,8 @@ def run(dataset: str | Path, *, previous: str | Path | None = None, golden_rows:
 
 
 def _validate(root: Path, lm: manifest.LoadedManifest, findings: Findings, report: dict, *, previous, golden_rows,
-              seed, workers, golden_tolerance, drift_threshold, model, source_rows) -> None:
+              seed, workers, golden_tolerance, drift_threshold, model, source_rows, golden_reference,
+              golden_criterion, trust_remote_code) -> None:
     m = lm.manifest
     report.update(manifest_sha256=lm.sha256, fingerprint=m.fingerprint,
                   extraction_fingerprint=m.extraction_fingerprint, layer_ids=list(lm.expected.layer_ids),
@@ -145,7 +156,7 @@ def _validate(root: Path, lm: manifest.LoadedManifest, findings: Findings, repor
     fresh = None
     if src.model_found and src.dataset_found:
         t = time.monotonic()
-        fresh = source.read_fresh(lm, src, findings)
+        fresh = source.read_fresh(lm, src, findings, trust_remote_code=trust_remote_code)
         log.info("source rows re-read and tokenized in %.1fs", time.monotonic() - t)
     else:
         missing = [str(p) for p, ok in ((src.model, src.model_found), (src.dataset, src.dataset_found)) if not ok]
@@ -167,7 +178,8 @@ def _validate(root: Path, lm: manifest.LoadedManifest, findings: Findings, repor
 
     if golden_rows > 0:
         _golden(root, lm, scans, findings, report, n=golden_rows, seed=seed, src=src, tolerance=golden_tolerance,
-                fresh=fresh)
+                fresh=fresh, reference=golden_reference, criterion=golden_criterion,
+                trust_remote_code=trust_remote_code)
     else:
         findings.not_run("golden", "--golden 0")
     if previous is not None:
@@ -218,7 +230,8 @@ def _check_dataset_stats(lm: manifest.LoadedManifest, scans: list[scan.ShardScan
         findings.add(Problem(ProblemKind.STATS, "dataset " + msg, layer_id=lid))
 
 
-def _golden(root, lm, scans, findings, report, *, n, seed, src, tolerance, fresh) -> None:
+def _golden(root, lm, scans, findings, report, *, n, seed, src, tolerance, fresh, reference, criterion,
+            trust_remote_code) -> None:
     plan = golden.choose(scans, n, seed)
     report["golden"] = {"seed": seed, "rows": list(plan.rows), "tolerance": tolerance}
     if not src.model_found:
@@ -229,12 +242,17 @@ def _golden(root, lm, scans, findings, report, *, n, seed, src, tolerance, fresh
     report["golden"] = golden.run(
         root, scans, plan, model_dir=src.model, layer_ids=lm.expected.layer_ids,
         num_hidden_layers=lm.num_hidden_layers, dtype=lm.expected.dtype,
-        # Never the manifest's word: a manifest is data, not permission to run a model's own code.
-        trust_remote_code=False,
-        tolerance=tolerance, findings=findings)
+        # The caller's word (the pipeline spec), never the manifest's: a manifest is data, not
+        # permission to run a model's own code.
+        trust_remote_code=trust_remote_code,
+        tolerance=tolerance, findings=findings, reference=reference, criterion=criterion,
+        max_seq_len=int(lm.manifest.spec.get("preprocessing", {}).get("max_seq_len") or 4096),
+        tensor_parallel_size=int(lm.manifest.spec.get("engine", {}).get("tensor_parallel_size") or 1))
     if fresh is not None and not fresh.model_matches:
         report["golden"]["note"] = "the model found is not the one extracted from (see source_changed)"
-    log.info("golden: %d rows re-extracted in %.1fs (seed %d)", len(plan.rows), time.monotonic() - t, seed)
+    ref = report["golden"].get("reference") or {}
+    log.info("golden: %d rows re-extracted with %s in %.1fs (engine start %.1fs; seed %d)", len(plan.rows),
+             ref.get("kind", "no reference"), time.monotonic() - t, ref.get("start_seconds", 0.0), seed)
 
 
 def _remove_stale(marker: Path) -> None:
@@ -253,7 +271,17 @@ def add_arguments(parser) -> None:
                         help=f"rows to re-extract with the reference engine (default {DEFAULT_GOLDEN}; 0: none)")
     parser.add_argument("--seed", type=int, help="seed of the golden rows' draw (default: random, reported)")
     parser.add_argument("--golden-tolerance", type=float, default=golden.DEFAULT_TOLERANCE,
-                        help="largest per-token relative L2 error of a golden sample (default %(default)s)")
+                        help="max-token criterion: largest per-token relative L2 error (default %(default)s)")
+    parser.add_argument("--golden-reference", choices=[r.value for r in golden.GoldenReference],
+                        default=golden.GoldenReference.AUTO.value,
+                        help="engine of the golden re-extraction (default auto: transformers where it has the "
+                             "model's class, else vLLM eager with layer hooks)")
+    parser.add_argument("--golden-criterion", choices=[c.value for c in golden.GoldenCriterionName],
+                        default=golden.GoldenCriterionName.ROBUST.value,
+                        help="robust (default): per-layer median, p90 and right layer against neighbours; "
+                             "max-token: every token within --golden-tolerance")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="allow the model's own code (tokenizer, engine reference), as the extraction spec did")
     parser.add_argument("--drift-threshold", type=float, default=drift.DEFAULT_THRESHOLD,
                         help="largest mean shift (in previous std) and relative std change (default %(default)s)")
     parser.add_argument("--report", help="also write the JSON report here (written whether or not it passes)")
@@ -267,7 +295,10 @@ def main(args) -> dict:
         raise SpecError("--golden must be >= 0 and --workers >= 1", hint="e.g. --golden 4 --workers 4")
     report = run(args.dataset, previous=args.previous, golden_rows=args.golden, seed=args.seed,
                  workers=args.workers, golden_tolerance=args.golden_tolerance,
-                 drift_threshold=args.drift_threshold, model=args.model, source_rows=args.source)
+                 drift_threshold=args.drift_threshold, model=args.model, source_rows=args.source,
+                 golden_reference=golden.GoldenReference(args.golden_reference),
+                 golden_criterion=golden.GoldenCriterionName(args.golden_criterion),
+                 trust_remote_code=args.trust_remote_code)
     if args.report:
         atomic_write_json(Path(args.report), report)
     if not report["ok"]:

@@ -50,8 +50,12 @@ def locate(lm: LoadedManifest, *, model: str | None, dataset: str | None) -> Sou
     return Sources(mdir, dfile, mdir.is_dir() and str(mdir) != ".", dfile.is_file())
 
 
-def read_fresh(lm: LoadedManifest, src: Sources, findings: Findings) -> FreshRows | None:
-    """Plan extraction again from the sources; None when they differ from the recorded ones."""
+def read_fresh(lm: LoadedManifest, src: Sources, findings: Findings, *,
+               trust_remote_code: bool = False) -> FreshRows | None:
+    """Plan extraction again from the sources; None when they differ from the recorded ones.
+
+    ``trust_remote_code`` is the caller's permission (a tokenizer shipped as code, Kimi's).
+    """
     from datagen.extract import plan
     from datagen.spec import parse_spec
 
@@ -67,7 +71,7 @@ def read_fresh(lm: LoadedManifest, src: Sources, findings: Findings) -> FreshRow
         "samples_per_shard": lm.samples_per_shard,
         "engine": {"name": "hf", "dtype": lm.expected.dtype,
                    # never taken from the manifest: a manifest is data, not permission to run code
-                   "trust_remote_code": False},
+                   "trust_remote_code": trust_remote_code},
     }
     try:
         p = plan(parse_spec(raw, source="the manifest's spec"))

@@ -59,6 +59,15 @@ class HFReference:
         return torch.stack(picked, dim=1).cpu()
 
 
+    @torch.inference_mode()
+    def states_by_id(self, input_ids, wanted) -> dict[int, torch.Tensor]:
+        """[T, H] states of each layer id in ``wanted`` (0..N; -1: after the final norm)."""
+        ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device)[None]
+        hs = self.model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+        pick = {self.n: lambda: self._final[0], -1: lambda: hs[self.n][0]}
+        return {k: (pick[k]() if k in pick else hs[k][0]).cpu() for k in wanted}
+
+
 class HFEngine(Engine):
     name = "hf"
 
