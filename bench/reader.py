@@ -3,7 +3,7 @@
     python -m bench.reader --mode smoke|full [--results DIR]
 
 One synthetic dataset that follows the contract (``tests/support/synthetic_shards``: 10,000
-samples of 64-192 tokens, 4 layers x hidden 256 bf16, 256 samples per shard) is read
+samples of 64-192 tokens, 4 layers x hidden 128 bf16, 256 samples per shard) is read
 
 * locally: a plain sequential read of the shard files (the floor of any reader); the reader
   (``datagen.reader``) map-style in dataset order and in a random order, and its iterable dataset
@@ -35,7 +35,7 @@ from bench._common import RESULTS, SMOKE_RESULTS, Mode, Record, Row, log, median
 SAMPLES = {Mode.FULL: 10_000, Mode.SMOKE: 600}
 PER_SHARD = 256
 TOKENS = (64, 192)
-HIDDEN, LAYERS = 256, (1, 2, 3, 4)
+HIDDEN, LAYERS = 128, (1, 2, 3, 4)
 REPEATS = {Mode.FULL: 3, Mode.SMOKE: 1}
 BATCH = 16
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from bench._common import RESULTS, median
 
-ORDER = ("overhead", "engines", "cached_rerun", "validation", "publish", "memory")
+ORDER = ("overhead", "engines", "cached_rerun", "validation", "publish", "memory", "reader")
 
 
 def load(results: Path) -> list[dict]:
@@ -31,7 +31,7 @@ def _fmt(value: float, unit: str) -> str:
         return f"{value:.3g}x" if value < 10 else f"{value:.0f}x"
     if unit == "%":
         return f"{value:.0f}%"
-    if unit in ("tok/s", "MiB", "MB/s"):
+    if unit in ("tok/s", "MiB", "MB/s", "samples/s"):
         return f"{value:,.0f} {unit}"
     return f"{value:g} {unit}"
 
@@ -191,8 +191,32 @@ def plot_memory(rec: dict, out: Path) -> None:
     plt.close(fig)
 
 
+def plot_reader(rec: dict, out: Path) -> None:
+    plt = _plt()
+    rows = [r for r in rec["rows"] if r["unit"] == "samples/s"]
+    first = [r for r in rec["rows"] if r["unit"] == "s"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+    colors = ["gray" if "plain" in r["case"] else "C1" if "export" in r["case"] else "C0" for r in rows]
+    a.barh([r["case"] for r in rows], [r["value"] for r in rows], color=colors)
+    a.set_xscale("log")
+    a.invert_yaxis()
+    a.set_xlabel("samples/s (median; gray: plain read of the same bytes, orange: per-sample files)")
+    a.tick_params(axis="y", labelsize=8)
+    a.set_title(f"throughput, {rec['data']['samples']:,} samples")
+    b.barh([r["case"].split(": ", 1)[-1] for r in first], [r["value"] for r in first],
+           color=["C1" if "export" in r["case"] else "C0" for r in first])
+    b.invert_yaxis()
+    b.set_xlabel("seconds (median)")
+    b.tick_params(axis="y", labelsize=8)
+    b.set_title(f"time to the first batch of {rec['data']['batch']}")
+    fig.suptitle(rec["title"])
+    fig.tight_layout()
+    fig.savefig(out / "fig7_reader.png", dpi=110)
+    plt.close(fig)
+
+
 PLOTS = {"overhead": plot_overhead, "engines": plot_engines, "cached_rerun": plot_cached_rerun,
-         "validation": plot_validation, "publish": plot_publish, "memory": plot_memory}
+         "validation": plot_validation, "publish": plot_publish, "memory": plot_memory, "reader": plot_reader}
 
 
 def build(results: Path, *, failed: dict[str, str] | None = None) -> str:

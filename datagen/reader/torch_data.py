@@ -60,29 +60,34 @@ def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:
 class ShardStreamDataset(IterableDataset):
     """Iterable: seeded shuffle across shards, split over ranks and workers (module docstring).
 
-    A worker reads its shards in runs of consecutive samples of up to ``run_bytes`` (one ranged
-    read each, so S3 streams at its sequential rate instead of paying a request per sample), and
-    yields the samples of ``runs_mixed`` runs, from different shards of its window, in a seeded
-    random order while the next runs are read.
+    On S3 a worker reads its shards in runs of consecutive samples of up to ``run_bytes`` (one
+    ranged GET each, so S3 streams near its sequential rate instead of paying a request per
+    sample); on a filesystem each sample is one ``pread`` (no second copy). The runs of the
+    worker's window of shards are put in a seeded random order and taken ``mix_bytes`` at a time;
+    the samples of each take are yielded in a seeded random order while the next take is read.
 
     Args:
         reader: the opened dataset.
         seed: the same on every rank.
-        shards_in_flight: shards whose runs are shuffled together by one worker.
-        run_bytes: largest ranged read (a sample larger than it is read alone).
-        runs_mixed: runs whose samples are mixed together (memory: about 2 x runs_mixed x run_bytes).
+        shards_in_flight: shards whose samples are mixed by one worker.
+        run_bytes: largest ranged read; default 16 MiB on S3, one sample per read on a filesystem.
+        mix_bytes: bytes of samples shuffled together (memory: about twice this per worker).
         prefetch: reads in flight per worker (threads).
         rank, world_size: default to ``torch.distributed``'s, or 0 and 1.
     """
 
     def __init__(self, reader: DatasetReader, *, seed: int = 0, shards_in_flight: int = 4,
-                 run_bytes: int = 16 << 20, runs_mixed: int = 4, prefetch: int = 4,
+                 run_bytes: int | None = None, mix_bytes: int = 64 << 20, prefetch: int = 4,
                  rank: int | None = None, world_size: int | None = None) -> None:
+        from datagen.reader._store import LocalStore
+
         self.reader = reader
         self.seed = seed
         self.shards_in_flight = max(1, shards_in_flight)
+        if run_bytes is None:
+            run_bytes = 1 if isinstance(reader.store, LocalStore) else 16 << 20
         self.run_bytes = max(1, run_bytes)
-        self.runs_mixed = max(1, runs_mixed)
+        self.mix_bytes = max(1, mix_bytes)
         self.prefetch = max(1, prefetch)
         self.rank, self.world_size = rank, world_size
         self.epoch: int | None = None
@@ -127,11 +132,16 @@ class ShardStreamDataset(IterableDataset):
                 runs.extend(self._runs(k, set(picked[:keep[k]])))
             rng = random.Random(f"{self.seed}/{epoch}/{rank}/{worker}/{w}")
             rng.shuffle(runs)
-            for g in range(0, len(runs), self.runs_mixed):
-                group = runs[g:g + self.runs_mixed]
-                samples = [(k, p) for k, a, b in group for p in range(a, b)]
-                rng.shuffle(samples)
-                out.append((group, samples))
+            group: list = []
+            size = 0
+            for run in runs:
+                group.append(run)
+                size += self.reader.run_bytes(*run)
+                if size >= self.mix_bytes or run is runs[-1]:
+                    samples = [(k, p) for k, a, b in group for p in range(a, b)]
+                    rng.shuffle(samples)
+                    out.append((group, samples))
+                    group, size = [], 0
         return out
 
     def plan(self, epoch: int, rank: int, world: int, worker: int, workers: int) -> list[int]:
@@ -168,5 +178,5 @@ class ShardStreamDataset(IterableDataset):
                     starts[k].append(a)
                 bufs = {key: f.result() for key, f in reads.items()}
                 for k, p in samples:
-                    a = max(x for x in starts[k] if x <= p)
+                    a = p if (k, p) in bufs else max(x for x in starts[k] if x <= p)
                     yield _as_dict(r.sample_in(k, p, bufs[(k, a)], a))
