@@ -473,6 +473,11 @@ OUTPUT_REFUSALS = {
                                                    message="has no MLA attention"),
     "AMX_MLA in float32": Refusal(engine={**VLLM, "mla_backend": "AMX_MLA", "dtype": "float32"}, deepseek=True,
                                   message="bfloat16 only"),
+    "no row with a target token": Refusal(row={"input_ids": [5, 6], "loss_mask": [0, 0]}, change="no_target",
+                                          message="no row has a target token"),
+    "--shards beyond the dataset": Refusal(("--shards", "3:5"), message="is outside 0:1"),
+    "vLLM not installed (exit 3)": Refusal(engine=VLLM, change="no_vllm", code=EXIT_CANNOT_RUN_HERE,
+                                           message="vLLM is not installed"),
     "vLLM outside the tested range (exit 3)": Refusal(engine=VLLM, change="vllm_0.99", code=EXIT_CANNOT_RUN_HERE,
                                                       message="outside the tested range"),
     "engine start: tensor parallel 2 on a CPU (exit 3)": Refusal(engine={**VLLM, "tensor_parallel_size": 2},
@@ -494,6 +499,8 @@ def _apply(monkeypatch, change: str | None) -> None:
 
     if change == "vllm_0.99":
         monkeypatch.setattr(patches, "installed_vllm_version", lambda: "0.99.0")
+    elif change == "no_vllm":
+        monkeypatch.setattr(patches, "installed_vllm_version", lambda: None)
     elif change == "no_amx" and _amx_here():
         pytest.skip("this CPU has AMX: AMX_MLA runs here (tests/test_extract_vllm.py runs it)")
     elif change == "refuse_3":
@@ -505,8 +512,8 @@ def _apply(monkeypatch, change: str | None) -> None:
 
 
 def _refused_run(r: Refusal, *, llama: Path, deepseek: Path, rows: Path, out: Path, tmp_path: Path):
-    if r.row is not None:
-        rows = write_jsonl(tmp_path / "bad.jsonl", [GOOD_ROWS[0], r.row])
+    if r.row is not None:  # after a good row, or alone where the case is a dataset without targets
+        rows = write_jsonl(tmp_path / "bad.jsonl", [r.row] if r.change == "no_target" else [GOOD_ROWS[0], r.row])
     spec = tmp_path / "engine.json"
     spec.write_text(json.dumps({"engine": r.engine}))
     return run_cli("extract", "--spec", spec, "--model", deepseek if r.deepseek else llama, "--dataset", rows,
