@@ -1,9 +1,9 @@
 """The CUDA extract image: its lock and tag (always), and the built image on a machine without GPUs.
 
-The image is about 20 GB and takes many minutes to build cold, so `make test` does not build
-it: `make images-cuda` builds it and runs this file with DATAGEN_REQUIRE_CUDA_IMAGE=1 (a missing
-image then fails instead of skipping). Without that, the image checks run when the current tree's
-image is built and skip, saying how to build it, when it is not.
+The image is over 10 GB and takes many minutes to build cold, so `make test` does not build
+it: `make images-cuda` builds it and runs this file with DATAGEN_CUDA_IMAGE=<the tag it built>
+(a missing image then fails instead of skipping). Without that, the image checks run when the
+current tree's image is built and skip, saying how to build it, when it is not.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from tests.images.test_build import changed, tags, tree  # noqa: F401  (tree: a 
 from tests.support.docker_engine import docker_client
 
 CUDA = ImageName.EXTRACT_CUDA
-REQUIRE = "DATAGEN_REQUIRE_CUDA_IMAGE"
+BUILT = "DATAGEN_CUDA_IMAGE"  # the tag `make images-cuda` built: checked, never skipped
 
 
 def replace_pin(root: Path, old: str, new: str) -> None:
@@ -146,21 +146,21 @@ def test_env_check_says_no_gpu_is_visible_when_a_cuda_vllm_has_none(monkeypatch)
 
 @pytest.fixture(scope="module")
 def cuda_image() -> str:
-    """The current tree's CUDA image tag; skips (fails under `make images-cuda`) when not built."""
+    """The tag `make images-cuda` built, else the current tree's (skips when that is not built)."""
     import docker
 
     client = docker_client()
-    tag = plan_image(CUDA).tag
+    tag = os.environ.get(BUILT) or plan_image(CUDA).tag
     try:
         client.images.get(tag)
     except docker.errors.ImageNotFound:
-        message = (
-            f"{tag} is not built (about 20 GB and many minutes cold, so `make test` does not "
+        if os.environ.get(BUILT):
+            pytest.fail(f"{BUILT}={tag}: no such image")
+        pytest.skip(
+            f"{tag} is not built (over 10 GB and many minutes cold, so `make test` does not "
             "build it): `make images-cuda` builds it and runs these checks"
         )
-        if os.environ.get(REQUIRE):
-            pytest.fail(message)
-        pytest.skip(message)
+    assert tag.startswith(CUDA.value + ":"), tag
     return tag
 
 
@@ -178,6 +178,7 @@ def test_the_image_is_labelled_with_its_vllm_and_cuda_and_runs_as_a_non_root_use
     assert labels["dev.datagen.vllm.version"] == CUDA_VLLM_RELEASE
     assert labels["dev.datagen.cuda.version"] == "13.0"
     assert labels["org.opencontainers.image.version"] == plan_image(CUDA).version
+    assert cuda_image.split(":")[1].startswith(plan_image(CUDA).version + "-")
     assert labels["org.opencontainers.image.revision"]
     assert labels["org.opencontainers.image.base.name"] == ENGINE_BASE.tag
     assert config["User"] == "datagen" and config["Entrypoint"] == ["datagen"]
