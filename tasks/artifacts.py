@@ -225,8 +225,14 @@ def layer_report(dataset: str, *, previous: str | None = None, runs: int = REPOR
         key = stats_key(flow_run.flow_name, deployment.name)
         current = step.run_stats(step.load_manifest(dataset))
         history = _history(key, runs - 1, exclude_flow_run=flow_run.id)
-        reference = step.run_stats(step.load_manifest(previous), label="previous") if previous else None
-        shown = history + [current]
+        reference = None
+        if previous:
+            reference = step.run_stats(step.load_manifest(previous))
+            reference = step.RunStats(**{**reference.__dict__, "label": f"validation's previous\n{reference.label}"})
+        # validation's previous dataset is drawn where it is not already the run before
+        shown = history + ([reference] if reference and (not history or history[-1].fingerprint != reference.fingerprint
+                                                          or history[-1].created_at != reference.created_at) else [])
+        shown.append(current)
         threshold = step.DEFAULT_THRESHOLD
         drift = step.drift_of(shown, threshold=threshold, reference=reference)
         drifted = [d.layer_id for d in drift if d.drifted]

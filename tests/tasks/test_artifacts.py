@@ -76,6 +76,17 @@ def test_drift_is_measured_against_validations_previous_dataset_when_there_is_on
     assert run(str(moved)) == []  # the first run of the deployment: nothing before it
     assert run(str(base), previous=str(moved)) == [2]
 
+    other = make_synthetic_dataset(tmp_path / "other", rows=16, seed=0)
+    shift_layer_mean(other, layer_id=4, stds=1.0)
+    m = manifest_of(other)
+    m["fingerprint"] = "another-dataset"
+    write_manifest(other, m)
+    state = run(str(base), previous=str(other), return_state=True)
+    assert state.result() == [4]
+    report = reports_of([state.state_details.flow_run_id])[0]
+    # the two runs before, validation's previous (not one of them: drawn too), this run
+    assert "Runs: 4" in report
+
 
 def test_a_report_that_cannot_be_drawn_does_not_fail_the_run(prefect_harness, tmp_path):
     run = nightly(f"nightly-{uuid.uuid4().hex[:8]}")
