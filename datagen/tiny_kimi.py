@@ -302,7 +302,8 @@ def make_tiny_kimi(
                 key = f"{p}.mlp.experts.{e}.{name}"
                 w = rand(*shape, std=shape[1] ** -0.5)
                 q, scale, deq = _pow2_int4(w, gen)
-                text_tensors[f"{key}.weight"] = deq
+                if write_twin or quantization == "none":
+                    text_tensors[f"{key}.weight"] = deq
                 if quantization == "int4":
                     quantized[f"{key}.weight_packed"] = _pack_int4(q).cpu()
                     quantized[f"{key}.weight_scale"] = scale.cpu()

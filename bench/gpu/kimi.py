@@ -223,8 +223,11 @@ def wide(args) -> None:
 
     work, out = Path(args.work), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    import torch
+
     rec: dict = {"layers": args.layers, "experts": args.experts, "tp": args.tp, "ref_tp": args.ref_tp,
-                 "rows": args.rows, "row_len": args.row_len, "budget": args.budget}
+                 "rows": args.rows, "row_len": args.row_len, "budget": args.budget,
+                 "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
     t0 = time.time()
     if not (work / "kimi" / "config.json").exists():
         width = kimi_width() if args.width == "kimi" else {"vocab_size": 163840}
