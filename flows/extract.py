@@ -120,6 +120,8 @@ def _finalize_validate_publish(spec: PipelineSpec, xspec: ExtractSpec, planned: 
         settings=spec.validation,
         model=xspec.model,
         source=xspec.dataset,
+        trust_remote_code=xspec.engine.trust_remote_code,
+        gpus=spec.gpus,
     )
     published = PublishOutcome()
     if spec.publish_to:

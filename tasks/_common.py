@@ -188,7 +188,9 @@ def _step_images(*, gpu: bool) -> dict[str, str]:
     extract = resolve_image(_extract_image(gpu)).tag
     # plan reads the engine's version (part of every fingerprint): it runs in the engine's image.
     # assemble plans the spec again (the engine's version is in every fingerprint): the same image.
-    return {"*": steps, "extract": extract, "plan": extract, "assemble": extract, "env-check": extract}
+    # validate may re-extract golden rows with the engine itself (models transformers cannot load).
+    return {"*": steps, "extract": extract, "plan": extract, "assemble": extract, "env-check": extract,
+            "validate": extract}
 
 
 def runner_identity(kind: Runner, *, gpu: bool = False) -> str:

@@ -38,6 +38,9 @@ class ValidationOutcome(BaseModel):
     ok: bool = Field(True, description="No problems.")
     manifest_sha256: str | None = Field(None, description="The manifest that was validated.")
     summary: str = Field("", description="One line for the run summary.")
+    golden_reference: str | None = Field(
+        None, description="The engine that re-extracted golden rows (transformers, engine), None when none ran."
+    )
 
 
 def validate_cache_key(
@@ -66,11 +69,16 @@ def validate(
     settings: ValidationSettings,
     model: str,
     source: str,
+    trust_remote_code: bool = False,
+    gpus: int = 0,
 ) -> ValidationOutcome:
     """`datagen validate DATASET --report FILE`: every shard, every row, against the manifest.
 
     ``model`` (directory) and ``source`` (the dataset's JSONL) are read by the step: it
-    re-tokenizes rows and re-extracts golden samples from them.
+    re-tokenizes rows and re-extracts golden samples from them, with the model's own code only
+    when the pipeline spec allows it (``trust_remote_code``; Kimi's tokenizer is code). The step
+    runs in the extract image with the spec's GPUs: where transformers cannot load the model, the
+    golden reference is the engine itself (vLLM eager with layer hooks), on the host that holds it.
     """
     logger = get_run_logger()
     if not step_available(STEP):
@@ -80,21 +88,28 @@ def validate(
         report = scratch / REPORT_NAME
         invocation = StepInvocation(
             step=STEP,
-            args=(dataset, "--report", str(report), "--model", model, "--source", source, *settings.args()),
+            args=(dataset, "--report", str(report), "--model", model, "--source", source, *settings.args(),
+                  *(["--trust-remote-code"] if trust_remote_code else [])),
             mounts=mounts_for(dataset, scratch, read_only=(model, source, *filter(None, [settings.previous]))),
+            gpus=gpus,
             labels={"task": STEP},
         )
         try:
-            result = run_step(invocation, make_runner(runner), log=logger.info)
+            result = run_step(invocation, make_runner(runner, gpu=gpus > 0), log=logger.info)
         except StepFailed as e:
             _problems_artifact(report, e)
             raise
     problems = result.get("problems") or []
+    reference = (result.get("golden") or {}).get("reference") or {}
+    golden = (f"; golden: {reference['kind']} reference, {reference.get('tokens', 0)} tokens in "
+              f"{reference.get('seconds', 0):.1f} s + {reference.get('start_seconds', 0):.1f} s start") if reference else ""
     return ValidationOutcome(
         ran=True,
         ok=not problems,
         manifest_sha256=result.get("manifest_sha256", manifest_sha256),
-        summary=f"passed ({result.get('shards', '?')} shards checked)" if not problems else f"{len(problems)} problems",
+        golden_reference=reference.get("kind"),
+        summary=(f"passed ({result.get('shards', '?')} shards checked{golden})" if not problems
+                 else f"{len(problems)} problems"),
     )
 
 

@@ -79,9 +79,11 @@ def _free_ports(count: int) -> list[int]:
 
 
 class S3Server:
-    """One SeaweedFS server: master + volume + filer + S3 gateway, on 127.0.0.1."""
+    """One SeaweedFS server: master + volume + filer + S3 gateway, on 127.0.0.1 (or ``ip``: the
+    Docker bridge's address, for step containers to reach it too)."""
 
-    def __init__(self, data_dir: Path, *, volume_size_limit_mb: int = 256) -> None:
+    def __init__(self, data_dir: Path, *, volume_size_limit_mb: int = 256, ip: str = "127.0.0.1") -> None:
+        self.ip = ip
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.ports = dict(zip(_PORT_NAMES, _free_ports(len(_PORT_NAMES)), strict=True))
@@ -97,7 +99,7 @@ class S3Server:
     # -- addresses -------------------------------------------------------------------------
     @property
     def endpoint_url(self) -> str:
-        return f"http://127.0.0.1:{self.ports['s3.port']}"
+        return f"http://{self.ip}:{self.ports['s3.port']}"
 
     def env(self) -> dict[str, str]:
         """The standard AWS environment variables that point boto3 at this server."""
@@ -152,7 +154,7 @@ class S3Server:
             f"-logdir={self.data_dir}",  # glog files default to /tmp
             "server",
             f"-dir={self.data_dir}",
-            "-ip=127.0.0.1",
+            f"-ip={self.ip}",
             "-s3",
             f"-s3.config={self._config_path}",
             # like AWS: writing to a missing bucket is an error, not a new bucket

