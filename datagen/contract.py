@@ -24,14 +24,19 @@ LAYER_NUMBERING = (
     "id N = num_hidden_layers is the last layer's output before the final norm"
 )
 
-# tensor name -> (dtype, shape description). hidden_states' dtype is the spec's dtype.
+# tensor name -> (dtype, shape description). hidden_states' dtype is the spec's storage_dtype
+# (the engine's dtype unless the spec names another).
 SHARD_TENSORS = {
     "input_ids": ("int32", "[T]"),
     "loss_mask": ("uint8", "[T]"),
-    "hidden_states": ("<spec dtype>", "[T, L, H]"),
+    "hidden_states": ("<spec storage_dtype>", "[T, L, H]"),
     "sample_index": ("int64", "[S]"),
     "sample_offsets": ("int64", "[S+1]"),
 }
+# storage_dtype fp8_e4m3: hidden_states is float8_e4m3fn and this tensor is added; the stored value
+# of hidden_states[t, l, h] is float(hidden_states[t, l, h]) * hidden_states_scale[t, l]
+# (scale = absmax over H / 448, 1 for an all-zero vector).
+FP8_SCALE_TENSORS = {"hidden_states_scale": ("float32", "[T, L]")}
 
 
 def shard_name(index: int) -> str:

@@ -11,7 +11,9 @@ Writes the layout that ``speculators`` 0.9.x trains from (its
     OUT/hidden_states/hs_<i>.safetensors
         token_ids      int64 [T]         equal to input_ids of row i (speculators checks it)
         hidden_states  <dtype> [T, L, H] layers in layer_ids order: aux layers first, the
-                                          final layer (id N) last, as speculators splits it
+                                          final layer (id N) last, as speculators splits it;
+                                          fp8_e4m3 datasets are converted back to bfloat16
+                                          (fp8 * hidden_states_scale), which speculators reads
     OUT/token_freq.pt        {token id: count} over loss-masked tokens (speculators builds
                              its draft vocabulary mapping from it)
     OUT/datagen_export.json  provenance: source fingerprint, manifest sha256, and the
@@ -44,12 +46,15 @@ from datagen._validation.scan import resolve_inside
 from datagen._validation.shardfile import MappedShard, read_header
 from datagen.contract import MANIFEST_NAME, Manifest, ShardRecord
 from datagen.errors import DatasetError, OutputConflictError, SpecError, UnsafePathError, ValidationFailed
+from datagen.shards import dequantize_fp8
 
 HELP = "Export a validated dataset for training (--format speculators: HF datasets Arrow + per-sample safetensors)."
 log = logging.getLogger(__name__)
 
 EXPORT_RECORD = "datagen_export.json"
 HIDDEN_STATES_DIR = "hidden_states"
+# storage dtype -> dtype of the exported hidden_states, where they differ
+EXPORT_DTYPE = {"fp8_e4m3": "bfloat16"}
 
 
 class ExportFormat(str, enum.Enum):
@@ -146,7 +151,8 @@ def run(dataset: str | Path, out: str | Path, *, fmt: ExportFormat = ExportForma
             "validated": validated,
             "layer_ids": layer_ids,
             "hidden_size": int(m.spec["model"]["hidden_size"]),
-            "dtype": m.spec["dtype"],
+            "dtype": EXPORT_DTYPE.get(m.spec.get("storage_dtype"), m.spec["dtype"]),
+            "storage_dtype": m.spec.get("storage_dtype") or m.spec["dtype"],
             "samples": len(rows),
             "tokens": int(m.totals.get("tokens", 0)),
             "rows": rows,
@@ -218,11 +224,15 @@ def _write_hidden_states(root: Path, man: Manifest, tmp: Path, workers: int) -> 
                                        hint="run `datagen validate`")
             ids = m.tensor("input_ids")
             mask = m.tensor("loss_mask")
+            fp8 = "hidden_states_scale" in m.header.tensors
             for n, s in enumerate(order.tolist()):
                 a, b = int(off[s]), int(off[s + 1])
                 tok = ids[a:b].to(torch.int64)
                 path = tmp / hs_name(bases[k] + n)
-                save_file({"token_ids": tok, "hidden_states": m.rows("hidden_states", a, b).contiguous()}, str(path))
+                hs = m.rows("hidden_states", a, b)
+                if fp8:  # the trainer reads bfloat16: fp8 * scale, rounded once
+                    hs = dequantize_fp8(hs, m.rows("hidden_states_scale", a, b)).to(torch.bfloat16)
+                save_file({"token_ids": tok, "hidden_states": hs.contiguous()}, str(path))
                 os.chmod(path, 0o644)  # safetensors creates 0600; training jobs run as other users
                 sel = tok[mask[a:b].to(torch.bool)]
                 u, c = torch.unique(sel, return_counts=True)

@@ -142,9 +142,10 @@ def plan(spec: ExtractSpec) -> Plan:
         "layer_ids": list(layer_ids),
         "layer_numbering": LAYER_NUMBERING,
         "dtype": spec.engine.dtype,
+        "storage_dtype": spec.engine.storage_dtype or spec.engine.dtype,
         "preprocessing": {"max_seq_len": spec.max_seq_len, "chat_template_sha256": data.chat_template_hash,
                           "tokenizer_sha256": data.tokenizer_hash, "samples_per_shard": spec.samples_per_shard},
-        "engine": {**engine_desc, **spec.engine.model_dump(mode="json", exclude={"dtype"})},
+        "engine": {**engine_desc, **spec.engine.model_dump(mode="json", exclude={"dtype", "storage_dtype"})},
     }
     extraction_fp = sha256_hex(canonical_json(extraction))
     dataset = {"source": str(Path(spec.dataset).resolve()), "sha256": data.fingerprint, "rows": data.rows}
@@ -283,7 +284,7 @@ def recover_record(p: Plan, k: int) -> ShardRecord | None:
 
     from safetensors import safe_open
 
-    from datagen.shards import file_sha256, layer_stats
+    from datagen.shards import SCALE_TENSOR, file_sha256, fp8_token_stats, layer_stats
 
     f = Path(p.spec.out) / shard_name(k)
     if not f.is_file() or f.is_symlink():
@@ -294,6 +295,7 @@ def recover_record(p: Plan, k: int) -> ShardRecord | None:
             if meta.get("shard_key") != p.shard_key(k):
                 return None
             hs = st.get_tensor("hidden_states")
+            per_token = fp8_token_stats(hs, st.get_tensor(SCALE_TENSOR)) if meta.get("storage_dtype") else None
             samples = st.get_slice("sample_index").get_shape()[0]
     except Exception:  # unreadable: not a complete shard of ours, extract it again
         return None
@@ -301,7 +303,7 @@ def recover_record(p: Plan, k: int) -> ShardRecord | None:
     return ShardRecord(
         index=k, path=shard_name(k), first_sample=first, rows=count, samples=samples, tokens=hs.shape[0],
         bytes=f.stat().st_size, sha256=file_sha256(f), shard_key=p.shard_key(k),
-        layer_stats=layer_stats(hs, p.layer_ids),
+        layer_stats=layer_stats(hs, p.layer_ids, per_token),
     )
 
 
@@ -330,7 +332,7 @@ def build_job(p: Plan, k: int) -> ShardJob:
         input_ids=tuple(p.data.samples[r].input_ids for r in rows),
         loss_masks=tuple(p.data.samples[r].loss_mask for r in rows),
         layer_ids=p.layer_ids,
-        dtype=p.spec.engine.dtype,
+        dtype=p.resolved_spec["storage_dtype"],
         hidden_size=p.info.hidden_size,
         shard_key=p.shard_key(k),
     )
@@ -346,6 +348,7 @@ def make_engine(p: Plan) -> Engine:
     from datagen.engines.vllm_engine import VllmEngine
 
     return VllmEngine(p.info, layer_ids=p.layer_ids, dtype=e.dtype, max_seq_len=p.spec.max_seq_len,
+                      storage_dtype=p.resolved_spec["storage_dtype"], shard_group=e.shard_group,
                       tensor_parallel_size=e.tensor_parallel_size, max_num_batched_tokens=e.max_num_batched_tokens,
                       max_num_seqs=e.max_num_seqs, trust_remote_code=e.trust_remote_code,
                       attention_backend=p.engine_desc.get("attention_backend"))
@@ -499,6 +502,10 @@ def _run_locked(p: Plan, *, shards: tuple[int, int] | None, lo: int, hi: int, t0
     check_output(p)  # refused before the engine starts; claimed (written) only once it has
     done = completed_shards(p)
     todo = [k for k in range(lo, hi) if k not in done]
+    G = p.spec.engine.shard_group
+    if G > 1 and todo:  # a group's batches depend on all its rows: recompute whole groups (in range)
+        groups = {k // G for k in todo}
+        todo = [k for k in range(lo, hi) if k // G in groups]
     log.info("%d shards in range %d:%d, %d already complete, %d to extract", hi - lo, lo, hi,
              hi - lo - len(todo), len(todo))
     records = dict(done)
@@ -602,6 +609,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--engine", choices=[e.value for e in EngineName])
     parser.add_argument("--tensor-parallel-size", type=int)
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--storage-dtype", choices=["bfloat16", "float16", "float32", "fp8_e4m3"],
+                        help="dtype of the stored states (default: --dtype); fp8_e4m3 halves the bytes")
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--shards", help="extract only shards A:B and write no manifest")
 
@@ -628,7 +637,8 @@ def spec_from_args(args) -> ExtractSpec:
                         hint='write e.g. "engine": {"name": "vllm", "tensor_parallel_size": 8}')
     eng = dict(eng)
     for k, v in {"name": args.engine, "tensor_parallel_size": args.tensor_parallel_size, "dtype": args.dtype,
-                 "max_num_batched_tokens": args.max_num_batched_tokens}.items():
+                 "max_num_batched_tokens": args.max_num_batched_tokens,
+                 "storage_dtype": getattr(args, "storage_dtype", None)}.items():
         if v is not None:
             eng[k] = v
     raw["engine"] = eng

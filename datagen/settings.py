@@ -31,6 +31,12 @@ def enforce_eager() -> bool:
     return os.environ.get("DATAGEN_ENFORCE_EAGER", "0") == "1"
 
 
+def direct_io() -> bool:
+    """DATAGEN_DIRECT_IO: 0 to write shards through the page cache instead of with O_DIRECT
+    (filesystems without direct I/O fall back to that by themselves)."""
+    return os.environ.get("DATAGEN_DIRECT_IO", "1") != "0"
+
+
 def model_cache() -> Path:
     """DATAGEN_MODEL_CACHE: the shared model cache for downloads."""
     return Path(os.environ.get("DATAGEN_MODEL_CACHE", Path.home() / ".cache" / "datagen" / "models"))

@@ -34,6 +34,9 @@ class Runner(str, enum.Enum):
 
 
 StorageDtype = Literal["bfloat16", "float16", "float32"]
+# dtype of the stored hidden_states: the compute dtypes, or fp8_e4m3 (float8 e4m3 values with a
+# float32 scale per token and layer, `hidden_states_scale`; half the bytes of bfloat16)
+StorageName = Literal["bfloat16", "float16", "float32", "fp8_e4m3"]
 
 # max_seq_len when the spec names none: this, or the model's positions less one when it has fewer.
 DEFAULT_MAX_SEQ_LEN = 4096
@@ -64,6 +67,17 @@ class EngineSettings(BaseModel):
         8192, ge=16, description="vLLM per-step token budget; longer prompts are chunked."
     )
     max_num_seqs: int = Field(256, ge=1, description="vLLM maximum requests per step.")
+    storage_dtype: StorageName | None = Field(
+        None, description="dtype of the stored hidden_states. None: the engine's dtype. fp8_e4m3: "
+        "float8 e4m3 with a float32 scale per token and layer (hidden_states_scale; value = fp8 * scale), "
+        "half the bytes of bfloat16. The manifest records it as spec.storage_dtype.",
+    )
+    shard_group: int = Field(
+        1, ge=1, le=4096,
+        description="Shards streamed through the engine without a drain between them: the next shard's "
+        "rows fill the previous one's last steps. Groups are shards [g*G, (g+1)*G); a resume recomputes "
+        "a whole group, so shards stay byte-identical. 1: every shard's batches hold its rows alone.",
+    )
     trust_remote_code: bool = Field(
         False, description="Allow the model directory's own Python code to run."
     )

@@ -241,7 +241,7 @@ def _golden(root, lm, scans, findings, report, *, n, seed, src, tolerance, fresh
     t = time.monotonic()
     report["golden"] = golden.run(
         root, scans, plan, model_dir=src.model, layer_ids=lm.expected.layer_ids,
-        num_hidden_layers=lm.num_hidden_layers, dtype=lm.expected.dtype,
+        num_hidden_layers=lm.num_hidden_layers, dtype=lm.compute_dtype,
         # The caller's word (the pipeline spec), never the manifest's: a manifest is data, not
         # permission to run a model's own code.
         trust_remote_code=trust_remote_code,

@@ -29,6 +29,7 @@ class LoadedManifest:
     rows: int  # dataset rows
     samples_per_shard: int
     num_hidden_layers: int
+    compute_dtype: str = "bfloat16"  # the engine's dtype (expected.dtype is the storage dtype)
 
 
 def manifest_sha256(root: Path) -> str | None:
@@ -68,7 +69,8 @@ def load(root: Path, findings: Findings) -> LoadedManifest | None:
         layer_ids = tuple(int(i) for i in spec["layer_ids"])
         hidden = int(spec["model"]["hidden_size"])
         n_layers = int(spec["model"]["num_hidden_layers"])
-        dtype = str(spec["dtype"])
+        compute_dtype = str(spec["dtype"])
+        dtype = str(spec.get("storage_dtype") or compute_dtype)  # manifests before storage_dtype: the same
         rows = int(spec["dataset"]["rows"])
         per_shard = int(spec["preprocessing"]["samples_per_shard"])
     except (KeyError, TypeError, ValueError) as e:
@@ -78,7 +80,7 @@ def load(root: Path, findings: Findings) -> LoadedManifest | None:
         findings.add(Problem(ProblemKind.SPEC_INVALID, f"the recorded spec is inconsistent: dtype {dtype!r}, "
                              f"layer_ids {list(layer_ids)}, samples_per_shard {per_shard}, rows {rows}"))
         return None
-    return LoadedManifest(m, sha, Expected(layer_ids, hidden, dtype), rows, per_shard, n_layers)
+    return LoadedManifest(m, sha, Expected(layer_ids, hidden, dtype), rows, per_shard, n_layers, compute_dtype)
 
 
 def check(lm: LoadedManifest, findings: Findings) -> None:

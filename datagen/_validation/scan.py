@@ -22,7 +22,7 @@ import torch
 
 from datagen._validation.report import Problem, ProblemKind
 from datagen._validation.shardfile import SPEC_DTYPE_CODES, MappedShard, ShardHeader, read_header
-from datagen.contract import SHARD_TENSORS, LayerStats, ShardRecord
+from datagen.contract import FP8_SCALE_TENSORS, SHARD_TENSORS, LayerStats, ShardRecord
 from datagen.dataset import Sample
 from datagen.errors import ValidationFailed
 from datagen.shards import SHARD_FORMAT, stats_from_sums
@@ -42,7 +42,11 @@ class Expected:
 
     layer_ids: tuple[int, ...]  # order of the L axis
     hidden_size: int  # H
-    dtype: str  # storage dtype name of hidden_states ("bfloat16", ...)
+    dtype: str  # storage dtype name of hidden_states ("bfloat16", ..., "fp8_e4m3")
+
+    @property
+    def fp8(self) -> bool:
+        return self.dtype == "fp8_e4m3"
 
 
 @dataclass
@@ -118,7 +122,9 @@ def scan_shard(root: Path, rec: ShardRecord, exp: Expected, *,
         if fresh is not None and out.sample_rows is not None:
             _check_tokens(m, out, fresh)
         hs = m.header.tensors["hidden_states"]
-        acc = _LayerSums(hs.shape[0], len(exp.layer_ids), exp.hidden_size)
+        # fp8: the statistics are of the stored values, fp8 * scale (the scales are read here, [T, L])
+        scale = m.tensor("hidden_states_scale").clone() if exp.fp8 else None
+        acc = _LayerSums(hs.shape[0], len(exp.layer_ids), exp.hidden_size, scale)
         _hash_and_compare(m, rec, out, lambda first, rows: acc.add(rows, first))
         acc.finish(lambda t: m.rows("hidden_states", t, t + 1)[0])
         out.stats = acc.stats(exp.layer_ids)
@@ -158,14 +164,14 @@ def _hash_and_compare(m: MappedShard, rec: ShardRecord, out: ShardScan, on_rows)
 def _conforms(h: ShardHeader, rec: ShardRecord, exp: Expected, out: ShardScan) -> bool:
     """Tensor names, dtypes and shapes of the contract; metadata of this spec."""
     names = set(h.tensors)
-    want = set(SHARD_TENSORS)
+    want = set(SHARD_TENSORS) | (set(FP8_SCALE_TENSORS) if exp.fp8 else set())
     if names != want:
         extra, missing = sorted(names - want), sorted(want - names)
         out.problem(ProblemKind.SHARD_TENSORS,
                     f"tensors differ from the contract: missing {missing}, unexpected {extra}")
         return False
     codes = {"input_ids": "I32", "loss_mask": "U8", "sample_index": "I64", "sample_offsets": "I64",
-             "hidden_states": SPEC_DTYPE_CODES.get(exp.dtype, "?")}
+             "hidden_states": SPEC_DTYPE_CODES.get(exp.dtype, "?"), **({"hidden_states_scale": "F32"} if exp.fp8 else {})}
     ok = True
     for name, code in codes.items():
         if h.tensors[name].dtype != code:
@@ -182,7 +188,8 @@ def _conforms(h: ShardHeader, rec: ShardRecord, exp: Expected, out: ShardScan) -
         out.problem(ProblemKind.SHARD_TENSORS, f"sample_index has shape {list(shp['sample_index'])}, expected [S]")
         return False
     S = shp["sample_index"][0]
-    for name, want_shape in (("loss_mask", (T,)), ("hidden_states", (T, L, H)), ("sample_offsets", (S + 1,))):
+    shapes = (("loss_mask", (T,)), ("hidden_states", (T, L, H)), ("sample_offsets", (S + 1,)))
+    for name, want_shape in shapes + ((("hidden_states_scale", (T, L)),) if exp.fp8 else ()):
         if shp[name] != want_shape:
             out.problem(ProblemKind.SHARD_TENSORS, f"{name} has shape {list(shp[name])}, expected {list(want_shape)} "
                         f"(T={T}, S={S}, L={L} layers, H={H})")
@@ -289,8 +296,9 @@ class _LayerSums:
     ones whose float32 sums overflowed, are read again, element by element.
     """
 
-    def __init__(self, n_tokens: int, n_layers: int, hidden: int):
+    def __init__(self, n_tokens: int, n_layers: int, hidden: int, scale: torch.Tensor | None = None):
         self.T, self.L, self.H = n_tokens, n_layers, hidden
+        self.scale = None if scale is None else scale.reshape(-1, 1)  # [T*L, 1]: fp8 values times it
         self.step = max(1, _STEP_BYTES // max(1, 4 * n_layers * hidden))  # tokens per reduction
         self.buf = torch.empty(self.step * n_layers, hidden, dtype=torch.float32)
         rows = n_tokens * n_layers
@@ -308,6 +316,8 @@ class _LayerSums:
             buf.copy_(xs.reshape(m * L, H))
             r0 = (first_token + a) * L
             r1 = r0 + m * L
+            if self.scale is not None:
+                buf.mul_(self.scale[r0:r1])
             torch.sum(buf, -1, out=self.s[r0:r1])
             torch.linalg.vecdot(buf, buf, out=self.ss[r0:r1])
             torch.amax(buf, -1, out=self.mx[r0:r1])
@@ -326,6 +336,8 @@ class _LayerSums:
         for i in torch.nonzero(bad).flatten().tolist():
             t, j = i // L, i % L
             v = fetch(t)[j].double()
+            if self.scale is not None:
+                v = v * float(self.scale[i])
             ok = torch.isfinite(v)
             if not bool(ok.all()):
                 self.bad.setdefault(j, []).append(t)

@@ -40,10 +40,10 @@ ST_DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "I16": (torch.int16, 2), "U16": (torch.uint16, 2), "F16": (torch.float16, 2),
     "BF16": (torch.bfloat16, 2), "I32": (torch.int32, 4), "U32": (torch.uint32, 4),
     "F32": (torch.float32, 4), "I64": (torch.int64, 8), "U64": (torch.uint64, 8),
-    "F64": (torch.float64, 8),
+    "F64": (torch.float64, 8), "F8_E4M3": (torch.float8_e4m3fn, 1),
 }
 # storage dtype name of the spec -> safetensors dtype code
-SPEC_DTYPE_CODES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+SPEC_DTYPE_CODES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "fp8_e4m3": "F8_E4M3"}
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ def read_fresh(lm: LoadedManifest, src: Sources, findings: Findings, *,
         "layer_ids": list(lm.expected.layer_ids),
         "max_seq_len": spec["preprocessing"]["max_seq_len"],
         "samples_per_shard": lm.samples_per_shard,
-        "engine": {"name": "hf", "dtype": lm.expected.dtype,
+        "engine": {"name": "hf", "dtype": lm.compute_dtype, "storage_dtype": lm.expected.dtype,
                    # never taken from the manifest: a manifest is data, not permission to run code
                    "trust_remote_code": trust_remote_code},
     }

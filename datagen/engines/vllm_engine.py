@@ -1,10 +1,12 @@
 """The vLLM engine, driver side.
 
 Starts an offline ``vllm.LLM`` with the capture worker extension and the
-settings that keep capture correct, runs each shard's prompts as one
-``generate`` call (prefill only), and asks the worker to write the shard.
-One ``generate`` per shard makes batch composition a function of the shard's
-rows alone, so a resumed run computes bit-identical states (docs/decisions.md).
+settings that keep capture correct, streams each shard's prompts into the
+engine (prefill only; the driver steps the engine itself) and, as soon as a
+shard's requests have all finished, asks the worker to write it. Shards stream
+in groups of ``shard_group``: the engine drains only between groups, so a
+group's batch composition is a function of its rows alone and a resumed run
+(which recomputes whole groups) writes bit-identical shards (docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -101,12 +103,13 @@ class VllmEngine(Engine):
 
     def __init__(self, info: ModelInfo, *, layer_ids: tuple[int, ...], dtype: str, max_seq_len: int,
                  tensor_parallel_size: int = 1, max_num_batched_tokens: int = 8192,
-                 max_num_seqs: int = 256, trust_remote_code: bool = False,
-                 attention_backend: str | None = None):
+                 max_num_seqs: int = 256, trust_remote_code: bool = False, shard_group: int = 1,
+                 attention_backend: str | None = None, storage_dtype: str | None = None):
         self.version = patches.check_vllm_version()
         self.info = info
         self.layer_ids = tuple(layer_ids)
         self.dtype = dtype
+        self.storage_dtype = storage_dtype or dtype  # fp8_e4m3: quantized in the worker, on the device
         self.max_seq_len = max_seq_len
         self.tp = tensor_parallel_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -116,6 +119,12 @@ class VllmEngine(Engine):
         self.attention_backends_ran: list[str] = []  # read back from the worker once started
         self.llm = None
         self._pending: list[ShardRecord] = []
+        # Shards whose rows stream through the engine without a drain between them (docs/decisions.md):
+        # 1 drains after every shard, so a shard's batches depend on its own rows alone.
+        self.shard_group = max(1, int(shard_group))
+        self._inflight: list[tuple[ShardJob, list[str], set[str]]] = []  # submitted, not yet written
+        self._last_index = -2
+        self._run = os.getpid()
 
     # --- life cycle -----------------------------------------------------------------------
     def engine_kwargs(self) -> dict:
@@ -135,7 +144,8 @@ class VllmEngine(Engine):
             max_num_batched_tokens=max(self.max_num_batched_tokens, 16),
             max_num_seqs=self.max_num_seqs,
             worker_extension_cls=EXTENSION,
-            additional_config={"datagen_capture": {"layer_ids": list(self.layer_ids), "dtype": self.dtype}},
+            additional_config={"datagen_capture": {"layer_ids": list(self.layer_ids), "dtype": self.dtype,
+                                                   "storage_dtype": self.storage_dtype}},
             trust_remote_code=self.trust_remote_code,
             gpu_memory_utilization=settings.gpu_memory_utilization(),
             enforce_eager=settings.enforce_eager(),
@@ -211,20 +221,55 @@ class VllmEngine(Engine):
         from vllm.inputs import TokensPrompt
 
         assert self.llm is not None, "start() first"
-        if job.sample_rows:
-            prompts = [TokensPrompt(prompt_token_ids=ids.tolist()) for ids in job.input_ids]
-            params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
-            request_ids = [o.request_id for o in outputs]
-        else:
-            request_ids = []
-        wrote = self.llm.collective_rpc("datagen_write_shard", args=(job.to_wire(), request_ids))
-        if not any(wrote):
+        engine = self.llm.llm_engine
+        if job.index % self.shard_group == 0 or job.index != self._last_index + 1:
+            self._drain()  # a new group starts from an empty engine: its batches depend on its rows alone
+        self._last_index = job.index
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        ids = [f"dg{self._run}-{job.index}-{i}" for i in range(len(job.input_ids))]
+        for rid, tokens in zip(ids, job.input_ids):
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=tokens.tolist()), params)
+        self._inflight.append((job, ids, set(ids)))
+        # Keep the engine fed: return once every shard before this one has finished, so the
+        # engine computes this shard (and fills the tail of the previous one) while the caller
+        # prepares the next.
+        while len(self._inflight) > 1:
+            self._step()
+
+    def _drain(self) -> None:
+        while self._inflight:
+            self._step()
+
+    def _step(self) -> None:
+        """One engine step's outputs; every shard at the head whose requests all finished is written."""
+        head_ids = self._inflight[0][2]
+        if head_ids:
+            if not self.llm.llm_engine.has_unfinished_requests():
+                raise RuntimeError(f"shard {self._inflight[0][0].index}: {len(head_ids)} requests never finished")
+            for out in self.llm.llm_engine.step():
+                if out.finished:
+                    rid = out.request_id
+                    for _, _, pending in self._inflight:
+                        if rid in pending or rid.rsplit("-", 1)[0] in pending:  # vLLM may suffix ids
+                            pending.discard(rid if rid in pending else rid.rsplit("-", 1)[0])
+                            break
+        while self._inflight and not self._inflight[0][2]:
+            job, ids, _ = self._inflight.pop(0)
+            self._write(job, ids)
+
+    def _write(self, job: ShardJob, request_ids: list[str]) -> None:
+        # one RPC per shard: it queues the write and brings back the records finished so far
+        replies = [r for r in self.llm.collective_rpc("datagen_write_shard", args=(job.to_wire(), request_ids))
+                   if r is not None]
+        if not replies:
             raise RuntimeError("no worker took the shard: the capture extension is not active on rank 0")
-        self._pending.extend(self._collect(wait=False))
+        self._pending.extend(self._records(replies))
 
     def _collect(self, *, wait: bool) -> list[ShardRecord]:
-        replies = [r for r in self.llm.collective_rpc("datagen_collect", args=(wait,)) if r is not None]
+        return self._records([r for r in self.llm.collective_rpc("datagen_collect", args=(wait,)) if r is not None])
+
+    @staticmethod
+    def _records(replies: list[dict]) -> list[ShardRecord]:
         records = []
         for reply in replies:
             if reply["errors"]:
@@ -241,6 +286,7 @@ class VllmEngine(Engine):
         return done
 
     def finish(self) -> list[ShardRecord]:
+        self._drain()
         return self.completed() + self._collect(wait=True)
 
     def close(self) -> None:

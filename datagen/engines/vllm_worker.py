@@ -17,17 +17,19 @@ captures and writes: every rank holds the same full states after the all-reduce.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import os
 import queue
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 
 import torch
 
-from datagen.shards import TORCH_DTYPES, ShardJob, token_stats, write_shard
+from datagen.shards import FP8, TORCH_DTYPES, ShardJob, fp8_token_stats, quantize_fp8, token_stats, write_shard
 
 log = logging.getLogger("datagen.engines.vllm_worker")
 
@@ -40,8 +42,9 @@ WRITERS = 3
 
 @dataclass
 class _Chunk:
-    host: torch.Tensor  # [n, L, H] on the host; valid once ``event`` has completed
-    stats: torch.Tensor  # [n, L, 3] per-token sum, sum of squares, absmax (float32, host)
+    host: torch.Tensor  # [n, L, H] on the host, in the storage dtype; valid once ``event`` has completed
+    stats: torch.Tensor  # [n, L, 3] per-token sum, sum of squares, absmax of the stored values (float32)
+    scale: torch.Tensor | None  # [n, L] fp8 scales (float32), None for other storage dtypes
     event: object | None  # torch.cuda.Event on CUDA, None on CPU
 
 
@@ -55,14 +58,17 @@ class _RequestStates:
 class _Capture:
     """Per-runner capture state (rank 0 only)."""
 
-    def __init__(self, runner, layer_ids: tuple[int, ...], dtype: str):
+    def __init__(self, runner, layer_ids: tuple[int, ...], dtype: str, storage_dtype: str | None = None):
         self.runner = runner
         self.layer_ids = layer_ids
         self.dtype = TORCH_DTYPES[dtype]
+        self.fp8 = storage_dtype == FP8  # quantized here, on the device: half the bytes to copy and write
         self.requests: dict[str, _RequestStates] = {}
         self.cuda = runner.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=runner.device) if self.cuda else None
         self.steps = 0
+        # (start, end, tokens) of each engine step, for profiles (datagen_step_trace); bounded
+        self.trace: collections.deque = collections.deque(maxlen=1 << 16)
         self.jobs: queue.Queue = queue.Queue(maxsize=2 * WRITERS)
         self.done: list[dict] = []
         self.errors: list[str] = []
@@ -88,20 +94,30 @@ class _Capture:
         if sum(counts) != n:
             raise RuntimeError(f"batch layout mismatch: {sum(counts)} tokens by request, {n} scheduled")
         stacked = torch.stack([h[:n] for h in aux_hidden_states], dim=1).to(self.dtype)
-        stats = token_stats(stacked)
+        scale = host_scale = None
+        if self.fp8:
+            stacked, scale = quantize_fp8(stacked)
+            stats = fp8_token_stats(stacked, scale)
+        else:
+            stats = token_stats(stacked)
         if self.cuda:
             host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
             host_stats = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
+            if scale is not None:
+                host_scale = torch.empty(scale.shape, dtype=scale.dtype, pin_memory=True)
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
                 host.copy_(stacked, non_blocking=True)
                 host_stats.copy_(stats, non_blocking=True)
                 stacked.record_stream(self.stream)
                 stats.record_stream(self.stream)
+                if scale is not None:
+                    host_scale.copy_(scale, non_blocking=True)
+                    scale.record_stream(self.stream)
                 event = torch.cuda.Event()
                 event.record(self.stream)
         else:
-            host, host_stats = stacked, stats  # new memory: vLLM may reuse its buffers next step
+            host, host_stats, host_scale = stacked, stats, scale  # new memory: vLLM may reuse its buffers
             event = None
         start = 0
         for req_id, c in zip(req_ids, counts):
@@ -112,25 +128,32 @@ class _Capture:
                 cached = self.runner.requests.get(req_id)
                 prompt = list(cached.prompt_token_ids) if cached is not None and cached.prompt_token_ids is not None else None
                 st = self.requests[req_id] = _RequestStates(prompt)
-            st.chunks.append(_Chunk(host[start : start + c], host_stats[start : start + c], event))
+            st.chunks.append(_Chunk(host[start : start + c], host_stats[start : start + c],
+                                    None if host_scale is None else host_scale[start : start + c], event))
             st.tokens += c
             start += c
         self.steps += 1
 
     # --- shards ---------------------------------------------------------------------------
-    def _find(self, external_id: str) -> str:
+    def _find(self, external_id: str, by_external: dict[str, list[str]] | None = None) -> str:
         if external_id in self.requests:
             return external_id
-        hits = [r for r in self.requests if r.rsplit("-", 1)[0] == external_id]
+        if by_external is None:
+            hits = [r for r in self.requests if r.rsplit("-", 1)[0] == external_id]
+        else:
+            hits = by_external.get(external_id, [])  # vLLM 0.32 suffixes the ids it is given
         if len(hits) != 1:
             raise RuntimeError(f"request {external_id}: {len(hits)} captured requests match")
         return hits[0]
 
     def take_shard(self, job: ShardJob, request_ids: list[str]) -> None:
         """Detach the shard's requests and queue the write."""
+        by_external: dict[str, list[str]] = {}
+        for r in self.requests:
+            by_external.setdefault(r.rsplit("-", 1)[0], []).append(r)
         taken = []
         for ext, row, ids in zip(request_ids, job.sample_rows, job.input_ids):
-            st = self.requests.pop(self._find(ext))
+            st = self.requests.pop(self._find(ext, by_external))
             if st.tokens != len(ids):
                 raise RuntimeError(f"row {row}: captured {st.tokens} tokens, prompt has {len(ids)}")
             if st.prompt_token_ids is not None and st.prompt_token_ids != [int(t) for t in ids]:
@@ -154,14 +177,15 @@ class _Capture:
                 return
             job, taken = item
             try:
-                states, stats = [], []
                 for st in taken:
                     for ch in st.chunks:
                         if ch.event is not None:
                             ch.event.synchronize()
-                    states.append(torch.cat([ch.host for ch in st.chunks], dim=0))
-                    stats.append(torch.cat([ch.stats for ch in st.chunks], dim=0))
-                record = write_shard(job, states, stats)
+                # the chunks go into the shard's file image as they are: one copy, no concatenation
+                record = write_shard(job, [[ch.host for ch in st.chunks] for st in taken],
+                                     [[ch.stats for ch in st.chunks] for st in taken],
+                                     [[ch.scale for ch in st.chunks] for st in taken] if self.fp8 else None)
+                del taken
                 with self.lock:
                     self.done.append(record.model_dump())
             except Exception as e:  # reported to the driver on its next collect
@@ -202,20 +226,23 @@ def _enable_capture(runner) -> None:
     runner.use_aux_hidden_state_outputs = True
     if not _is_rank0():
         return
-    capture = _Capture(runner, layer_ids, cfg["dtype"])
+    capture = _Capture(runner, layer_ids, cfg["dtype"], cfg.get("storage_dtype"))
     runner._datagen_capture = capture  # noqa: SLF001
     original = runner.execute_model
 
     @functools.wraps(original)
     def execute_model(scheduler_output, *args, **kwargs):
+        t0 = time.perf_counter()
         out = original(scheduler_output, *args, **kwargs)
+        capture.trace.append((t0, time.perf_counter(), int(scheduler_output.total_num_scheduled_tokens)))
         state = getattr(runner, "execute_model_state", None)
         if state is not None:
             capture.on_step(state.scheduler_output, state.aux_hidden_states)
         return out
 
     runner.execute_model = execute_model
-    log.info("datagen capture on: layers %s, dtype %s", layer_ids, cfg["dtype"])
+    log.info("datagen capture on: layers %s, dtype %s, storage %s", layer_ids, cfg["dtype"],
+             cfg.get("storage_dtype") or cfg["dtype"])
 
 
 def _install_capture_on_load() -> None:
@@ -257,16 +284,26 @@ class CaptureExtension:
     def _datagen(self):
         return getattr(self.model_runner, "_datagen_capture", None)
 
-    def datagen_write_shard(self, job: dict, request_ids: list[str]) -> bool:
+    def datagen_write_shard(self, job: dict, request_ids: list[str]) -> dict | None:
+        """Queue the shard's write; reply with what ``datagen_collect`` would (one RPC per shard)."""
         capture = self._datagen()
         if capture is None:
-            return False  # not rank 0
+            return None  # not rank 0
         capture.take_shard(ShardJob.from_wire(job), request_ids)
-        return True
+        return capture.collect(False)
 
     def datagen_collect(self, wait: bool = False) -> dict | None:
         capture = self._datagen()
         return None if capture is None else capture.collect(wait)
+
+    def datagen_step_trace(self) -> list | None:
+        """(start, end, tokens) of the engine steps since the last call (rank 0), for profiles."""
+        capture = self._datagen()
+        if capture is None:
+            return None
+        out = list(capture.trace)
+        capture.trace.clear()
+        return out
 
     def datagen_attention_backends(self) -> list[str]:
         """Names of the attention backends the loaded model's layers run (e.g. ["CPU_MLA"])."""

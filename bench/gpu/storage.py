@@ -1,0 +1,554 @@
+"""Extraction at the storage limit: one command, one table (bench/gpu/README.md stages vLLM first).
+
+    python3 bench/gpu/storage.py --out $OUT                # on the GPU machine
+    python3 bench/gpu/storage.py --out /tmp/s --smoke      # any machine: tiny model, CPU engine
+
+Side by side, on the same rows (random token ids, fixed length) and layers, each engine started
+once in a process of its own and timed over several passes (median):
+
+  plain            plain vLLM prefill (no capture), all rows in one generate: the engine's speed
+  datagen          the project's extraction (VllmEngine: capture, worker-side shard writer, atomic
+                   fsync'd shards), storage bf16; per shard (shard_group 1, a drain after every
+                   shard) and streamed (shard_group = all shards of a pass)
+  datagen fp8      the same with --storage-dtype fp8_e4m3 (half the bytes), streamed
+  connector        vLLM's own extract_hidden_states + ExampleHiddenStatesConnector (one
+                   safetensors file per request), timed until every file is written
+  transformers     the reference engine (`--engine hf`: transformers, one row at a time, shards)
+  compiled         plain and datagen again without enforce_eager (torch.compile + CUDA graphs,
+                   the production default)
+  tp2              plain and datagen at tensor parallel 2, when two GPUs are visible
+  disk             `dd oflag=direct` and the shard writer's own direct write (sha256 on the way)
+
+The random 8B Llama shape is built on the GPU with transformers when --model does not exist.
+Stages run in priority order within --budget seconds; a stage that would not fit is reported as
+skipped, one that fails as failed (its error in the JSON), and the rest still run. The table
+(table.md), the records (storage.json) and a plot (storage.png) go to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+LAYERS_8B = (2, 16, 29, 32)
+ROW_LEN = 1024
+ENGINE = dict(max_num_batched_tokens=16384, max_num_seqs=256)
+
+
+# --- helpers shared by the stages ---------------------------------------------------------------
+
+def _rows(n: int, length: int, vocab: int, seed: int = 0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(10, vocab - 10, size=length).astype("int32") for _ in range(n)]
+
+
+def _write_rows(path: Path, rows) -> None:
+    with path.open("w") as f:
+        for r in rows:
+            f.write(json.dumps({"input_ids": r.tolist()}) + "\n")
+
+
+def _cfg(args) -> dict:
+    return json.loads(Path(args.work, "config.json").read_text())
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _plan(cfg: dict, out: Path, storage: str = "bfloat16", group: int = 1, tp: int = 1):
+    from datagen.extract import plan
+    from datagen.spec import parse_spec
+
+    return plan(parse_spec({"model": cfg["model"], "dataset": cfg["data"], "out": str(out),
+                            "layer_ids": cfg["layers"], "max_seq_len": cfg["row_len"] + 8,
+                            "samples_per_shard": cfg["per_shard"],
+                            "engine": {"dtype": "bfloat16", "storage_dtype": storage, "tensor_parallel_size": tp,
+                                       "shard_group": group, **ENGINE}}))
+
+
+# --- stages (each runs in a process of its own: `storage.py stage NAME`) --------------------------
+
+def stage_model(args) -> dict:
+    cfg = _cfg(args)
+    if Path(cfg["model"], "config.json").exists():
+        return {"built": False}
+    if args.smoke:
+        from datagen.tiny import TinyArch, make_model
+
+        make_model(cfg["model"], arch=TinyArch.LLAMA, num_layers=6, with_tokenizer=False)
+        return {"built": True}
+    from bench.gpu.run import make_model as make_8b
+
+    t0 = time.time()
+    make_8b(argparse.Namespace(dir=cfg["model"]))
+    return {"built": True, "seconds": time.time() - t0}
+
+
+def stage_disk(args) -> dict:
+    """The volume's direct-write speed: dd, then the shard writer's own write (hash + O_DIRECT)."""
+    from datagen.shards import _Buffer, write_image
+
+    cfg = _cfg(args)
+    work = Path(cfg["out_dir"])
+    work.mkdir(parents=True, exist_ok=True)
+    mb = 16 if args.smoke else 4096
+    target = work / "ddtest"
+    proc = subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=16M", f"count={mb // 16}", "oflag=direct"],
+                          capture_output=True, text=True)
+    target.unlink(missing_ok=True)
+    dd_line = (proc.stderr.strip().splitlines() or ["?"])[-1]
+    size = (16 if args.smoke else 1024) << 20
+    buf = _Buffer.get(size)
+    buf[:size] = os.urandom(1 << 20) * (size >> 20)
+    rates = []
+    for i in range(4):
+        t0 = time.time()
+        _, direct = write_image(work / f"w{i}", buf, size)
+        rates.append(size / (time.time() - t0))
+    for i in range(4):
+        (work / f"w{i}").unlink()
+    t0 = time.time()
+    import hashlib
+
+    hashlib.sha256(memoryview(buf)[:size]).hexdigest()
+    return {"dd": dd_line, "dd_bytes_per_s": _dd_rate(dd_line), "writer_bytes_per_s": statistics.median(rates),
+            "writer_direct": direct, "sha256_bytes_per_s": size / (time.time() - t0)}
+
+
+def _dd_rate(line: str) -> float | None:
+    # "... bytes (...) copied, 3.1 s, 1.4 GB/s"
+    try:
+        n, unit = line.rsplit(",", 1)[1].split()
+        return float(n) * {"kB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9, "TB/s": 1e12}[unit]
+    except (ValueError, KeyError, IndexError):
+        return None
+
+
+def stage_plain(args) -> dict:
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from datagen.engines.vllm_engine import VllmEngine
+
+    cfg = _cfg(args)
+    p = _plan(cfg, Path(cfg["out_dir"]) / "plain", tp=args.tp)
+    eng = VllmEngine(p.info, layer_ids=p.layer_ids, dtype="bfloat16", max_seq_len=p.spec.max_seq_len,
+                     tensor_parallel_size=args.tp, **ENGINE)
+    kwargs = eng.engine_kwargs()
+    kwargs.pop("worker_extension_cls")
+    kwargs.pop("additional_config")
+    t0 = time.time()
+    llm = LLM(**kwargs)
+    start = time.time() - t0
+    rows = _rows(cfg["rows"], cfg["row_len"], cfg["vocab"])
+    prompts = [TokensPrompt(prompt_token_ids=r.tolist()) for r in rows]
+    sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    llm.generate(prompts[: cfg["per_shard"]], sp, use_tqdm=False)  # warm-up
+    rates = []
+    for _ in range(cfg["passes"]):
+        _sync()
+        t0 = time.time()
+        llm.generate(prompts, sp, use_tqdm=False)
+        _sync()
+        rates.append(cfg["rows"] * cfg["row_len"] / (time.time() - t0))
+    llm.llm_engine.engine_core.shutdown()
+    del torch
+    return {"tokens_per_s": rates, "engine_start_s": start}
+
+
+def stage_datagen(args) -> dict:
+    """The real engine over fresh output directories; per-shard and streamed passes alternate."""
+    from datagen.engines.vllm_engine import VllmEngine
+    from datagen.extract import build_job, claim_output, write_manifest
+
+    cfg = _cfg(args)
+    root = Path(cfg["out_dir"])
+    storage = args.storage
+    p0 = _plan(cfg, root / "warm", storage, tp=args.tp)
+    t0 = time.time()
+    eng = VllmEngine(p0.info, layer_ids=p0.layer_ids, dtype="bfloat16", max_seq_len=p0.spec.max_seq_len,
+                     tensor_parallel_size=args.tp, storage_dtype=storage, **ENGINE)
+    eng.start()
+    start = time.time() - t0
+    claim_output(p0)
+    eng.submit(build_job(p0, 0))
+    eng.finish()
+    eng.llm.collective_rpc("datagen_step_trace")  # clears the warm-up's steps
+    shutil.rmtree(root / "warm", ignore_errors=True)
+    groups = [int(g) for g in args.groups.split(",")]
+    res: dict = {"engine_start_s": start, "storage": storage, "by_group": {}}
+    for i in range(cfg["passes"]):
+        for g in groups:
+            out = root / f"ds-{g}-{i}"
+            p = _plan(cfg, out, storage, group=g, tp=args.tp)
+            claim_output(p)
+            eng.shard_group = g
+            eng._last_index = -2  # noqa: SLF001 (a new run: its first shard starts a group)
+            t0 = time.time()
+            for k in range(p.num_shards):
+                eng.submit(build_job(p, k))
+            records = {r.index: r for r in eng.finish()}
+            dt = time.time() - t0
+            write_manifest(p, records)
+            r = res["by_group"].setdefault(str(g), {"tokens_per_s": [], "bytes_per_s": [], "bytes": 0, "steps": []})
+            r["steps"].append(step_profile(eng, t0, dt))
+            r["tokens_per_s"].append(cfg["rows"] * cfg["row_len"] / dt)
+            r["bytes_per_s"].append(sum(x.bytes for x in records.values()) / dt)
+            r["bytes"] = sum(x.bytes for x in records.values())
+            shutil.rmtree(out)
+    eng.close()
+    return res
+
+
+def step_profile(eng, t0: float, wall: float) -> dict:
+    """Where a pass's wall time went, from the worker's step trace (datagen_step_trace)."""
+    trace = next((t for t in eng.llm.collective_rpc("datagen_step_trace") if t is not None), [])
+    if not trace:
+        return {}
+    busy = sum(e - s for s, e, _ in trace)
+    gaps = sorted(b[0] - a[1] for a, b in zip(trace, trace[1:]))
+    return {"steps": len(trace), "tokens_per_step": statistics.mean(n for _, _, n in trace),
+            "in_steps_s": busy, "between_steps_s": sum(gaps), "wall_s": wall,
+            "gap_ms_median": 1e3 * gaps[len(gaps) // 2] if gaps else 0.0,
+            "gap_ms_max": 1e3 * gaps[-1] if gaps else 0.0,
+            "gaps_over_5ms": sum(1 for x in gaps if x > 0.005)}
+
+
+def stage_connector(args) -> dict:
+    """vLLM's extract_hidden_states + ExampleHiddenStatesConnector on the same rows and layers."""
+    import glob
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    cfg = _cfg(args)
+    root = Path(cfg["out_dir"]) / "connector"
+    t0 = time.time()
+    llm = LLM(model=cfg["model"], skip_tokenizer_init=True, dtype="bfloat16", max_model_len=cfg["row_len"] + 9,
+              enable_prefix_caching=False, enable_chunked_prefill=False, seed=0,
+              enforce_eager=os.environ.get("DATAGEN_ENFORCE_EAGER") == "1", **ENGINE,
+              speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                  "draft_model_config": {"hf_config": {
+                                      "eagle_aux_hidden_state_layer_ids": list(cfg["layers"])}}},
+              kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                                  "kv_connector_extra_config": {"shared_storage_path": str(root)}})
+    start = time.time() - t0
+    rows = _rows(cfg["rows"], cfg["row_len"], cfg["vocab"])
+    prompts = [TokensPrompt(prompt_token_ids=r.tolist()) for r in rows]
+    sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+
+    locked = [0]
+
+    def wait_written(outs) -> int:
+        import fcntl
+
+        total = 0
+        for o in outs:
+            path = (getattr(o, "kv_transfer_params", None) or {}).get("hidden_states_path")
+            if path and os.path.exists(path + ".lock"):
+                locked[0] += 1
+                with open(path + ".lock") as lf:
+                    fcntl.flock(lf, fcntl.LOCK_SH)  # released by the connector's writer once written
+            if path and os.path.exists(path):
+                total += os.path.getsize(path)
+        return total
+
+    wait_written(llm.generate(prompts[: cfg["per_shard"]], sp, use_tqdm=False))
+    shutil.rmtree(root, ignore_errors=True)
+    rates, written = [], []
+    for _ in range(cfg["passes"]):
+        t0 = time.time()
+        n = wait_written(llm.generate(prompts, sp, use_tqdm=False))
+        dt = time.time() - t0
+        rates.append(cfg["rows"] * cfg["row_len"] / dt)
+        written.append(n / dt)
+        files = glob.glob(str(root / "**" / "*.safetensors"), recursive=True)
+        shutil.rmtree(root, ignore_errors=True)
+    llm.llm_engine.engine_core.shutdown()
+    return {"tokens_per_s": rates, "bytes_per_s": written, "bytes": n, "files_per_pass": len(files),
+            "engine_start_s": start, "files_waited_on_lock": locked[0],
+            "note": "one file per request, written by the connector's threads without fsync"}
+
+
+def stage_hf(args) -> dict:
+    from datagen.engines.hf import HFEngine
+    from datagen.extract import build_job, claim_output
+
+    cfg = _cfg(args)
+    out = Path(cfg["out_dir"]) / "hf"
+    p = _plan(cfg, out)
+    eng = HFEngine(cfg["model"], layer_ids=p.layer_ids, num_hidden_layers=p.info.num_hidden_layers, dtype="bfloat16")
+    t0 = time.time()
+    eng.start()
+    start = time.time() - t0
+    claim_output(p)
+    eng.submit(build_job(p, 0))  # warm-up
+    eng.finish()
+    rates = []
+    n = min(p.num_shards, max(1, cfg["hf_shards"]))
+    for _ in range(cfg["passes"]):
+        _sync()
+        t0 = time.time()
+        for k in range(n):
+            eng.submit(build_job(p, k))
+        eng.finish()
+        rates.append(n * cfg["per_shard"] * cfg["row_len"] / (time.time() - t0))
+    eng.close()
+    shutil.rmtree(out, ignore_errors=True)
+    return {"tokens_per_s": rates, "engine_start_s": start, "rows_per_pass": n * cfg["per_shard"]}
+
+
+STAGES = {"model": stage_model, "disk": stage_disk, "plain": stage_plain, "datagen": stage_datagen,
+          "connector": stage_connector, "hf": stage_hf}
+
+
+# --- the driver ---------------------------------------------------------------------------------
+
+def plan_stages(args, gpus: int) -> list[tuple[str, list[str], dict, float]]:
+    """(label, stage argv, environment, expected seconds) in priority order."""
+    eager = {"DATAGEN_ENFORCE_EAGER": "1"}
+    compiled = {"DATAGEN_ENFORCE_EAGER": "0"}
+    every = f"1,{args.rows // args.per_shard}"
+    s = 1 if args.smoke else 1.0
+    out = [
+        ("model", ["model"], {}, 60 * s),
+        ("disk", ["disk"], {}, 15 * s),
+        ("plain eager", ["plain"], eager, 45 * s),
+        ("datagen bf16 eager", ["datagen", "--storage", "bfloat16", "--groups", every], eager, 75 * s),
+        ("datagen fp8 eager", ["datagen", "--storage", "fp8_e4m3", "--groups", every.split(",")[1]], eager, 45 * s),
+        ("transformers", ["hf"], {}, 30 * s),
+        ("connector eager", ["connector"], eager, 50 * s),
+        ("plain compiled", ["plain"], compiled, 100 * s),
+        ("datagen bf16 compiled", ["datagen", "--storage", "bfloat16", "--groups", every.split(",")[1]], compiled,
+         110 * s),
+    ]
+    if gpus >= 2:
+        out += [("plain eager tp2", ["plain", "--tp", "2"], eager, 50 * s),
+                ("datagen bf16 eager tp2", ["datagen", "--storage", "bfloat16", "--groups", every.split(",")[1],
+                                            "--tp", "2"], eager, 60 * s)]
+    if args.only:
+        keep = set(args.only.split(","))
+        out = [x for x in out if x[0] in keep or x[0] == "model"]
+    return out
+
+
+def run_all(args) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    rows = _rows(args.rows, args.row_len, args.vocab)
+    data = work / "rows.jsonl"
+    _write_rows(data, rows)
+    model = args.model or str(work / ("tiny" if args.smoke else "m8b"))
+    cfg = {"model": model, "data": str(data), "rows": args.rows, "row_len": args.row_len, "vocab": args.vocab,
+           "per_shard": args.per_shard, "passes": args.passes, "layers": list(args.layers), "hf_shards": args.hf_shards,
+           "out_dir": str(Path(args.shards_dir or work / "shards"))}
+    (work / "config.json").write_text(json.dumps(cfg))
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count()
+        device = torch.cuda.get_device_name(0) if gpus else "cpu"
+    except Exception:  # noqa: BLE001
+        gpus, device = 0, "cpu"
+    t_start = time.time()
+    results: dict = {"config": cfg, "device": device, "gpus": gpus, "stages": {}}
+    for label, argv, env, expect in plan_stages(args, gpus):
+        left = args.budget - (time.time() - t_start)
+        if label != "model" and expect > left:
+            results["stages"][label] = {"status": "skipped", "why": f"expected {expect:.0f} s, {left:.0f} s left"}
+            print(f"[{time.time() - t_start:6.1f}s] {label}: skipped ({left:.0f} s left)", flush=True)
+            continue
+        rec = out / f"stage-{label.replace(' ', '_')}.json"
+        cmd = [sys.executable, __file__, "stage", *argv, "--work", str(work), "--record", str(rec)]
+        if args.smoke:
+            cmd.append("--smoke")
+        t0 = time.time()
+        proc = subprocess.run(cmd, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, capture_output=True,
+                              text=True, timeout=max(30, left + 30))
+        dt = time.time() - t0
+        if proc.returncode == 0 and rec.exists():
+            r = {"status": "ok", "seconds": dt, **json.loads(rec.read_text())}
+        else:
+            tail = (proc.stderr or "")[-6000:]
+            r = {"status": "failed", "seconds": dt, "exit": proc.returncode, "error": tail}
+        results["stages"][label] = r
+        (out / "storage.json").write_text(json.dumps(results, indent=1))
+        print(f"[{time.time() - t_start:6.1f}s] {label}: {r['status']} in {dt:.0f} s "
+              f"{summary(label, r)}", flush=True)
+        if r["status"] == "failed":
+            print("   " + "\n   ".join(r["error"].splitlines()[-6:]), flush=True)
+    results["seconds"] = time.time() - t_start
+    (out / "storage.json").write_text(json.dumps(results, indent=1))
+    table = render(results)
+    (out / "table.md").write_text(table + "\n")
+    print(table, flush=True)
+    plot(results, out / "storage.png")
+    shutil.rmtree(cfg["out_dir"], ignore_errors=True)
+
+
+def _med(x) -> float | None:
+    return statistics.median(x) if x else None
+
+
+def summary(label: str, r: dict) -> str:
+    if r.get("status") != "ok":
+        return ""
+    if "by_group" in r:
+        return " ".join(f"group {g}: {_med(v['tokens_per_s']):,.0f} tok/s" for g, v in r["by_group"].items())
+    if "tokens_per_s" in r:
+        return f"{_med(r['tokens_per_s']):,.0f} tok/s"
+    if "writer_bytes_per_s" in r:
+        return f"dd {r['dd']!r}; writer {r['writer_bytes_per_s'] / 1e9:.2f} GB/s"
+    return ""
+
+
+def rows_of(results: dict) -> list[dict]:
+    """One row per measured variant: tokens/s, GB/s written, bytes per token, ratio to plain."""
+    st = results["stages"]
+    cfg = results["config"]
+    tokens = cfg["rows"] * cfg["row_len"]
+    plain = {lab.split(" ", 1)[1]: _med(r["tokens_per_s"])
+             for lab, r in st.items() if lab.startswith("plain") and r.get("status") == "ok"}
+    disk = st.get("disk", {})
+    out = []
+    for label, r in st.items():
+        if label in ("model", "disk"):
+            continue
+        if r.get("status") != "ok":
+            err = (r.get("error") or "").strip().splitlines()
+            out.append({"variant": label, "status": r.get("status"), "why": r.get("why") or (err[-1][:160] if err else "")})
+            continue
+        mode = "eager tp2" if "tp2" in label else "compiled" if "compiled" in label else "eager"
+        base = plain.get(mode)
+        variants = [(f"{label}, shard_group {g}" if len(r["by_group"]) > 1 else label, v)
+                    for g, v in r["by_group"].items()] if "by_group" in r else [(label, r)]
+        for name, v in variants:
+            tps = _med(v["tokens_per_s"])
+            row = {"variant": name, "status": "ok", "tokens_per_s": tps,
+                   "vs_plain": (base / tps) if base and tps and not label.startswith("plain") else None}
+            if v.get("bytes_per_s"):
+                row["gb_per_s"] = _med(v["bytes_per_s"]) / 1e9
+            if v.get("bytes"):
+                row["bytes_per_token"] = v["bytes"] / tokens
+            out.append(row)
+    if disk.get("status") == "ok":
+        out.append({"variant": "disk: dd oflag=direct", "status": "ok", "gb_per_s": (disk.get("dd_bytes_per_s") or 0) / 1e9})
+        out.append({"variant": "disk: shard writer (sha256 + O_DIRECT)" if disk.get("writer_direct")
+                    else "disk: shard writer (sha256 + buffered)", "status": "ok",
+                    "gb_per_s": disk["writer_bytes_per_s"] / 1e9})
+    return out
+
+
+def render(results: dict) -> str:
+    cfg = results["config"]
+    lines = [f"device: {results['device']} x{results['gpus']}; {cfg['rows']} rows x {cfg['row_len']} tokens, layers "
+             f"{cfg['layers']}, {cfg['per_shard']} rows per shard, median of {cfg['passes']} passes; "
+             f"{results.get('seconds', 0):.0f} s in all", "",
+             "| variant | tokens/s | plain / this | written GB/s | bytes/token | goal: min(plain, disk / bytes) x 0.95 |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    st = results["stages"]
+    dd = (st.get("disk", {}).get("dd_bytes_per_s") or 0)
+    plain_eager = _med(st.get("plain eager", {}).get("tokens_per_s") or [])
+    for r in rows_of(results):
+        if r["status"] != "ok":
+            lines.append(f"| {r['variant']} | {r['status']}: {r.get('why') or ''} | | | | |")
+            continue
+        goal = ""
+        if r.get("bytes_per_token") and plain_eager and dd:
+            bound = min(plain_eager, dd / r["bytes_per_token"])
+            goal = f"{0.95 * bound:,.0f} tok/s: {'met' if r['tokens_per_s'] >= 0.95 * bound else 'not met'}"
+        lines.append("| {} | {} | {} | {} | {} | {} |".format(
+            r["variant"], f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "",
+            f"{r['vs_plain']:.3f}x" if r.get("vs_plain") else "",
+            f"{r['gb_per_s']:.2f}" if r.get("gb_per_s") else "",
+            f"{r['bytes_per_token']:,.0f}" if r.get("bytes_per_token") else "", goal))
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = [r for r in rows_of(results) if r["status"] == "ok" and r.get("tokens_per_s")]
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
+    ax.barh([r["variant"] for r in rows], [r["tokens_per_s"] for r in rows], color="tab:blue")
+    dd = results["stages"].get("disk", {}).get("dd_bytes_per_s")
+    for bpt in sorted({round(r["bytes_per_token"]) for r in rows if r.get("bytes_per_token")}):
+        if dd:  # the disk's bound at this many bytes per token
+            ax.axvline(dd / bpt, ls="--", color="tab:red")
+            ax.text(dd / bpt, -0.6, f" disk / {bpt:,} B", color="tab:red", fontsize=8)
+    ax.set_xlabel("tokens/s (median)")
+    ax.invert_yaxis()
+    ax.set_title(f"extraction at the storage limit ({results['device']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd")
+    st = sub.add_parser("stage")
+    st.add_argument("name", choices=sorted(STAGES))
+    st.add_argument("--work", required=True)
+    st.add_argument("--record", required=True)
+    st.add_argument("--storage", default="bfloat16")
+    st.add_argument("--groups", default="1")
+    st.add_argument("--tp", type=int, default=1)
+    st.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--work", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "storagebench"))
+    ap.add_argument("--shards-dir", help="where shards are written (default: under --work)")
+    ap.add_argument("--model", help="model directory (default: build a random 8B Llama under --work)")
+    ap.add_argument("--rows", type=int, help="rows per pass (default 256; --smoke: 12)")
+    ap.add_argument("--row-len", type=int, help=f"tokens per row (default {ROW_LEN}; --smoke: 128)")
+    ap.add_argument("--per-shard", type=int, help="rows per shard (default 8: 8 x 1024 tokens x 32 KB = 0.27 GB; "
+                    "--smoke: 4)")
+    ap.add_argument("--passes", type=int, help="timed passes per variant (default 3; --smoke: 2)")
+    ap.add_argument("--hf-shards", type=int, default=1)
+    ap.add_argument("--budget", type=float, default=480.0, help="seconds for all stages (a stage that would not "
+                    "fit is skipped)")
+    ap.add_argument("--only", help="comma-separated stage labels")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, few rows: every code path on any machine")
+    args = ap.parse_args()
+    if args.cmd == "stage":
+        rec = STAGES[args.name](args)
+        Path(args.record).write_text(json.dumps(rec))
+        return
+    args.vocab = 500 if args.smoke else 128256
+    args.layers = (2, 3, 6) if args.smoke else LAYERS_8B
+    defaults = (12, 128, 4, 2) if args.smoke else (256, ROW_LEN, 8, 3)
+    for name, value in zip(("rows", "row_len", "per_shard", "passes"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.smoke:
+        args.budget = max(args.budget, 3600)
+    run_all(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""The shard writer: safetensors bytes written once, hashed on the way, fp8 storage."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save
+
+from datagen.shards import (
+    FP8, SHARD_FORMAT, ShardJob, dequantize_fp8, quantize_fp8, stored_states, token_stats, write_shard,
+)
+
+LAYERS = (2, 3, 6)
+H = 40
+
+
+def job(path: Path, lengths, dtype: str, index: int = 0) -> ShardJob:
+    rng = np.random.default_rng(index)
+    return ShardJob(
+        index=index, path=str(path), first_row=10 * index, rows=len(lengths) + 1,
+        sample_rows=tuple(10 * index + i for i in range(len(lengths))),
+        input_ids=tuple(rng.integers(0, 500, n).astype(np.int32) for n in lengths),
+        loss_masks=tuple((rng.random(n) > 0.5).astype(np.uint8) for n in lengths),
+        layer_ids=LAYERS, dtype=dtype, hidden_size=H, shard_key=f"key{index}",
+    )
+
+
+def states(lengths, seed=0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, len(LAYERS), H, generator=g) * (1 + torch.arange(len(LAYERS)))[:, None]
+            for n in lengths]
+
+
+def reference_bytes(j: ShardJob, tensors_hs: dict[str, torch.Tensor], meta: str) -> bytes:
+    """What safetensors itself writes for the same tensors and metadata."""
+    offsets = np.zeros(len(j.input_ids) + 1, dtype=np.int64)
+    np.cumsum([len(x) for x in j.input_ids], out=offsets[1:])
+    cat = (lambda xs, dt: np.concatenate(xs).astype(dt)) if j.input_ids else (lambda xs, dt: np.zeros(0, dt))
+    tensors = {"input_ids": torch.from_numpy(cat(j.input_ids, np.int32)),
+               "loss_mask": torch.from_numpy(cat(j.loss_masks, np.uint8)),
+               "sample_index": torch.tensor(j.sample_rows, dtype=torch.int64),
+               "sample_offsets": torch.from_numpy(offsets), **tensors_hs}
+    return save(tensors, metadata={"datagen": meta})
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", FP8])
+@pytest.mark.parametrize("lengths", [[5, 17, 1], [300], []])
+def test_shards_are_byte_identical_to_safetensors_and_hashed_right(tmp_path, dtype, lengths):
+    j = job(tmp_path / "shards" / "shard-000000.safetensors", lengths, dtype)
+    xs = states(lengths)
+    rec = write_shard(j, xs)
+    data = Path(j.path).read_bytes()
+    if dtype == FP8:
+        pairs = [quantize_fp8(x) for x in xs]
+        hs = {"hidden_states": torch.cat([q for q, _ in pairs]) if xs else torch.zeros(0, 3, H, dtype=torch.float8_e4m3fn),
+              "hidden_states_scale": torch.cat([s for _, s in pairs]) if xs else torch.zeros(0, 3)}
+        meta = f'{{"format": "{SHARD_FORMAT}", "layer_ids": [2, 3, 6], "shard_key": "key0", "storage_dtype": "fp8_e4m3"}}'
+    else:
+        dt = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
+        hs = {"hidden_states": torch.cat(xs).to(dt) if xs else torch.zeros(0, 3, H, dtype=dt)}
+        meta = f'{{"format": "{SHARD_FORMAT}", "layer_ids": [2, 3, 6], "shard_key": "key0"}}'
+    assert data == reference_bytes(j, hs, meta)
+    assert rec.sha256 == hashlib.sha256(data).hexdigest() and rec.bytes == len(data)
+    assert oct(os.stat(j.path).st_mode & 0o777) == "0o644"
+    assert not [p for p in Path(j.path).parent.iterdir() if p.name.startswith(".")]  # no temporary left
+
+
+def test_chunked_states_direct_and_buffered_writes_give_the_same_file(tmp_path, monkeypatch):
+    lengths = [700, 3, 129]
+    xs = states(lengths, seed=4)
+    whole = write_shard(job(tmp_path / "a" / "s.safetensors", lengths, "bfloat16"), xs)
+    chunks = [list(x.to(torch.bfloat16).split(64)) for x in xs]  # chunked-prefill steps, as captured
+    stats = [[token_stats(c) for c in cs] for cs in chunks]
+    chunked = write_shard(job(tmp_path / "b" / "s.safetensors", lengths, "bfloat16"), chunks, stats)
+    monkeypatch.setenv("DATAGEN_DIRECT_IO", "0")
+    buffered = write_shard(job(tmp_path / "c" / "s.safetensors", lengths, "bfloat16"), xs)
+    assert whole.sha256 == chunked.sha256 == buffered.sha256
+    assert whole.layer_stats == buffered.layer_stats
+    for a, b in zip(whole.layer_stats, chunked.layer_stats):  # float32 sums per chunk vs per shard
+        assert a.mean == pytest.approx(b.mean, rel=1e-5, abs=1e-7) and a.std == pytest.approx(b.std, rel=1e-5)
+
+
+@pytest.mark.parametrize("refuses_at", ["open", "write"])
+def test_a_filesystem_without_direct_io_gets_buffered_writes(tmp_path, monkeypatch, refuses_at):
+    import errno
+
+    import datagen.shards as shards
+
+    ref = write_shard(job(tmp_path / "a" / "s.safetensors", [33, 9], "bfloat16"), states([33, 9]))
+    real_open, real_write, direct_fds = os.open, os.write, set()
+
+    def fake_open(path, flags, *a):
+        if flags & os.O_DIRECT and refuses_at == "open":
+            raise OSError(errno.EINVAL, "Invalid argument")
+        fd = real_open(path, flags, *a)
+        (direct_fds.add if flags & os.O_DIRECT else direct_fds.discard)(fd)
+        return fd
+
+    def fake_write(fd, data):
+        if fd in direct_fds:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(shards.os, "open", fake_open)
+    monkeypatch.setattr(shards.os, "write", fake_write)
+    rec = write_shard(job(tmp_path / "b" / "s.safetensors", [33, 9], "bfloat16"), states([33, 9]))
+    assert rec.sha256 == ref.sha256 == hashlib.sha256((tmp_path / "b" / "s.safetensors").read_bytes()).hexdigest()
+
+
+def test_shapes_that_do_not_match_the_rows_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="row 1: states of shape"):
+        write_shard(job(tmp_path / "s.safetensors", [5, 6], "bfloat16"), states([5, 7]))
+    assert not (tmp_path / "s.safetensors").exists()
+
+
+def test_fp8_values_are_fp8_times_a_per_token_per_layer_scale(tmp_path):
+    lengths = [64, 31]
+    xs = states(lengths, seed=7)
+    xs[0][3, 1] = 0.0  # an all-zero vector keeps scale 1
+    rec = write_shard(job(tmp_path / "s.safetensors", lengths, FP8), xs)
+    t = load_file(str(tmp_path / "s.safetensors"))
+    assert t["hidden_states"].dtype == torch.float8_e4m3fn and t["hidden_states_scale"].dtype == torch.float32
+    assert t["hidden_states_scale"].shape == (sum(lengths), len(LAYERS))
+    x = torch.cat(xs)
+    got = stored_states(t)
+    assert torch.equal(got, t["hidden_states"].float() * t["hidden_states_scale"][..., None])
+    assert t["hidden_states_scale"][3, 1] == 1.0 and not got[3, 1].any()
+    # each vector's absmax is stored exactly (448 * scale), the rest within e4m3's half step (1/16)
+    assert torch.allclose(got.abs().amax(-1), x.abs().amax(-1), rtol=1e-6)
+    rel = (got - x).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-30)
+    assert float(rel.max()) < 0.05 and float(rel.median()) > 0.005  # a real quantization, not a copy
+    # the records describe the stored values
+    f = got.double()
+    for j, s in enumerate(rec.layer_stats):
+        assert s.sum == pytest.approx(float(f[:, j].sum()), rel=1e-5, abs=1e-4)
+        assert s.absmax == pytest.approx(float(f[:, j].abs().max()), rel=1e-6)
+
+
+def test_fp8_keeps_nan_and_inf_visible():
+    x = torch.randn(4, 2, 8)
+    x[1, 0, 3] = float("nan")
+    x[2, 1, 0] = float("inf")
+    q, s = quantize_fp8(x)
+    back = dequantize_fp8(q, s)
+    assert back[1, 0].isnan().any() and back[2, 1].isnan().any()
+    assert torch.isfinite(back[0]).all() and torch.isfinite(back[3]).all()
