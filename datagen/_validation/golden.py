@@ -164,7 +164,7 @@ def run(root: Path, scans: list[ShardScan], plan: GoldenPlan, *, model_dir: Path
     engine reference uses it (transformers runs its own classes only).
     """
     from datagen.errors import ModelError
-    from datagen.shards import dequantize_fp8
+    from datagen.shards import FP8_REL_ERROR, dequantize_fp8, fp8_allowance
 
     details: dict = {
         "seed": plan.seed, "rows": list(plan.rows), "tolerance": tolerance, "criterion": criterion.value,
@@ -194,12 +194,14 @@ def run(root: Path, scans: list[ShardScan], plan: GoldenPlan, *, model_dir: Path
                 a, b = int(sc.offsets[s]), int(sc.offsets[s + 1])
                 ids = m.rows("input_ids", a, b).to(torch.long).clone()
                 stored = m.rows("hidden_states", a, b).clone()
-            if "hidden_states_scale" in m.header.tensors:  # fp8 storage: compare the stored values
-                stored = dequantize_fp8(stored, m.rows("hidden_states_scale", a, b))
+                fp8 = "hidden_states_scale" in m.header.tensors
+                if fp8:  # fp8 storage: compare the stored values, allowing for e4m3's rounding
+                    stored = dequantize_fp8(stored, m.rows("hidden_states_scale", a, b))
             refs = ref.states(ids)
             tokens += len(ids)
             _judge_row(row, sc, stored, refs, layer_ids, num_hidden_layers, details, findings,
-                       criterion=criterion, tolerance=tolerance, thresholds=thresholds)
+                       criterion=criterion, tolerance=tolerance + FP8_REL_ERROR if fp8 else tolerance,
+                       thresholds=fp8_allowance(thresholds) if fp8 else thresholds)
     finally:
         ref.close()
     details["reference"].update(seconds=round(time.monotonic() - t0, 3), tokens=tokens)
