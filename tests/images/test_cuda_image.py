@@ -202,6 +202,32 @@ def test_the_image_has_the_cuda_build_of_vllm_and_torch(cuda_image):
     assert out.strip().splitlines()[-1] == f"{CUDA_VLLM_RELEASE} 13.0 2.11.0+cu130"
 
 
+# Lists, for vLLM's and torch's CUDA libraries, the shared libraries that do not resolve in the
+# image, with the CUDA wheels' folders on the search path (torch puts them there when imported).
+UNRESOLVED = r"""
+import glob, os, site, subprocess
+root = site.getsitepackages()[0]
+os.chdir(root)
+path = [os.path.abspath(d) for d in glob.glob("nvidia/*/lib") + ["torch/lib"]]
+env = {**os.environ, "LD_LIBRARY_PATH": ":".join(path)}
+libs = glob.glob("vllm/*.so") + glob.glob("vllm/vllm_flash_attn/*.so") + glob.glob("torch/lib/*.so*")
+missing = set()
+for lib in libs:
+    out = subprocess.run(["ldd", lib], env=env, capture_output=True, text=True).stdout
+    missing |= {line.split()[0] for line in out.splitlines() if "not found" in line}
+print(len(libs), " ".join(sorted(missing)))
+"""
+
+
+@pytest.mark.docker
+def test_vllm_and_torch_native_libraries_need_only_the_drivers_libcuda(cuda_image):
+    # libcuda.so.1 is the NVIDIA driver's: the container toolkit mounts it from the host.
+    count, *missing = run_in(cuda_image, ["-c", UNRESOLVED], entrypoint=["python"]).split()
+
+    assert int(count) > 20
+    assert missing == ["libcuda.so.1"]
+
+
 @pytest.mark.docker
 def test_the_image_holds_exactly_the_lock(cuda_image):
     out = run_in(cuda_image, ["list", "--format=json"], entrypoint=["pip"])
