@@ -121,8 +121,7 @@ def dispatch_range(
         logger.info("range %s: every shard is in %s already; nothing to submit", shard_range, dest.uri)
         return _result(shard_range, fingerprint, fleet.read_receipt(client, dest, cache_key)).served_from_cache()
     limit = range_limit_name(fingerprint, shard_range)
-    with get_client(sync_client=True) as api:
-        api.upsert_global_concurrency_limit_by_name(limit, 1)
+    _ensure_limit(limit)
     for attempt in range(fan.max_resubmits + 1):
         child = run_deployment(
             fan.deployment,
@@ -151,6 +150,20 @@ def _result(shard_range: ShardRange, fingerprint: str, receipt: dict | None) -> 
     base = {"range": shard_range.arg, "fingerprint": fingerprint, "shards_extracted": [],
             "shards_cached": list(shard_range.shards), "tokens": 0, "seconds": 0.0}
     return RangeResult.model_validate({**base, **(receipt or {}), "range": shard_range.arg})
+
+
+def _ensure_limit(name: str) -> None:
+    """Create the range's limit (one slot) unless it exists; two runs may try at once."""
+    from prefect.exceptions import ObjectAlreadyExists, PrefectHTTPStatusError
+
+    with get_client(sync_client=True) as api:
+        try:
+            api.upsert_global_concurrency_limit_by_name(name, 1)
+        except ObjectAlreadyExists:
+            pass
+        except PrefectHTTPStatusError as e:
+            if e.response.status_code != 409:  # 409: created by the other run meanwhile
+                raise
 
 
 def _delete_limit(name: str) -> None:
@@ -245,8 +258,7 @@ def range_lease(spec: PipelineSpec, shard_range: ShardRange, fingerprint: str, *
     from prefect.runtime import flow_run
 
     name = range_limit_name(fingerprint, shard_range)
-    with get_client(sync_client=True) as api:
-        api.upsert_global_concurrency_limit_by_name(name, 1)  # the parent made it; a run started by hand too
+    _ensure_limit(name)  # the parent made it; a run started by hand makes it too
     run_id = flow_run.get_id()
     holder = ConcurrencyLeaseHolder(type="flow_run", id=UUID(str(run_id))) if run_id else None
     t0 = time.monotonic()

@@ -1,4 +1,5 @@
-"""Per-host GPU limits: a range holds its engine's GPUs in the host's global concurrency limit."""
+"""Global concurrency limits on the server: per-host GPU limits (a range holds its engine's GPUs),
+and a range's lease (one slot per range: one writer at a time)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,35 @@ def test_a_host_never_runs_more_engines_than_its_gpus_allow():
 def test_a_cpu_range_takes_no_slots():
     with gpu_slots(0):
         pass
+
+
+def test_a_range_lease_is_held_by_one_run_at_a_time_and_given_back():
+    """The range's slot on the server: a second holder waits until the first has left."""
+    import logging
+
+    from prefect import get_client
+
+    from datagen.pipeline_spec import PipelineSpec, ShardRange
+    from tasks.fanout import range_lease, range_limit_name
+
+    spec = PipelineSpec.model_validate({"model": "m", "dataset": "d.jsonl", "output": "o", "ranges_in_flight": 2,
+                                        "publish_to": "s3://datasets/ds", "fan_out": {"lease_s": 60}})
+    shard_range, fingerprint = ShardRange(first=0, stop=4), "f" * 64
+    spans: list[tuple[float, float]] = []
+
+    def run() -> None:
+        with range_lease(spec, shard_range, fingerprint, log=logging.getLogger("test")):
+            start = time.monotonic()
+            time.sleep(1.0)
+            spans.append((start, time.monotonic()))
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    (a0, a1), (b0, b1) = sorted(spans)
+    assert b0 >= a1, "two runs held one range's lease at the same time"
+    with get_client(sync_client=True) as client:
+        limit = client.read_global_concurrency_limit_by_name(range_limit_name(fingerprint, shard_range))
+    assert limit.limit == 1 and limit.active_slots == 0, "the lease was given back"
