@@ -54,7 +54,7 @@ class RunStats:
 
 
 def run_stats(m: Manifest, *, label: str | None = None) -> RunStats:
-    return RunStats(label=label or f"{m.created_at[:16].replace('T', ' ')}\n{m.fingerprint[:8]}",
+    return RunStats(label=label or f"{m.created_at[5:16].replace('T', ' ')} {m.fingerprint[:6]}",
                     fingerprint=m.fingerprint, created_at=m.created_at, tokens=int(m.totals.get("tokens", 0)),
                     samples=int(m.totals.get("samples", 0)), layers=tuple(m.layer_stats))
 
@@ -100,13 +100,13 @@ def plot(runs: list[RunStats], drift: list[LayerDrift], *, threshold: float, tit
             if bad:
                 ax.scatter([x[-1]], [ys[-1]], s=180, facecolors="none", edgecolors="red", linewidths=2, zorder=5)
         ax.set_title(f"{stat} per layer")
-        ax.set_xticks(x, [r.label for r in runs], fontsize=7, rotation=30, ha="right")
+        ax.set_xticks(x, [r.label for r in runs], fontsize=7, rotation=40, ha="right")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     ax = axes[3]
     ax.bar(x, [r.tokens for r in runs], color=["red" if drifted and i == x[-1] else "tab:gray" for i in x])
     ax.set_title("tokens per run")
-    ax.set_xticks(x, [r.label for r in runs], fontsize=7, rotation=30, ha="right")
+    ax.set_xticks(x, [r.label for r in runs], fontsize=7, rotation=40, ha="right")
     ax.grid(alpha=0.3, axis="y")
     head = title or "per-layer statistics of the last runs"
     if drifted:

@@ -228,7 +228,7 @@ def layer_report(dataset: str, *, previous: str | None = None, runs: int = REPOR
         reference = None
         if previous:
             reference = step.run_stats(step.load_manifest(previous))
-            reference = step.RunStats(**{**reference.__dict__, "label": f"validation's previous\n{reference.label}"})
+            reference = step.RunStats(**{**reference.__dict__, "label": f"previous {reference.label}"})
         # validation's previous dataset is drawn where it is not already the run before
         shown = history + ([reference] if reference and (not history or history[-1].layers != reference.layers) else [])
         shown.append(current)
