@@ -107,6 +107,7 @@ class DatasetReader:
         self._locks: dict[int, threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self._by_pos: list[list[int]] | None = None
+        self._offsets = [s.offsets.tolist() for s in self.shards]  # plain ints: indexing a tensor costs microseconds
         log.info("opened %s: %d samples in %d shards (verify=%s)", self.location, len(refs), len(self.shards),
                  verify.value)
 
@@ -156,15 +157,15 @@ class DatasetReader:
 
     def run_bytes(self, k: int, first: int, last: int) -> int:
         """Bytes of the states of positions [first, last) of shard k."""
-        s = self.shards[k]
-        return int(s.offsets[last] - s.offsets[first]) * s.row_bytes
+        off = self._offsets[k]
+        return (off[last] - off[first]) * self.shards[k].row_bytes
 
     def read_run(self, k: int, first: int, last: int) -> bytearray:
         """The states of the samples at positions [first, last) of shard k, in one ranged read
         (after the shard's content check, per ``verify``)."""
         self.ensure_verified(k)
         s = self.shards[k]
-        a, b = int(s.offsets[first]), int(s.offsets[last])
+        a, b = self._offsets[k][first], self._offsets[k][last]
         buf = self.store.read(s.record.path, s.states.start + a * s.row_bytes, s.states.start + b * s.row_bytes,
                               etag=s.info.etag)
         return buf if isinstance(buf, bytearray) else bytearray(buf)
@@ -172,8 +173,8 @@ class DatasetReader:
     def sample_in(self, k: int, p: int, run: bytearray, first: int) -> Sample:
         """Sample at position p of shard k, cut from ``run`` (``read_run(k, first, ...)``)."""
         s = self.shards[k]
-        base = int(s.offsets[first])
-        a, b = int(s.offsets[p]), int(s.offsets[p + 1])
+        off = self._offsets[k]
+        base, a, b = off[first], off[p], off[p + 1]
         _, layers, hidden = s.states.shape
         rb = s.row_bytes
         dtype = ST_DTYPES[s.states.dtype]

@@ -140,7 +140,13 @@ class ShardStreamDataset(IterableDataset):
                 if size >= self.mix_bytes or run is runs[-1]:
                     samples = [(k, p) for k, a, b in group for p in range(a, b)]
                     rng.shuffle(samples)
-                    out.append((group, samples))
+                    # runs are read in the order their first sample is yielded: the first sample
+                    # waits for its own read, not for the whole group
+                    run_of = {(k, p): (k, a, b) for k, a, b in group for p in range(a, b)}
+                    first_use: dict = {}
+                    for sample in samples:
+                        first_use.setdefault(run_of[sample], len(first_use))
+                    out.append((sorted(group, key=first_use.__getitem__), samples))
                     group, size = [], 0
         return out
 
@@ -176,7 +182,6 @@ class ShardStreamDataset(IterableDataset):
                 starts = {k: [] for k, _, _ in group}
                 for k, a, _ in group:
                     starts[k].append(a)
-                bufs = {key: f.result() for key, f in reads.items()}
                 for k, p in samples:
-                    a = p if (k, p) in bufs else max(x for x in starts[k] if x <= p)
-                    yield _as_dict(r.sample_in(k, p, bufs[(k, a)], a))
+                    a = p if (k, p) in reads else max(x for x in starts[k] if x <= p)
+                    yield _as_dict(r.sample_in(k, p, reads[(k, a)].result(), a))
