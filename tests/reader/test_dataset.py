@@ -131,3 +131,16 @@ def test_a_manifest_path_leading_outside_the_dataset_is_refused(tmp_path):
 
     with pytest.raises(ValueError, match="outside the dataset"):
         open_dataset(ds)
+
+
+def test_a_reader_pickles_small_and_reads_the_same_after(tmp_path):
+    import pickle
+
+    ds = make_synthetic_dataset(tmp_path / "ds", rows=24, hidden=64, tokens=(30, 40))
+    reader = open_dataset(ds)
+    blob = pickle.dumps(reader)  # what a spawned DataLoader worker receives
+    again = pickle.loads(blob)
+
+    assert len(blob) < sum(r.bytes for r in reader.manifest.shards) / 10  # headers and offsets, not states
+    for i in (0, 7, len(reader) - 1):
+        assert torch.equal(again[i].hidden_states, reader[i].hidden_states)
