@@ -66,6 +66,7 @@ class ImageRecipe:
     # The OCI label dev.datagen.cuda.version: "none", or "lock-cuda" (the CUDA lock's runtime,
     # what torch.version.cuda says; the build checks that the image's torch agrees).
     cuda_version: str = "none"
+    build_command: str = BUILD_COMMAND  # what builds it (the hint when it is missing)
 
 
 RECIPES = {
@@ -95,6 +96,7 @@ RECIPES = {
         lock="requirements/lock-cuda.txt",
         whole_lock=True,
         cuda_version="lock-cuda",
+        build_command="make images-cuda",  # not part of `make images`: over 10 GB
     ),
     # The same engine on the official vLLM image (vllm/vllm-openai:v<release>), which brings
     # vLLM, CUDA torch and everything vLLM needs; the venv sees them and adds only the rest.
@@ -109,6 +111,7 @@ RECIPES = {
         default_base=cuda_base_image(),
         python="3.12",
         cuda_version="lock-cuda",
+        build_command="python images/build.py datagen-extract-cuda-official",
     ),
 }
 # What `make images` builds when no image is named: what this machine can build and run.
@@ -233,7 +236,7 @@ def resolve_image(
     except docker.errors.ImageNotFound as e:
         raise CannotRunHereError(
             f"image {tag} is not built (the tree changed since the last build, or never built)",
-            hint=f"run `{BUILD_COMMAND}`",
+            hint=f"run `{RECIPES[name].build_command}`",
         ) from e
     except docker.errors.DockerException as e:
         raise CannotRunHereError(

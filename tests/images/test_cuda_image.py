@@ -266,3 +266,13 @@ def test_env_check_in_the_image_says_no_gpu_is_visible(cuda_image, tmp_path):
     assert checks["engine_version"]["status"] == "ok"  # the verified release
     assert checks["model_source"]["status"] == "ok" and checks["architecture"]["status"] == "ok"
     assert any("no GPU is visible" in line for line in lines)  # the error line says it too
+
+
+@pytest.mark.docker
+def test_a_missing_cuda_image_names_its_own_build_command():
+    from datagen.errors import CannotRunHereError
+    from images.tags import resolve_image
+
+    with pytest.raises(CannotRunHereError, match="not built") as info:
+        resolve_image(CUDA, base_image="datagen-base:never-built", client=docker_client())
+    assert "make images-cuda" in str(info.value)
