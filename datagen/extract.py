@@ -611,6 +611,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--storage-dtype", choices=["bfloat16", "float16", "float32", "fp8_e4m3"],
                         help="dtype of the stored states (default: --dtype); fp8_e4m3 halves the bytes")
+    parser.add_argument("--shard-group", type=int,
+                        help="shards streamed through the engine without a drain between them (default 1)")
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--shards", help="extract only shards A:B and write no manifest")
 
@@ -638,7 +640,8 @@ def spec_from_args(args) -> ExtractSpec:
     eng = dict(eng)
     for k, v in {"name": args.engine, "tensor_parallel_size": args.tensor_parallel_size, "dtype": args.dtype,
                  "max_num_batched_tokens": args.max_num_batched_tokens,
-                 "storage_dtype": getattr(args, "storage_dtype", None)}.items():
+                 "storage_dtype": getattr(args, "storage_dtype", None),
+                 "shard_group": getattr(args, "shard_group", None)}.items():
         if v is not None:
             eng[k] = v
     raw["engine"] = eng
