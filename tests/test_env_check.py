@@ -66,7 +66,7 @@ def test_cpu_spec_gets_a_correct_report_on_this_machine(model_dir, tmp_path):
     assert result == report and report["ok"]
     status = {c["name"]: c["status"] for c in report["checks"]}
     assert status == {
-        "accelerators": "ok", "model_source": "ok", "model_config": "ok", "architecture": "ok",
+        "accelerators": "ok", "model_source": "ok", "model_config": "ok", "architecture": "ok", "capture": "ok",
         "tensor_parallel": "ok", "cpu_engine": "ok", "engine_version": "ok", "engine_patches": "ok",
         "storage.model_cache": "skipped", "storage.output": "ok", "remote.output": "skipped",
         "remote.hub_token": "skipped",
