@@ -44,6 +44,7 @@ WHEELHOUSE = CACHE / "wheelhouse"  # one folder per Python: cp311/, cp312/
 CONTEXTS = CACHE / "images" / "context"
 TAGS_JSON = CACHE / "images.json"
 BUILD_TIMEOUT_S = 3600  # a cold build of the extract image installs ~3 GB of wheels
+STAGING_ATTEMPTS = 3  # plans again when the tree changes while the context is laid out
 
 
 def build_images(
@@ -71,10 +72,12 @@ def build_images(
     """
     done = []
     for name in names:
-        plan = plan_image(name, base_image=base_image)
-        image = _existing(client, plan.tag)
-        built = image is None
-        if built:
+        for _ in range(STAGING_ATTEMPTS):
+            plan = plan_image(name, base_image=base_image)
+            image = _existing(client, plan.tag)
+            built = image is None
+            if not built:
+                break
             started = time.monotonic()
             offline_base = OFFLINE_BASES.get(plan.build_args["BASE_IMAGE"])
             if offline_base is not None:
@@ -82,11 +85,23 @@ def build_images(
             wheels = _ensure_wheels(plan, wheelhouse / _abi(plan))
             context = _stage_context(plan, wheels)
             try:
+                # The context holds the files as they were when copied: if the tree changed
+                # since the tag was computed, that tag would name other contents. Plan again.
+                if plan_image(name, base_image=base_image).tag != plan.tag:
+                    logger.info("%s: the tree changed while staging; planning again", plan.tag)
+                    continue
                 _build(client, plan, context)
             finally:
                 shutil.rmtree(context, ignore_errors=True)
             image = client.images.get(plan.tag)
             logger.info("%s: built in %.0f s", plan.tag, time.monotonic() - started)
+            break
+        else:
+            raise DatagenError(
+                f"{name.value}: the project's files changed during each of "
+                f"{STAGING_ATTEMPTS} attempts to stage the build",
+                hint="build again when the tree is quiet",
+            )
         done.append((plan, image.id, built))
     return done
 
