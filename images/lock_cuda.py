@@ -103,7 +103,7 @@ def _origin(req: Requirement) -> str:
 
 
 def pip_env() -> dict[str, str]:
-    """The environment without this machine's pip configuration (extra indexes, local wheel
+    """The environment without the host's pip configuration (extra indexes, local wheel
     folders, constraints): the lock must come from the package index alone."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
     for keep in ("PIP_INDEX_URL", "PIP_CERT", "PIP_DEFAULT_TIMEOUT", "PIP_CLIENT_CERT"):
