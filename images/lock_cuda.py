@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -119,6 +120,14 @@ def resolve(root: Path, wheelhouse: Path) -> list[Path]:
     Wheels already in ``wheelhouse`` are offered to the resolver (``--find-links``) so a
     re-run downloads only what changed.
     """
+    # pip evaluates the target's Python version, but the host's platform markers (torch's CUDA
+    # wheels are `platform_system == "Linux"`): elsewhere the lock would silently lack them.
+    if (platform.system(), platform.machine()) != ("Linux", "x86_64"):
+        raise CannotRunHereError(
+            f"the CUDA lock is resolved for Linux x86_64; this host is "
+            f"{platform.system()} {platform.machine()}",
+            hint="run `python -m images.lock_cuda` on a Linux x86_64 host",
+        )
     wheelhouse.mkdir(parents=True, exist_ok=True)
     # On the wheelhouse's file system, so the wheels are moved, not copied.
     with tempfile.TemporaryDirectory(prefix="lock-cuda-", dir=wheelhouse.parent) as tmp:
