@@ -110,6 +110,10 @@ def test_every_run_has_a_summary_a_shard_table_and_a_finished_progress_bar(story
         rows = json.loads(table) if isinstance(table, str) else table
         assert [r["shard"] for r in rows] == [0, 1, 2, 3] and {r["this run"] for r in rows} == {this_run}
         assert found["extract-progress"][-1].data == 100.0
+    # the layer report: this run's statistics plotted after the runs before it, no drift between them
+    assert "Runs: 1;" in first["layer-report"][-1].data and "Runs: 2;" in cached["layer-report"][-1].data
+    assert cached["layer-report"][-1].data.startswith("# Layer statistics: no drift")
+    assert "data:image/png;base64," in cached["layer-report"][-1].data
 
 
 def test_step_output_reaches_the_run_log_line_by_line(story):
