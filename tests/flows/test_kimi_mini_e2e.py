@@ -11,14 +11,16 @@ itself (transformers has no class for kimi_k25); the dataset published to S3; `t
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 from uuid import UUID
 
 import pytest
 
-from tests.support.docker_engine import BUILD_TIMEOUT_S, built_images, docker_client
+from tests.support.docker_engine import BUILD_TIMEOUT_S, docker_client
 from tests.support.prefect_server import flow_run_id, start_server
 from tests.support.s3server import S3Server, _skip_without_weed, upload_tree
 
@@ -42,25 +44,31 @@ def _bridge_ip() -> str:
 
 
 @pytest.fixture(scope="module")
-def images():
-    from images.tags import DEFAULT_IMAGES
-
-    docker_client()
-    return built_images(*DEFAULT_IMAGES)
-
-
-@pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
-    """prefect.yaml and links to the code; the tiny Kimi-K2.5 model and chat dataset where the
-    deployment reads them."""
+    """prefect.yaml and a copy of the code (the images are tagged by the code's content: a copy
+    keeps the tags the worker resolves equal to the ones built, whatever changes in the checkout
+    meanwhile); the tiny Kimi-K2.5 model and chat dataset where the deployment reads them."""
     from datagen.kimi_mini import prepare
 
     root = tmp_path_factory.mktemp("kimi-project")
-    for name in ("flows", "tasks", "datagen", "images"):
-        (root / name).symlink_to(REPO / name)
-    (root / "prefect.yaml").write_text((REPO / "prefect.yaml").read_text())
+    for name in ("flows", "tasks", "datagen", "images", "requirements"):
+        shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("prefect.yaml", "pyproject.toml"):
+        shutil.copy(REPO / name, root / name)
     prepare(root)
     return root
+
+
+@pytest.fixture(scope="module")
+def images(project):
+    """The steps and CPU extract images of the project's copy, built as `make images` does."""
+    docker_client()
+    proc = subprocess.run(
+        [sys.executable, "images/build.py", "datagen-steps", "datagen-extract-cpu",
+         "--wheelhouse", str(REPO / ".cache" / "wheelhouse")],
+        cwd=project, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +132,9 @@ def finished_run(server, project, worker):
 
 def test_the_kimi_mini_run_completes_in_containers_from_the_s3_mirror(finished_run, server):
     proc, run_id, wall = finished_run
-    assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-4000:], _worker_log(server))
+    if proc.returncode != 0:
+        pytest.fail(f"extract/kimi-mini failed:\n{proc.stdout[-3000:]}\n--- worker log ---\n{_worker_log(server)}",
+                    pytrace=False)
     print(f"\nextract/kimi-mini: {wall:.0f} s wall (`prefect deployment run --watch`)")
 
 
@@ -184,5 +194,7 @@ def test_the_dataset_was_published_to_s3_and_triggered_training(finished_run, pr
 
 
 def _worker_log(server) -> str:
-    logs = [w.output()[-6000:] for w in server.workers]
-    return "\n".join(logs)
+    """The lines of the workers' logs that say what failed (a step's error and hint), or their end."""
+    text = "\n".join(w.output() for w in server.workers)
+    said = [line for line in text.splitlines() if "error" in line.lower() or "->" in line or "Traceback" in line]
+    return "\n".join(said[-60:]) or text[-6000:]
