@@ -9,6 +9,7 @@ finds everything in the cache, appended rows, a deleted shard, then faults.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -111,7 +112,8 @@ def test_every_run_has_a_summary_a_shard_table_and_a_finished_progress_bar(story
         assert [r["shard"] for r in rows] == [0, 1, 2, 3] and {r["this run"] for r in rows} == {this_run}
         assert found["extract-progress"][-1].data == 100.0
     # the layer report: this run's statistics plotted after the runs before it, no drift between them
-    assert "Runs: 1;" in first["layer-report"][-1].data and "Runs: 2;" in cached["layer-report"][-1].data
+    runs = [int(re.search(r"Runs: (\d+);", a["layer-report"][-1].data)[1]) for a in (first, cached)]
+    assert runs[1] == min(runs[0] + 1, 8)  # other tests' runs of the flow may come before (the same history)
     assert cached["layer-report"][-1].data.startswith("# Layer statistics: no drift")
     assert "data:image/png;base64," in cached["layer-report"][-1].data
 
