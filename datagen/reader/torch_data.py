@@ -22,7 +22,6 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
-import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from datagen.reader._dataset import DatasetReader, Sample
