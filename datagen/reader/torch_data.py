@@ -24,6 +24,7 @@ from typing import Iterator
 
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+from datagen.errors import SpecError
 from datagen.reader._dataset import DatasetReader, Sample
 
 
@@ -114,6 +115,9 @@ class ShardStreamDataset(IterableDataset):
         positions = self.reader.positions()
         order = list(range(len(positions)))
         random.Random(f"{self.seed}/{epoch}/shards").shuffle(order)
+        if world > len(positions):
+            raise SpecError(f"{len(positions)} shards cannot be dealt to {world} ranks: each rank streams whole shards",
+                            hint="use SampleDataset with a DistributedSampler, or write smaller shards")
         shares = [order[r::world] for r in range(world)]
         even = min(sum(len(positions[k]) for k in share) for share in shares)
         # the rank's shards in its order, each cut so that the rank yields exactly `even` samples

@@ -78,3 +78,11 @@ def test_the_map_style_dataset_works_with_the_distributed_sampler(reader):
     x = data[5]
     assert x["row"] == reader.rows[5] and x["hidden_states"].shape[1:] == (4, 8)
     assert x["input_ids"].dtype == torch.int64
+
+
+def test_more_ranks_than_shards_is_refused_with_what_to_do_instead(reader):
+    from datagen.errors import SpecError
+
+    with pytest.raises(SpecError, match="9 shards cannot be dealt to 10 ranks") as e:
+        list(ShardStreamDataset(reader, rank=0, world_size=10))
+    assert "DistributedSampler" in str(e.value)
