@@ -226,6 +226,9 @@ def assemble(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, *, cac
         )
         run_step(invocation, make_runner(spec.runner), log=logger.info)
     raw = (out / MANIFEST_NAME).read_bytes()
+    # Every range is done: multipart uploads still open were left by killed runs (they hold storage).
+    if aborted := s3.abort_stale_uploads(client, dest):
+        logger.info("aborted %d unfinished multipart uploads of lost range runs", aborted)
     fleet.put_manifest(client, dest, raw)
     logger.info("manifest written: %s/%s", dest.uri, MANIFEST_NAME)
     return _dataset(dest, raw)
