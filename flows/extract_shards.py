@@ -55,7 +55,7 @@ def extract_shards(
                 hint="give every worker host the same image (or environment), model revision and dataset",
             )
         worker = str(flow_run.get_id() or "")
-        write_receipt(spec, cache_key, result, worker)
+        write_receipt(spec, cache_key, result, worker, log=logger)
     logger.info("range %s done on this worker: %d shards extracted, %d were in the bucket", shard_range,
                 len(result.shards_extracted), len(result.shards_cached))
     return result.model_copy(update={"worker": worker})

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from datagen.cli import STEPS
 from datagen.errors import (
-    EXIT_BAD_INPUT, EXIT_CANNOT_RUN_HERE, EXIT_FAILED, EXIT_TRANSIENT, EXIT_VALIDATION,
+    EXIT_BAD_INPUT, EXIT_CANNOT_RUN_HERE, EXIT_FAILED, EXIT_TRANSIENT, EXIT_VALIDATION, TransientError,
 )
 from datagen.spec import Runner
 from tasks.runners import Mount, StepInvocation, StepOutcome, StepRunner
@@ -92,6 +92,8 @@ def retry_if_transient(task, task_run, state) -> bool:
         state.result()
     except StepFailed as e:
         return e.retryable
+    except TransientError:  # raised in the task's own process (S3 calls of the fan-out's tasks)
+        return True
     except Exception:
         return False
     return False

@@ -43,11 +43,11 @@ from prefect.deployments import run_deployment
 
 from datagen import fleet, s3, settings
 from datagen.contract import MANIFEST_NAME, ShardRecord
-from datagen.errors import StorageError
+from datagen.errors import StorageError, TransientError
 from datagen.pipeline_spec import PipelineSpec, ShardRange
 from datagen.spec import ExtractSpec
 from tasks import artifacts
-from tasks._common import STEP_RETRY_POLICY, make_runner, mounts_for, run_step, scratch_dir, spec_file
+from tasks._common import STEP_RETRY_DELAYS_S, STEP_RETRY_POLICY, make_runner, mounts_for, run_step, scratch_dir, spec_file
 from tasks.extract import DatasetResult, PlanResult, RangeResult, ShardRow, extract_range
 from tasks.runners import StepInvocation
 
@@ -119,7 +119,8 @@ def dispatch_range(
     board = artifacts.board(progress)
     if in_bucket:
         logger.info("range %s: every shard is in %s already; nothing to submit", shard_range, dest.uri)
-        return _result(shard_range, fingerprint, fleet.read_receipt(client, dest, cache_key)).served_from_cache()
+        receipt = _retrying(lambda: fleet.read_receipt(client, dest, cache_key), "reading the range's receipt", logger)
+        return _result(shard_range, fingerprint, receipt).served_from_cache()
     limit = range_limit_name(fingerprint, shard_range)
     _ensure_limit(limit)
     for attempt in range(fan.max_resubmits + 1):
@@ -134,7 +135,8 @@ def dispatch_range(
         logger.info("range %s: submitted as flow run %s (%s)", shard_range, child.name, child.id)
         outcome = _watch(child.id, shard_range, spec, logger)
         if outcome == "completed":
-            result = _result(shard_range, fingerprint, fleet.read_receipt(client, dest, cache_key))
+            receipt = _retrying(lambda: fleet.read_receipt(client, dest, cache_key), "reading the range's receipt", logger)
+            result = _result(shard_range, fingerprint, receipt)
             if board is not None:
                 board.set(shard_range.arg, 1.0, force=True)
             _delete_limit(limit)
@@ -144,6 +146,19 @@ def dispatch_range(
         f"range {shard_range}: its flow run was lost {fan.max_resubmits + 1} times; giving up "
         "(check the workers of the pool, then re-run: the shards in the bucket are kept)"
     )
+
+
+def _retrying(call, what: str, log):
+    """``call()``, again after STEP_RETRY_DELAYS_S when the bucket fails transiently (a range run
+    is a flow, not a task: nothing else would retry it, and a failed range fails the parent)."""
+    for delay in [*STEP_RETRY_DELAYS_S, None]:
+        try:
+            return call()
+        except TransientError as e:
+            if delay is None:
+                raise
+            log.warning("%s failed (%s); retrying in %d s", what, str(e).splitlines()[0], delay)
+            time.sleep(delay)
 
 
 def _result(shard_range: ShardRange, fingerprint: str, receipt: dict | None) -> RangeResult:
@@ -286,7 +301,7 @@ def extract_to_bucket(spec: PipelineSpec, xspec: ExtractSpec, shard_range: Shard
     client, transfer, dest = _client(spec)
     expected = {k: shard_keys[k - shard_range.first] for k in shard_range.shards}
     t0 = time.monotonic()
-    held = fleet.shards_in_bucket(client, dest, expected)
+    held = _retrying(lambda: fleet.shards_in_bucket(client, dest, expected), "reading the bucket", log)
     todo = [k for k in shard_range.shards if k not in held]
     log.info("range %s: %d shards in %s already, %d to extract", shard_range, len(held), dest.uri, len(todo))
     storage = {"result_storage": spec.result_storage} if spec.result_storage else {}
@@ -298,7 +313,7 @@ def extract_to_bucket(spec: PipelineSpec, xspec: ExtractSpec, shard_range: Shard
             extracted.append(extract_range.with_options(refresh_cache=True, **storage)(
                 xspec, sub, cache_key=f"{cache_key}-{sub.first}-{sub.stop}", runner=spec.runner, gpus=spec.gpus
             ))
-    final = fleet.shards_in_bucket(client, dest, expected)
+    final = _retrying(lambda: fleet.shards_in_bucket(client, dest, expected), "reading the bucket", log)
     missing = [k for k in shard_range.shards if k not in final]
     if missing:
         raise StorageError(f"range {shard_range}: shards {missing} are not in {dest.uri} after the range ran",
@@ -318,9 +333,10 @@ def extract_to_bucket(spec: PipelineSpec, xspec: ExtractSpec, shard_range: Shard
     )
 
 
-def write_receipt(spec: PipelineSpec, cache_key: str, result: RangeResult, worker: str) -> None:
+def write_receipt(spec: PipelineSpec, cache_key: str, result: RangeResult, worker: str, *, log) -> None:
     client, _, dest = _client(spec)
-    fleet.write_receipt(client, dest, cache_key, {**result.model_dump(mode="json"), "worker": worker})
+    receipt = {**result.model_dump(mode="json"), "worker": worker}
+    _retrying(lambda: fleet.write_receipt(client, dest, cache_key, receipt), "writing the range's receipt", log)
 
 
 def _runs(indices: list[int]) -> list[list[int]]:
@@ -354,7 +370,7 @@ class _Uploader:
         self._stop.set()
         self._thread.join(timeout=600)
         if exc_type is None:
-            self.sweep()
+            _retrying(self.sweep, "uploading shards", self.log)
 
     def _loop(self) -> None:
         while not self._stop.wait(UPLOAD_POLL_S):
