@@ -73,7 +73,8 @@ class ShardStreamDataset(IterableDataset):
         run_bytes: largest ranged read; default 16 MiB on S3, one sample per read on a filesystem.
         mix_bytes: bytes of samples shuffled together (memory: about twice this per worker).
         prefetch: reads in flight per worker (threads).
-        rank, world_size: default to ``torch.distributed``'s, or 0 and 1.
+        rank, world_size: default to ``torch.distributed``'s (make the dataset after
+            ``init_process_group``), or 0 and 1.
     """
 
     def __init__(self, reader: DatasetReader, *, seed: int = 0, shards_in_flight: int = 4,
@@ -89,7 +90,8 @@ class ShardStreamDataset(IterableDataset):
         self.run_bytes = max(1, run_bytes)
         self.mix_bytes = max(1, mix_bytes)
         self.prefetch = max(1, prefetch)
-        self.rank, self.world_size = rank, world_size
+        # resolved here, in the training process: DataLoader workers do not see its process group
+        self.rank, self.world_size = _rank_world(rank, world_size)
         self.epoch: int | None = None
         self._next_epoch = 0  # when set_epoch is not called, each pass is the next epoch
 
@@ -161,12 +163,15 @@ class ShardStreamDataset(IterableDataset):
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch (all its workers together)."""
-        rank, world = _rank_world(self.rank, self.world_size)
-        return sum(len(samples) for _, samples in self.groups(0, rank, world, 0, 1))
+        return sum(len(samples) for _, samples in self.groups(0, self.rank, self.world_size, 0, 1))
 
     def __iter__(self) -> Iterator[dict]:
-        rank, world = _rank_world(self.rank, self.world_size)
+        rank, world = self.rank, self.world_size
         info = get_worker_info()
+        group_world = _rank_world(None, None)[1]
+        if info is None and group_world != 1 and group_world != world:
+            raise SpecError(f"the dataset was made for {world} ranks, torch.distributed has {group_world}",
+                            hint="make ShardStreamDataset after init_process_group (or pass rank and world_size)")
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         epoch = self.epoch if self.epoch is not None else self._next_epoch
         self._next_epoch = epoch + 1

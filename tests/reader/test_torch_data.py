@@ -86,3 +86,33 @@ def test_more_ranks_than_shards_is_refused_with_what_to_do_instead(reader):
     with pytest.raises(SpecError, match="9 shards cannot be dealt to 10 ranks") as e:
         list(ShardStreamDataset(reader, rank=0, world_size=10))
     assert "DistributedSampler" in str(e.value)
+
+
+def _rank_main(rank: int, world: int, init: str, root: str, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        ds = ShardStreamDataset(open_dataset(root), seed=11)  # rank and world from torch.distributed
+        rows = [int(x["row"]) for x in DataLoader(ds, batch_size=None, num_workers=2)]
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump(rows, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_come_from_torch_distributed(reader, tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    world = 2
+    root = reader.location
+    mp.spawn(_rank_main, args=(world, f"file://{tmp_path / 'rendezvous'}", root, str(tmp_path / "rows")),
+             nprocs=world, join=True)
+    parts = [json.loads((tmp_path / f"rows.{r}").read_text()) for r in range(world)]
+
+    assert len(parts[0]) == len(parts[1]) > 0 and not set(parts[0]) & set(parts[1])
+    assert parts[0] == stream(reader, rank=0, world=world, workers=2, seed=11)
