@@ -7,6 +7,8 @@ and retried. When this version has no env-check step, the task logs that and pas
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel, ConfigDict, Field
@@ -46,6 +48,9 @@ def env_check(spec: PipelineSpec) -> EnvCheckOutcome:
         return EnvCheckOutcome(ran=False)
     with spec_file(spec.sources_spec()) as path:
         local_paths = [p for p in (spec.model, spec.model_cache) if p and "://" not in p]
+        if spec.model_cache:
+            # a first run: the download makes it anyway, and a bind mount needs it to exist
+            Path(spec.model_cache).mkdir(parents=True, exist_ok=True)
         invocation = StepInvocation(
             step=STEP,
             args=("--spec", str(path)),
