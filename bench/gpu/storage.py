@@ -377,7 +377,7 @@ def run_all(args) -> None:
             results["stages"][label] = {"status": "skipped", "why": f"expected {expect:.0f} s, {left:.0f} s left"}
             print(f"[{time.time() - t_start:6.1f}s] {label}: skipped ({left:.0f} s left)", flush=True)
             continue
-        rec = out / f"stage-{label.replace(' ', '_')}.json"
+        rec = work / f"stage-{label.replace(' ', '_')}.json"  # only three files go to --out
         cmd = [sys.executable, __file__, "stage", *argv, "--work", str(work), "--record", str(rec)]
         if args.smoke:
             cmd.append("--smoke")

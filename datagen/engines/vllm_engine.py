@@ -122,7 +122,10 @@ class VllmEngine(Engine):
         # Shards whose rows stream through the engine without a drain between them (docs/decisions.md):
         # 1 drains after every shard, so a shard's batches depend on its own rows alone.
         self.shard_group = max(1, int(shard_group))
-        self._inflight: list[tuple[ShardJob, list[str], set[str]]] = []  # submitted, not yet written
+        # submitted, not yet written: (job, request ids, {unfinished request id: its tokens})
+        self._inflight: list[tuple[ShardJob, list[str], dict[str, int]]] = []
+        # tokens kept queued in a group: two steps' worth, so every step is full
+        self._lookahead = 2 * max(self.max_num_batched_tokens, 16)
         self._last_index = -2
         self._run = os.getpid()
 
@@ -229,11 +232,12 @@ class VllmEngine(Engine):
         ids = [f"dg{self._run}-{job.index}-{i}" for i in range(len(job.input_ids))]
         for rid, tokens in zip(ids, job.input_ids):
             engine.add_request(rid, TokensPrompt(prompt_token_ids=tokens.tolist()), params)
-        self._inflight.append((job, ids, set(ids)))
-        # Keep the engine fed: return once every shard before this one has finished, so the
-        # engine computes this shard (and fills the tail of the previous one) while the caller
-        # prepares the next.
-        while len(self._inflight) > 1:
+        self._inflight.append((job, ids, {rid: len(t) for rid, t in zip(ids, job.input_ids)}))
+        # Keep the engine fed: step (writing the shards that finish) only while more than two
+        # steps' worth of tokens are queued, then let the caller add the next shard. The engine
+        # core schedules as soon as a request arrives: with less queued, steps would run part-full
+        # (measured on the H200: 5.5k tokens per step of a 16k budget when one shard was queued).
+        while self._inflight and sum(sum(p.values()) for _, _, p in self._inflight) > self._lookahead:
             self._step()
 
     def _drain(self) -> None:
@@ -249,9 +253,9 @@ class VllmEngine(Engine):
             for out in self.llm.llm_engine.step():
                 if out.finished:
                     rid = out.request_id
-                    for _, _, pending in self._inflight:
-                        if rid in pending or rid.rsplit("-", 1)[0] in pending:  # vLLM may suffix ids
-                            pending.discard(rid if rid in pending else rid.rsplit("-", 1)[0])
+                    key = rid if any(rid in p for _, _, p in self._inflight) else rid.rsplit("-", 1)[0]
+                    for _, _, pending in self._inflight:  # vLLM may suffix the ids it is given
+                        if pending.pop(key, None) is not None:
                             break
         while self._inflight and not self._inflight[0][2]:
             job, ids, _ = self._inflight.pop(0)
