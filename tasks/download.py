@@ -23,6 +23,7 @@ from tasks._common import (
     run_step, spec_file, step_available,
 )
 from tasks.runners import StepInvocation
+from tasks.settings import s3_step_env
 
 STEP = "download"
 SECRET_ENV = HUB_AND_AWS_CREDENTIAL_ENV
@@ -62,6 +63,7 @@ def download(spec: PipelineSpec) -> ModelLocation:
             step=STEP,
             args=("--spec", str(path)),
             mounts=mounts_for(cache, read_only=(path.parent, *local)),
+            env=s3_step_env(),  # an S3 mirror's endpoint and region (credentials are secret_env_names)
             secret_env_names=SECRET_ENV,
             labels={"task": STEP},
         )

@@ -21,6 +21,7 @@ from tasks._common import (
     run_step, spec_file, step_available,
 )
 from tasks.runners import StepInvocation
+from tasks.settings import s3_step_env
 
 STEP = "env-check"
 SECRET_ENV = HUB_AND_AWS_CREDENTIAL_ENV
@@ -55,6 +56,7 @@ def env_check(spec: PipelineSpec) -> EnvCheckOutcome:
             step=STEP,
             args=("--spec", str(path)),
             mounts=mounts_for(read_only=(path.parent, *local_paths)),
+            env=s3_step_env(),  # an S3 mirror's endpoint and region (credentials are secret_env_names)
             secret_env_names=SECRET_ENV,
             gpus=spec.gpus,
             labels={"task": STEP},
