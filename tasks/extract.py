@@ -129,8 +129,12 @@ def _labels(task_name: str) -> dict[str, str]:
 
 def _extract_mounts(spec: ExtractSpec, spec_path: Path):
     out = Path(spec.out).absolute()
-    # extract's lock file lives next to the output directory, so the parent is mounted.
-    return mounts_for(out.parent, read_only=(spec.model, spec.dataset, spec_path.parent))
+    # extract's lock file lives next to the output directory, so the parent is mounted; on a first
+    # run it may not exist yet (a bind mount needs its source): its nearest existing ancestor then.
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    return mounts_for(parent, read_only=(spec.model, spec.dataset, spec_path.parent))
 
 
 def _key_from_parameter(context, parameters) -> str:
