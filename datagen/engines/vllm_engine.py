@@ -128,6 +128,7 @@ class VllmEngine(Engine):
         self._lookahead = 2 * max(self.max_num_batched_tokens, 16)
         self._last_index = -2
         self._run = os.getpid()
+        self._submitted = 0
 
     # --- life cycle -----------------------------------------------------------------------
     def engine_kwargs(self) -> dict:
@@ -229,7 +230,8 @@ class VllmEngine(Engine):
             self._drain()  # a new group starts from an empty engine: its batches depend on its rows alone
         self._last_index = job.index
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        ids = [f"dg{self._run}-{job.index}-{i}" for i in range(len(job.input_ids))]
+        self._submitted += 1  # request ids unique for the engine's life, whatever shards come again
+        ids = [f"dg{self._run}.{self._submitted}-{job.index}-{i}" for i in range(len(job.input_ids))]
         for rid, tokens in zip(ids, job.input_ids):
             engine.add_request(rid, TokensPrompt(prompt_token_ids=tokens.tolist()), params)
         self._inflight.append((job, ids, {rid: len(t) for rid, t in zip(ids, job.input_ids)}))
