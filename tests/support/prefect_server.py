@@ -105,8 +105,26 @@ class PrefectServer:
         self.process.stop()
 
 
-def start_server(root: Path) -> PrefectServer:
-    """Start ``prefect server start`` on a free loopback port; return once it answers."""
+def start_server(root: Path, *, attempts: int = 3) -> PrefectServer:
+    """Start ``prefect server start`` on a free loopback port; return once it answers.
+
+    A port found free can be taken by another process before the server binds it (an outgoing
+    connection's ephemeral port): the start is then tried again on another port.
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            return _start_server_once(root)
+        except PortTaken:
+            if attempt == attempts:
+                raise
+    raise AssertionError("unreachable")
+
+
+class PortTaken(RuntimeError):
+    """The server could not bind the port chosen for it."""
+
+
+def _start_server_once(root: Path) -> PrefectServer:
     home = Path(root) / "prefect-home"
     home.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -131,7 +149,9 @@ def start_server(root: Path) -> PrefectServer:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"prefect server exited {proc.returncode}:\n{server.process.output()[-4000:]}")
+            output = server.process.output()
+            error = PortTaken if "address already in use" in output else RuntimeError
+            raise error(f"prefect server exited {proc.returncode}:\n{output[-4000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return server
