@@ -32,7 +32,8 @@ from pydantic import ValidationError
 from datagen import s3
 from datagen.checksums import sha256_file
 from datagen.contract import MANIFEST_NAME, STATE_DIR, Manifest, ShardRecord, shard_name
-from datagen.errors import OutputConflictError, StorageError, ValidationFailed
+from datagen.publish import verify_uploaded
+from datagen.errors import OutputConflictError, ValidationFailed
 from datagen.sources import S3Source, parse_s3_uri
 from datagen.spec import sha256_hex
 
@@ -43,10 +44,6 @@ HEAD_WORKERS = 16  # parallel GET/HEAD requests when the bucket's shards are che
 
 def location(uri: str) -> S3Source:
     return parse_s3_uri(uri)
-
-
-def key(dest: S3Source, rel: str) -> str:
-    return f"{dest.prefix}/{rel}" if dest.prefix else rel
 
 
 def record_rel(index: int) -> str:
@@ -67,16 +64,16 @@ def shards_in_bucket(client, dest: S3Source, expected: Mapping[int, str]) -> dic
     """The shards of ``expected`` (index -> shard key) that are complete in the bucket (module
     docstring), with their records. One listing, then a GET and a HEAD per listed shard."""
     listed = {o.key: o for o in s3.list_objects(client, dest)}
-    candidates = [k for k in expected if key(dest, record_rel(k)) in listed]
+    candidates = [k for k in expected if dest.key(record_rel(k)) in listed]
 
     def check(k: int) -> ShardRecord | None:
         try:
-            rec = ShardRecord.model_validate_json(s3.get_bytes(client, dest.bucket, key(dest, record_rel(k))))
+            rec = ShardRecord.model_validate_json(s3.get_bytes(client, dest.bucket, dest.key(record_rel(k))))
         except (ValidationError, ValueError):
             return None  # not a record of ours: the shard is extracted again
         if rec.index != k or rec.path != shard_name(k) or rec.shard_key != expected[k]:
             return None
-        obj = listed.get(key(dest, rec.path))
+        obj = listed.get(dest.key(rec.path))
         if obj is None or obj.size != rec.bytes:
             return None
         head = s3.head_object(client, dest.bucket, obj.key)
@@ -89,9 +86,9 @@ def shards_in_bucket(client, dest: S3Source, expected: Mapping[int, str]) -> dic
 
 def manifest_in_bucket(client, dest: S3Source) -> tuple[bytes, Manifest] | None:
     """The manifest at the destination, or None when there is none (yet)."""
-    if s3.head_object(client, dest.bucket, key(dest, MANIFEST_NAME)) is None:
+    if s3.head_object(client, dest.bucket, dest.key(MANIFEST_NAME)) is None:
         return None
-    raw = s3.get_bytes(client, dest.bucket, key(dest, MANIFEST_NAME))
+    raw = s3.get_bytes(client, dest.bucket, dest.key(MANIFEST_NAME))
     try:
         return raw, Manifest.model_validate_json(raw)
     except ValidationError as e:
@@ -142,35 +139,29 @@ def upload_shards(client, spool: Path, records: Iterable[ShardRecord], dest: S3S
                 f"spool file {path} differs from its record (size or sha256)",
                 hint="remove it from the spool; the range extracts it again",
             )
-        items.append(s3.UploadItem(path=path, key=key(dest, rec.path), sha256=rec.sha256))
+        items.append(s3.UploadItem(path=path, key=dest.key(rec.path), sha256=rec.sha256))
     if not items:
         return 0
     sent = s3.upload_many(client, dest.bucket, items, transfer=transfer)
     for rec in records:
-        head = s3.head_object(client, dest.bucket, key(dest, rec.path))
-        if head is None or head.size != rec.bytes or head.sha256 != rec.sha256:
-            raise StorageError(
-                f"{dest.uri}/{rec.path} does not hold what was uploaded "
-                f"({'missing' if head is None else f'{head.size} bytes, sha256 {head.sha256}'})",
-                hint="retry (the range uploads what does not match again)",
-            )
+        verify_uploaded(client, dest, [rec], hint="retry (the range uploads what does not match again)")
         raw = _json_bytes(rec.model_dump(mode="json"))
-        s3.put_bytes(client, dest.bucket, key(dest, record_rel(rec.index)), raw, sha256=sha256_hex(raw),
+        s3.put_bytes(client, dest.bucket, dest.key(record_rel(rec.index)), raw, sha256=sha256_hex(raw),
                      content_type="application/json")
     return sent
 
 
 def write_receipt(client, dest: S3Source, range_key: str, receipt: dict) -> None:
     raw = _json_bytes(receipt)
-    s3.put_bytes(client, dest.bucket, key(dest, receipt_rel(range_key)), raw, sha256=sha256_hex(raw),
+    s3.put_bytes(client, dest.bucket, dest.key(receipt_rel(range_key)), raw, sha256=sha256_hex(raw),
                  content_type="application/json")
 
 
 def read_receipt(client, dest: S3Source, range_key: str) -> dict | None:
-    if s3.head_object(client, dest.bucket, key(dest, receipt_rel(range_key))) is None:
+    if s3.head_object(client, dest.bucket, dest.key(receipt_rel(range_key))) is None:
         return None
     try:
-        return json.loads(s3.get_bytes(client, dest.bucket, key(dest, receipt_rel(range_key))))
+        return json.loads(s3.get_bytes(client, dest.bucket, dest.key(receipt_rel(range_key))))
     except ValueError:
         return None
 
@@ -179,7 +170,7 @@ def read_receipt(client, dest: S3Source, range_key: str) -> dict | None:
 
 def put_manifest(client, dest: S3Source, raw: bytes) -> None:
     """Write the manifest: the object whose presence means "complete"."""
-    s3.put_bytes(client, dest.bucket, key(dest, MANIFEST_NAME), raw, sha256=sha256_hex(raw),
+    s3.put_bytes(client, dest.bucket, dest.key(MANIFEST_NAME), raw, sha256=sha256_hex(raw),
                  content_type="application/json")
 
 

@@ -118,13 +118,9 @@ def read_validated_manifest(dataset: Path) -> tuple[bytes, Manifest]:
     return raw, manifest
 
 
-def _key(dest: S3Source, rel: str) -> str:
-    return f"{dest.prefix}/{rel}" if dest.prefix else rel
-
-
 def _check_destination(client, dest: S3Source, manifest_sha: str) -> bool:
     """True when this very manifest is already published there; OutputConflictError when another is."""
-    head = s3.head_object(client, dest.bucket, _key(dest, MANIFEST_NAME))
+    head = s3.head_object(client, dest.bucket, dest.key(MANIFEST_NAME))
     if head is None:
         return False
     if head.sha256 == manifest_sha:
@@ -136,7 +132,7 @@ def _check_destination(client, dest: S3Source, manifest_sha: str) -> bool:
 
 
 def _is_present(client, dest: S3Source, shard: ShardRecord, listed: dict[str, s3.ObjectInfo]) -> bool:
-    info = listed.get(_key(dest, shard.path))
+    info = listed.get(dest.key(shard.path))
     if info is None or info.size != shard.bytes:
         return False
     head = s3.head_object(client, dest.bucket, info.key)
@@ -156,17 +152,19 @@ def _items(dataset: Path, dest: S3Source, shards: list[ShardRecord]) -> Iterator
                 f"shard {shard.path} changed after validation (its size or sha256 differs from the manifest)",
                 hint=f"run `datagen validate {dataset}` again",
             )
-        yield s3.UploadItem(path=path, key=_key(dest, shard.path), sha256=shard.sha256)
+        yield s3.UploadItem(path=path, key=dest.key(shard.path), sha256=shard.sha256)
 
 
-def _verify_uploaded(client, dest: S3Source, shards: list[ShardRecord]) -> None:
+def verify_uploaded(client, dest: S3Source, shards: list[ShardRecord], *,
+                    hint: str = "retry the publish (it re-uploads what does not match)") -> None:
+    """Raise StorageError unless every shard object in ``dest`` has its record's size and sha256."""
     for shard in shards:
-        head = s3.head_object(client, dest.bucket, _key(dest, shard.path))
+        head = s3.head_object(client, dest.bucket, dest.key(shard.path))
         if head is None or head.size != shard.bytes or head.sha256 != shard.sha256:
             raise StorageError(
                 f"{dest.uri}/{shard.path} does not hold what was uploaded "
                 f"({'missing' if head is None else f'{head.size} bytes, sha256 {head.sha256}'})",
-                hint="retry the publish (it re-uploads what does not match)",
+                hint=hint,
             )
 
 
@@ -192,12 +190,12 @@ def run(dataset: str | Path, *, to: str, transfer: s3.TransferSettings | None = 
     t0 = time.monotonic()
     sent = s3.upload_many(client, dest.bucket, _items(dataset, dest, todo), transfer=transfer) if todo else 0
     upload_s = time.monotonic() - t0
-    _verify_uploaded(client, dest, todo)
+    verify_uploaded(client, dest, todo)
 
     manifest_uploaded = not already
     if manifest_uploaded:
         s3.put_bytes(
-            client, dest.bucket, _key(dest, MANIFEST_NAME), raw, sha256=manifest_sha, content_type="application/json"
+            client, dest.bucket, dest.key(MANIFEST_NAME), raw, sha256=manifest_sha, content_type="application/json"
         )
         sent_total = sent + len(raw)
     else:
@@ -205,7 +203,7 @@ def run(dataset: str | Path, *, to: str, transfer: s3.TransferSettings | None = 
     result = PublishResult(
         dataset=str(dataset),
         destination=dest.uri,
-        manifest_uri=f"s3://{dest.bucket}/{_key(dest, MANIFEST_NAME)}",
+        manifest_uri=f"s3://{dest.bucket}/{dest.key(MANIFEST_NAME)}",
         manifest_sha256=manifest_sha,
         shards=len(manifest.shards),
         uploaded=[s.path for s in todo],

@@ -93,6 +93,10 @@ class S3Source:
     def uri(self) -> str:
         return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
 
+    def key(self, rel: str) -> str:
+        """The object key of ``rel`` (a path inside this prefix)."""
+        return f"{self.prefix}/{rel}" if self.prefix else rel
+
 
 @dataclass(frozen=True)
 class LocalSource:

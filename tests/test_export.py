@@ -11,7 +11,9 @@ import torch
 
 from datagen import cli, export
 from datagen.errors import DatasetError, OutputConflictError, ValidationFailed
-from tests.support.extracted import SKIPPED_ROWS, copy_dataset, extracted_dataset, manifest, read_shard, shard_path
+from tests.support.extracted import (
+    SKIPPED_ROWS, copy_dataset, extracted_dataset, manifest, shard_path, stored_samples,
+)
 
 
 @pytest.fixture(scope="session")
@@ -23,19 +25,6 @@ def pristine(tmp_path_factory) -> Path:
 def exported(pristine, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("export") / "speculators"
     assert cli.main(["export", "--format", "speculators", str(pristine), str(out)]) == 0
-    return out
-
-
-def stored_samples(ds: Path) -> dict[int, dict[str, torch.Tensor]]:
-    """row -> that sample's tensors, read straight from the shards."""
-    out = {}
-    for k in range(len(manifest(ds)["shards"])):
-        t, _ = read_shard(shard_path(ds, k))
-        off = t["sample_offsets"].tolist()
-        for s, row in enumerate(t["sample_index"].tolist()):
-            a, b = off[s], off[s + 1]
-            out[row] = {"input_ids": t["input_ids"][a:b], "loss_mask": t["loss_mask"][a:b],
-                        "hidden_states": t["hidden_states"][a:b]}
     return out
 
 

@@ -8,7 +8,8 @@ import torch
 from datagen.errors import DatasetError, ValidationFailed
 from datagen.reader import ShardRefused, Verify, open_dataset
 from tests.support.extracted import (
-    SKIPPED_ROWS, copy_dataset, extracted_dataset, manifest, read_shard, shard_path, write_manifest,
+    SKIPPED_ROWS, copy_dataset, extracted_dataset, manifest, shard_path, stored_samples,
+    write_manifest,
 )
 from tests.support.synthetic_shards import make_synthetic_dataset, row_value
 
@@ -18,21 +19,9 @@ def pristine(tmp_path_factory):
     return extracted_dataset(tmp_path_factory)
 
 
-def stored(ds) -> dict[int, dict[str, torch.Tensor]]:
-    """row -> the sample's tensors, read with the safetensors library."""
-    out = {}
-    for k in range(len(manifest(ds)["shards"])):
-        t, _ = read_shard(shard_path(ds, k))
-        off = t["sample_offsets"].tolist()
-        for s, row in enumerate(t["sample_index"].tolist()):
-            a, b = off[s], off[s + 1]
-            out[row] = {n: t[n][a:b] for n in ("input_ids", "loss_mask", "hidden_states")}
-    return out
-
-
 def test_every_sample_is_read_as_stored_in_dataset_row_order(pristine):
     reader = open_dataset(pristine)
-    want = stored(pristine)
+    want = stored_samples(pristine)
 
     assert reader.rows == sorted(want) and not set(reader.rows) & set(SKIPPED_ROWS)
     assert len(reader) == manifest(pristine)["totals"]["samples"]

@@ -165,3 +165,16 @@ def sample_span(tensors: dict[str, torch.Tensor], row: int) -> tuple[int, int]:
     s = tensors["sample_index"].tolist().index(row)
     off = tensors["sample_offsets"]
     return int(off[s]), int(off[s + 1])
+
+
+def stored_samples(ds: Path) -> dict[int, dict[str, torch.Tensor]]:
+    """row -> that sample's tensors, read straight from the shards."""
+    out = {}
+    for k in range(len(manifest(ds)["shards"])):
+        t, _ = read_shard(shard_path(ds, k))
+        off = t["sample_offsets"].tolist()
+        for s, row in enumerate(t["sample_index"].tolist()):
+            a, b = off[s], off[s + 1]
+            out[row] = {"input_ids": t["input_ids"][a:b], "loss_mask": t["loss_mask"][a:b],
+                        "hidden_states": t["hidden_states"][a:b]}
+    return out
