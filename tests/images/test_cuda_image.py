@@ -66,7 +66,7 @@ def test_the_official_base_variant_shares_the_dockerfile_and_adds_only_what_vllm
     official = plan_image(ImageName.EXTRACT_CUDA_OFFICIAL)
     offline = plan_image(CUDA)
 
-    assert official.recipe.dockerfile == offline.recipe.dockerfile == "images/extract/Dockerfile"
+    assert official.recipe.target == offline.recipe.target == "extract"
     assert official.build_args["BASE_IMAGE"] == f"vllm/vllm-openai:v{CUDA_VLLM_RELEASE}"
     assert official.build_args["VENV_OPTIONS"] == "--system-site-packages"
     assert official.build_args["CUDA_VERSION"] == offline.build_args["CUDA_VERSION"]

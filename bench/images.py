@@ -1,4 +1,4 @@
-"""Measures the images and the docker runner: `python -m images.measure` (images built first).
+"""Measures the images and the docker runner: `python -m bench.images` (images built first).
 
 Prints each default image's size, the time of a `make images` that has nothing to build,
 and the runner's overhead per step: the same trivial step (`datagen make-tiny --help`,
@@ -36,7 +36,7 @@ def _median_seconds(run, repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m images.measure", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.images", description=__doc__)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     client = docker.from_env()
