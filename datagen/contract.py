@@ -19,6 +19,9 @@ SHARDS_DIR = "shards"
 # Private state of an extraction in progress (spec lock, per-shard records). Not part of
 # the contract: readers ignore it, and `datagen publish` does not upload it.
 STATE_DIR = ".datagen"
+# A passing validation of the dataset: written by `datagen validate`, read by `datagen publish`,
+# export and plan (JSON: {"ok": bool, "manifest_sha256": ..., ...}).
+VALIDATION_REPORT = f"{STATE_DIR}/validation.json"
 LAYER_NUMBERING = (
     "vllm: id k is the residual stream entering decoder layer k (hidden_states + residual); "
     "id N = num_hidden_layers is the last layer's output before the final norm"

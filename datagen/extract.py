@@ -460,7 +460,8 @@ def run(spec: ExtractSpec, *, shards: tuple[int, int] | None = None) -> dict:
                         hint=f"this dataset has {p.num_shards} shards of {spec.samples_per_shard} rows")
     if shards is None and (m := existing_manifest(p)) is not None:
         log.info("dataset %s is complete (fingerprint %s): nothing to do", out, p.fingerprint[:12])
-        return _result(p, m.totals["tokens"], extracted=[], cached=list(range(p.num_shards)), seconds=time.monotonic() - t0)
+        return {**_result(p, m.totals["tokens"], extracted=[], cached=list(range(p.num_shards)),
+                          seconds=time.monotonic() - t0), **_manifest_result(out, m)}
     if out.exists() and not out.is_dir():
         raise OutputConflictError(f"output {out} exists and is not a directory", hint="choose another --out")
     # A failure before the first shard leaves the output location as found: nothing is written
@@ -521,8 +522,6 @@ def _run_locked(p: Plan, *, shards: tuple[int, int] | None, lo: int, hi: int, t0
                 job = build_job(p, k)
                 engine.submit(job)
                 progress.advance(job.tokens)
-                if settings.test_slow_shard_s():
-                    time.sleep(settings.test_slow_shard_s())
                 _save_records(out, engine.completed(), records)
             _save_records(out, engine.finish(), records)
         progress.close()
@@ -538,7 +537,7 @@ def _run_locked(p: Plan, *, shards: tuple[int, int] | None, lo: int, hi: int, t0
                      cached=[k for k in range(lo, hi) if k not in todo], seconds=elapsed,
                      tokens_extracted=tokens_todo)
     if manifest is not None:
-        result["bytes"] = manifest.totals["bytes"]
+        result.update(_manifest_result(out, manifest))
     return result
 
 
@@ -577,6 +576,21 @@ def _result(p: Plan, tokens: int, *, extracted: list[int], cached: list[int], se
         "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens_extracted / seconds, 1) if seconds > 0 and tokens_extracted else 0.0,
         "engine": p.engine_desc,
+    }
+
+
+# What the result says of the manifest, per shard (its statistics stay in the manifest).
+RESULT_SHARD_FIELDS = ("index", "path", "first_sample", "rows", "samples", "tokens", "bytes", "sha256")
+
+
+def _manifest_result(out: Path, manifest: Manifest) -> dict:
+    """The result's account of the manifest in ``out``: the orchestrator keys validation and
+    publishing on its sha256 and reports its totals and shards without reading the file."""
+    return {
+        "bytes": manifest.totals["bytes"],
+        "manifest_sha256": sha256_hex((out / MANIFEST_NAME).read_bytes()),
+        "totals": manifest.totals,
+        "shards": [s.model_dump(mode="json", include=set(RESULT_SHARD_FIELDS)) for s in manifest.shards],
     }
 
 

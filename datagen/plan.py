@@ -34,8 +34,30 @@ def main(args) -> dict:
         "num_hidden_layers": p.info.num_hidden_layers,
         "shard_keys": [p.shard_key(k) for k in range(p.num_shards)],
         "shards_complete": sorted(done),
+        **_on_disk(p),
         "spec": p.resolved_spec,
     }
+
+
+def _on_disk(p) -> dict:
+    """The output's manifest and validation as the orchestrator needs them: whether the dataset is
+    complete, and whether its validation still approves this manifest."""
+    import json
+    from pathlib import Path
+
+    from datagen.contract import MANIFEST_NAME, VALIDATION_REPORT
+
+    out = Path(p.spec.out)
+    try:
+        fingerprint = json.loads((out / MANIFEST_NAME).read_text()).get("fingerprint")
+    except (OSError, ValueError, AttributeError):
+        fingerprint = None
+    try:
+        report = json.loads((out / VALIDATION_REPORT).read_text())
+    except (OSError, ValueError):
+        report = None
+    approved = report.get("manifest_sha256") if isinstance(report, dict) and report.get("ok") is True else None
+    return {"manifest_fingerprint": fingerprint, "validated_manifest_sha256": approved}
 
 
 def _claimed_by(p) -> bool:

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from datagen import s3
 from datagen.checksums import sha256_file
-from datagen.contract import MANIFEST_NAME, STATE_DIR, Manifest, ShardRecord
+from datagen.contract import MANIFEST_NAME, VALIDATION_REPORT, Manifest, ShardRecord
 from datagen.errors import OutputConflictError, StorageError, UnsafePathError, ValidationFailed
 from datagen.sources import S3Source, parse_s3_uri
 from datagen.spec import sha256_hex
@@ -46,9 +46,6 @@ from datagen.spec import sha256_hex
 HELP = "Upload a validated dataset to s3://bucket/prefix: shards in parallel, manifest.json last."
 
 log = logging.getLogger(__name__)
-
-VALIDATION_REPORT = f"{STATE_DIR}/validation.json"
-
 
 class PublishResult(BaseModel):
     """What `datagen publish` returns."""

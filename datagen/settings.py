@@ -60,12 +60,6 @@ def progress_interval_s() -> float:
     return _float("DATAGEN_PROGRESS_INTERVAL", 10.0)
 
 
-def test_slow_shard_s() -> float:
-    """DATAGEN_TEST_SLOW_SHARD_S: TEST HOOK. Seconds to pause after each shard is submitted, so
-    that fault tests can kill a run in the middle. Never set it in production."""
-    return _float("DATAGEN_TEST_SLOW_SHARD_S", 0.0)
-
-
 def _cuda() -> bool:
     try:
         import torch

@@ -35,14 +35,13 @@ import torch
 
 from datagen._validation import drift, golden, manifest, scan, source
 from datagen._validation.report import Findings, Problem, ProblemKind
-from datagen.contract import STATE_DIR
+from datagen.contract import VALIDATION_REPORT
 from datagen.errors import SpecError, StorageError, ValidationFailed
 from datagen.shards import atomic_write_json, combine_stats
 
 HELP = "Validate a dataset (structure, checksums, tokens, numerics, golden samples); write a JSON report."
 log = logging.getLogger(__name__)
 
-VALIDATION_FILE = "validation.json"  # under STATE_DIR; read by `datagen publish`
 DEFAULT_GOLDEN = 4
 K = ProblemKind
 # check name -> the problem kinds that fail it (the report's "checks" section)
@@ -63,7 +62,7 @@ CHECKS: dict[str, set[ProblemKind]] = {
 
 def validation_path(dataset: str | Path) -> Path:
     """Where a passing validation is recorded for ``datagen publish``."""
-    return Path(dataset) / STATE_DIR / VALIDATION_FILE
+    return Path(dataset) / VALIDATION_REPORT
 
 
 def run(dataset: str | Path, *, previous: str | Path | None = None, golden_rows: int = DEFAULT_GOLDEN,

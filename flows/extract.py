@@ -27,13 +27,14 @@ from datagen.spec import ExtractSpec
 from tasks import artifacts
 from tasks._common import runner_identity
 from tasks.download import download
-from tasks.env_check import env_check
+from tasks.env_check import env_checked, start_env_check
 from tasks.extract import (
-    PlanResult, RangeResult, extract_range, finalize, finalize_cache_key, plan, range_cache_key,
+    PlanResult, RangeResult, extract_range, finalize, finalize_call, finalize_cache_key, plan, plan_call,
+    range_cache_key, range_call,
 )
 from tasks.fanout import assemble, bucket_state, dispatch_range
-from tasks.handoff import PublishOutcome, announce, publish, publish_cache_key
-from tasks.validate import ValidationOutcome, validate, validate_cache_key
+from tasks.handoff import PublishOutcome, announce, publish_cache_key, publish_dataset
+from tasks.validate import ValidationOutcome, validate_cache_key, validate_dataset
 
 
 @flow(name="extract", description="Extract a model's hidden states for a dataset into a validated dataset.")
@@ -43,14 +44,20 @@ def extract(spec: PipelineSpec) -> dict:
     spec = spec.resolved()
     # The env check gates what costs: a download and any engine start. A local model needs no
     # download, so its (free) download check and the plan run while the env check runs.
-    checked = env_check.submit(spec)
-    if not isinstance(parse_model_source(spec.model), LocalSource):
-        checked.result()
+    checks = start_env_check(spec)
+    local_model = isinstance(parse_model_source(spec.model), LocalSource)
+    if not local_model:
+        env_checked(checks)
     model = download(spec)
     xspec = spec.extract_spec(model_dir=model.model_dir, model_revision=model.resolved_revision)
-    planned = plan(xspec, runner=spec.runner)
+    planned = plan(plan_call(xspec), runner=spec.runner)
+    logger.info(
+        "plan: %d rows, %d tokens, %d shards (%d already complete), fingerprint %s",
+        planned.rows, planned.tokens, planned.num_shards, len(planned.shards_complete), planned.fingerprint[:12],
+    )
     identity = runner_identity(spec.runner, gpu=spec.gpus > 0)
-    checked.result()
+    if local_model:
+        env_checked(checks)
     if spec.fans_out:  # the dataset lives in its bucket: what is done is what the bucket holds
         planned = bucket_state(spec, planned)
 
@@ -103,13 +110,15 @@ def _assemble(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, ident
 def _finalize_validate_publish(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, identity: str):
     """A dataset written on this host: the manifest, validation, then the publish to S3."""
     dataset = finalize.with_options(refresh_cache=not planned.dataset_complete, **_storage(spec))(
-        xspec, cache_key=finalize_cache_key(planned, identity=identity, out=xspec.out), runner=spec.runner
+        finalize_call(xspec), cache_key=finalize_cache_key(planned, identity=identity, out=xspec.out),
+        runner=spec.runner,
     )
+    if dataset.shards_extracted:
+        get_run_logger().warning("finalize had to extract shards %s: a range did not complete them",
+                                 dataset.shards_extracted)
     # before validation: a drift that fails the run is on the plot of that run
     artifacts.layer_report(dataset.dataset, previous=spec.validation.previous)
-    verdict = validate.with_options(
-        refresh_cache=planned.validated_manifest_sha256 != dataset.manifest_sha256, **_storage(spec)
-    )(
+    verdict = validate_dataset(
         dataset.dataset,
         manifest_sha256=dataset.manifest_sha256,
         cache_key=validate_cache_key(
@@ -122,14 +131,17 @@ def _finalize_validate_publish(spec: PipelineSpec, xspec: ExtractSpec, planned: 
         source=xspec.dataset,
         trust_remote_code=xspec.engine.trust_remote_code,
         gpus=spec.gpus,
+        task_options=dict(refresh_cache=planned.validated_manifest_sha256 != dataset.manifest_sha256,
+                          **_storage(spec)),
     )
     published = PublishOutcome()
     if spec.publish_to:
-        published = publish.with_options(**_storage(spec))(
+        published = publish_dataset(
             dataset.dataset,
             destination=spec.publish_to,
             cache_key=publish_cache_key(manifest_sha256=dataset.manifest_sha256, destination=spec.publish_to),
             runner=spec.runner,
+            task_options=_storage(spec),
         )
     return dataset, verdict, published
 
@@ -162,7 +174,7 @@ def _extract_ranges(
                 shard_keys=planned.shard_keys[r.first : r.stop], in_bucket=not refresh, progress=progress,
             )
         return extract_range.with_options(refresh_cache=refresh, **_storage(spec)).submit(
-            xspec, r, cache_key=key, runner=spec.runner, gpus=spec.gpus, progress=progress
+            range_call(xspec, r, gpus=spec.gpus, progress=progress), cache_key=key, runner=spec.runner
         )
 
     return _windowed(ranges, submit, limit=spec.ranges_in_flight)

@@ -13,7 +13,6 @@ import contextlib
 import hashlib
 import importlib.util
 import json
-import logging
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -224,12 +223,3 @@ def cache_key(kind: str, *parts: Any) -> str:
     payload = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str)
     return f"{kind}-{hashlib.sha256(payload.encode()).hexdigest()}"
 
-
-def step_logger(name: str):
-    """The run logger of the current task, or a module logger outside a run."""
-    try:
-        from prefect import get_run_logger
-
-        return get_run_logger()
-    except Exception:  # MissingContextError outside a flow or task run
-        return logging.getLogger(name)

@@ -29,7 +29,6 @@ import docker.types
 import requests
 
 from datagen.errors import CannotRunHereError
-from tasks._testhooks import injected_fault
 from tasks.runners import StepInvocation, StepOutcome, parse_result_line
 
 logger = logging.getLogger(__name__)
@@ -84,11 +83,6 @@ class DockerRunner:
             CannotRunHereError: the step's image is not built (the hint gives the command), or
                 it needs GPUs and the engine cannot give containers any.
         """
-        fault = injected_fault(invocation)  # the orchestration tests' fault injection
-        if fault is not None:
-            for line in fault.last_lines:
-                log(line)
-            return fault
         image = self._image_for(invocation.step)
         try:
             container = self.client.containers.create(image, **self._create_args(invocation))

@@ -1,4 +1,5 @@
 """The download task: `datagen download` -- the model into this host's model cache, verified.
+The step task (``tasks/step.py``) under the name ``download``.
 
 Not cached by Prefect: the model cache is per host (every GPU host downloads once), and the step
 itself is idempotent: a model already in the cache costs a check of its files, not a transfer.
@@ -10,20 +11,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.errors import CannotRunHereError, ModelNotFoundError
 from datagen.pipeline_spec import PipelineSpec
 from datagen.sources import LocalSource, parse_model_source
-from tasks._common import (
-    STEP_RETRY_POLICY,
-    HUB_AND_AWS_CREDENTIAL_ENV,
-    make_runner, mounts_for, 
-    run_step, spec_file, step_available,
-)
-from tasks.runners import StepInvocation
+from tasks._common import HUB_AND_AWS_CREDENTIAL_ENV, mounts_for, step_available
 from tasks.settings import s3_step_env
+from tasks.step import StepCall, step_task
 
 STEP = "download"
 SECRET_ENV = HUB_AND_AWS_CREDENTIAL_ENV
@@ -43,10 +39,9 @@ class ModelLocation(BaseModel):
     cached: bool = Field(True, description="Nothing had to be fetched.")
 
 
-@task(
-    name=STEP,
-    **STEP_RETRY_POLICY,
-)
+_download = step_task(STEP)  # not cached: the model cache is per host, and the step is idempotent
+
+
 def download(spec: PipelineSpec) -> ModelLocation:
     """`datagen download --spec SPEC`: resolve the revision, fetch what is missing, verify."""
     logger = get_run_logger()
@@ -57,18 +52,16 @@ def download(spec: PipelineSpec) -> ModelLocation:
     cache = cache_root(spec.model_cache)
     cache.mkdir(parents=True, exist_ok=True)
     source = parse_model_source(spec.model)
-    with spec_file({**spec.sources_spec(), "model_cache": str(cache)}) as path:
-        local = (str(source.path),) if isinstance(source, LocalSource) else ()
-        invocation = StepInvocation(
-            step=STEP,
-            args=("--spec", str(path)),
-            mounts=mounts_for(cache, read_only=(path.parent, *local)),
-            env=s3_step_env(),  # an S3 mirror's endpoint and region (credentials are secret_env_names)
-            secret_env_names=SECRET_ENV,
-            labels={"task": STEP},
-        )
-        result = run_step(invocation, make_runner(spec.runner), log=logger.info)
-    location = ModelLocation.model_validate(result)
+    local = (str(source.path),) if isinstance(source, LocalSource) else ()
+    call = StepCall(
+        step=STEP,
+        result=ModelLocation,
+        spec={**spec.sources_spec(), "model_cache": str(cache)},
+        mounts=mounts_for(cache, read_only=local),
+        env=s3_step_env(),  # an S3 mirror's endpoint and region (credentials are secret_env_names)
+        secret_env_names=SECRET_ENV,
+    )
+    location = _download(call, runner=spec.runner)
     logger.info("model %s is at %s (revision %s)", spec.model, location.model_dir, location.resolved_revision)
     return location
 

@@ -1,4 +1,5 @@
-"""The extraction tasks: plan, extract one shard range, finalize (write the manifest).
+"""The extraction tasks: plan, extract one shard range, finalize (write the manifest). Each is the
+step task (``tasks/step.py``) under its name; this module says what each call of it runs.
 
 Caching. A range's cache key is built from the cache keys of its shards (each: the extraction
 fingerprint -- model + resolved revision + layer ids + preprocessing + engine and its version --
@@ -12,29 +13,16 @@ plan` reports a range's shards missing from disk, so a deleted dataset is never 
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from uuid import UUID
 
-from prefect import get_run_logger, task
-from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field
 
-from datagen.contract import MANIFEST_NAME
 from datagen.pipeline_spec import ShardRange
-from datagen.spec import ExtractSpec, Runner
-from tasks import artifacts
-from tasks._common import (
-    STEP_RETRY_POLICY,
-    cache_key, make_runner, mounts_for,
-    parse_result, run_step, spec_file,
-)
-from tasks.runners import StepInvocation
-
-RESULT_SERIALIZER = "json"
-# Written by `datagen validate` into the dataset: {"ok": bool, "manifest_sha256": ...}.
-VALIDATION_REPORT = ".datagen/validation.json"  # cache records stay readable and survive code moves
+from datagen.spec import ExtractSpec
+from tasks._common import cache_key, mounts_for
+from tasks.runners import Mount
+from tasks.step import StepCall, step_task
 
 
 class PlanResult(BaseModel):
@@ -51,7 +39,7 @@ class PlanResult(BaseModel):
     shard_keys: list[str] = Field(description="Cache key of each shard, by index.")
     shards_complete: list[int] = Field(description="Shards already written for this spec.")
     manifest_fingerprint: str | None = Field(
-        None, description="Fingerprint in the output's manifest.json, None when there is none."
+        None, description="Fingerprint in the output's manifest, None when there is none."
     )
     validated_manifest_sha256: str | None = Field(
         None, description="sha256 of the manifest that the output's validation report approves."
@@ -122,65 +110,54 @@ class DatasetResult(BaseModel):
     )
 
 
-def _labels(task_name: str) -> dict[str, str]:
-    run_id = flow_run.get_id()
-    return {"task": task_name, **({"flow-run-id": str(run_id)} if run_id else {})}
+plan = step_task("plan")  # not cached: it is what notices that the dataset or the model changed
+extract_range = step_task("extract-range", cached=True, labelled=True)
+finalize = step_task("finalize", cached=True)
 
 
-def _extract_mounts(spec: ExtractSpec, spec_path: Path):
+def _mounts(spec: ExtractSpec) -> tuple[Mount, ...]:
     out = Path(spec.out).absolute()
     # extract's lock file lives next to the output directory, so the parent is mounted; on a first
     # run it may not exist yet (a bind mount needs its source): its nearest existing ancestor then.
     parent = out.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
-    return mounts_for(parent, read_only=(spec.model, spec.dataset, spec_path.parent))
+    return mounts_for(parent, read_only=(spec.model, spec.dataset))
 
 
-def _key_from_parameter(context, parameters) -> str:
-    return parameters["cache_key"]
+def plan_call(spec: ExtractSpec) -> StepCall:
+    """`datagen plan`: fingerprints, shard keys, and what is on disk (the manifest, its validation).
+    Loads no weights."""
+    return StepCall(step="plan", result=PlanResult, spec=spec.model_dump(mode="json"), mounts=_mounts(spec))
 
 
-# --- plan -------------------------------------------------------------------------------------
-
-@task(
-    name="plan",
-    **STEP_RETRY_POLICY,
-)
-def plan(spec: ExtractSpec, *, runner: Runner) -> PlanResult:
-    """`datagen plan`: fingerprints, shard keys, and what is on disk. Loads no weights; not cached
-    (it is what notices that the dataset or the model changed)."""
-    logger = get_run_logger()
-    with spec_file(spec) as path:
-        invocation = StepInvocation(
-            step="plan", args=("--spec", str(path)), mounts=_extract_mounts(spec, path), labels=_labels("plan")
-        )
-        result = run_step(invocation, make_runner(runner), log=logger.info)
-    planned = parse_result(result, PlanResult)
-    out = Path(spec.out)
-    planned = planned.model_copy(
-        update={"manifest_fingerprint": _manifest_fingerprint(out), "validated_manifest_sha256": _validated(out)}
+def range_call(spec: ExtractSpec, shard_range: ShardRange, *, gpus: int = 0, progress: UUID | None = None) -> StepCall:
+    """`datagen extract --shards A:B`: extract the range's missing shards (no manifest), advancing the
+    range's item of the progress bar ``progress``."""
+    return StepCall(
+        step="extract",
+        result=RangeResult,
+        spec=spec.model_dump(mode="json"),
+        args=("--shards", shard_range.arg),
+        mounts=_mounts(spec),
+        env={"DATAGEN_PROGRESS_INTERVAL": "2"},
+        gpus=gpus,
+        known={"range": shard_range.arg},
+        label=shard_range.arg,
+        progress=progress,
     )
-    logger.info(
-        "plan: %d rows, %d tokens, %d shards (%d already complete), fingerprint %s",
-        planned.rows, planned.tokens, planned.num_shards, len(planned.shards_complete), planned.fingerprint[:12],
+
+
+def finalize_call(spec: ExtractSpec) -> StepCall:
+    """`datagen extract` without --shards after every range: checks every shard, writes the manifest
+    last. Every shard is complete by now, so no engine starts."""
+    return StepCall(
+        step="extract",
+        result=DatasetResult,
+        spec=spec.model_dump(mode="json"),
+        mounts=_mounts(spec),
+        known={"dataset": str(Path(spec.out).absolute())},
     )
-    return planned
-
-
-def _manifest_fingerprint(out: Path) -> str | None:
-    try:
-        return json.loads((out / MANIFEST_NAME).read_text()).get("fingerprint")
-    except (OSError, ValueError):
-        return None
-
-
-def _validated(out: Path) -> str | None:
-    try:
-        report = json.loads((out / VALIDATION_REPORT).read_text())
-    except (OSError, ValueError):
-        return None
-    return report.get("manifest_sha256") if isinstance(report, dict) and report.get("ok") is True else None
 
 
 def range_cache_key(planned: PlanResult, shard_range: ShardRange, *, identity: str, out: str) -> str:
@@ -189,89 +166,5 @@ def range_cache_key(planned: PlanResult, shard_range: ShardRange, *, identity: s
 
 
 def finalize_cache_key(planned: PlanResult, *, identity: str, out: str) -> str:
+    """The cache key of the manifest: the dataset's fingerprint, the code, the output directory."""
     return cache_key("finalize", planned.fingerprint, identity, out)
-
-
-# --- one shard range --------------------------------------------------------------------------
-
-@task(
-    name="extract-range",
-    task_run_name="extract-range-{shard_range}",
-    cache_key_fn=_key_from_parameter,
-    persist_result=True,
-    result_serializer=RESULT_SERIALIZER,
-    **STEP_RETRY_POLICY,
-)
-def extract_range(
-    spec: ExtractSpec,
-    shard_range: ShardRange,
-    *,
-    cache_key: str,
-    runner: Runner,
-    gpus: int = 0,
-    progress: UUID | None = None,
-) -> RangeResult:
-    """`datagen extract --shards A:B`: extract the range's missing shards (no manifest)."""
-    logger = get_run_logger()
-    board = artifacts.board(progress)
-    watch = board.line_watcher(shard_range.arg) if board else None
-
-    def log(line: str) -> None:
-        logger.info("%s", line)
-        if watch is not None:
-            watch(line)
-
-    with spec_file(spec) as path:
-        invocation = StepInvocation(
-            step="extract",
-            args=("--spec", str(path), "--shards", shard_range.arg),
-            mounts=_extract_mounts(spec, path),
-            env={"DATAGEN_PROGRESS_INTERVAL": "2"},
-            gpus=gpus,
-            labels=_labels("extract-range"),
-        )
-        result = run_step(invocation, make_runner(runner, gpu=gpus > 0), log=log)
-    done = parse_result({**result, "range": shard_range.arg}, RangeResult)
-    if board is not None:
-        board.set(shard_range.arg, 1.0, force=True)
-    logger.info(
-        "range %s: %d shards extracted, %d already complete, %d tokens in %.1f s",
-        shard_range, len(done.shards_extracted), len(done.shards_cached), done.tokens, done.seconds,
-    )
-    return done
-
-
-# --- finalize ---------------------------------------------------------------------------------
-
-@task(
-    name="finalize",
-    cache_key_fn=_key_from_parameter,
-    persist_result=True,
-    result_serializer=RESULT_SERIALIZER,
-    **STEP_RETRY_POLICY,
-)
-def finalize(spec: ExtractSpec, *, cache_key: str, runner: Runner) -> DatasetResult:
-    """`datagen extract` without --shards after every range: checks every shard, writes the
-    manifest last. Every shard is complete by now, so no engine starts."""
-    logger = get_run_logger()
-    with spec_file(spec) as path:
-        invocation = StepInvocation(
-            step="extract", args=("--spec", str(path)), mounts=_extract_mounts(spec, path),
-            labels=_labels("finalize"),
-        )
-        result = run_step(invocation, make_runner(runner), log=logger.info)
-    if result.get("shards_extracted"):
-        logger.warning("finalize had to extract shards %s: a range did not complete them", result["shards_extracted"])
-    out = Path(spec.out)
-    raw = (out / MANIFEST_NAME).read_bytes()
-    manifest = json.loads(raw)
-    return DatasetResult(
-        dataset=str(out.absolute()),
-        fingerprint=manifest["fingerprint"],
-        manifest_sha256=hashlib.sha256(raw).hexdigest(),
-        layer_ids=result.get("layer_ids") or manifest["spec"].get("layer_ids", []),
-        engine=result.get("engine") or {},
-        totals=manifest["totals"],
-        shards=[ShardRow.model_validate(s) for s in manifest["shards"]],
-        shards_extracted=result.get("shards_extracted") or [],
-    )

@@ -48,8 +48,9 @@ from datagen.pipeline_spec import PipelineSpec, ShardRange
 from datagen.spec import ExtractSpec
 from tasks import artifacts
 from tasks._common import STEP_RETRY_DELAYS_S, STEP_RETRY_POLICY, make_runner, mounts_for, run_step, scratch_dir, spec_file
-from tasks.extract import DatasetResult, PlanResult, RangeResult, ShardRow, extract_range
+from tasks.extract import DatasetResult, PlanResult, RangeResult, ShardRow, extract_range, range_call
 from tasks.runners import StepInvocation
+from tasks.step import RESULT_SERIALIZER, STEP_CACHE
 
 WAITING_LOG_INTERVAL_S = 300.0  # how often "still waiting for a worker" is logged
 UPLOAD_POLL_S = 1.0  # how often a range looks for newly written shards to upload
@@ -63,10 +64,6 @@ class RangeRunFailed(RuntimeError):
 def range_limit_name(fingerprint: str, shard_range: ShardRange) -> str:
     """The global concurrency limit (limit 1) whose one slot is the lease on a range."""
     return f"{RANGE_LIMIT_PREFIX}-{fingerprint[:16]}-{shard_range.first}-{shard_range.stop}"
-
-
-def _key_from_parameter(context, parameters) -> str:
-    return parameters["cache_key"]
 
 
 def _client(spec: PipelineSpec):
@@ -96,9 +93,9 @@ def bucket_state(spec: PipelineSpec, planned: PlanResult) -> PlanResult:
 @task(
     name="dispatch-range",
     task_run_name="dispatch-range-{shard_range}",
-    cache_key_fn=_key_from_parameter,
+    cache_policy=STEP_CACHE,
     persist_result=True,
-    result_serializer="json",
+    result_serializer=RESULT_SERIALIZER,
 )
 def dispatch_range(
     spec: PipelineSpec,
@@ -214,9 +211,9 @@ def _watch(run_id: UUID, shard_range: ShardRange, spec: PipelineSpec, logger) ->
 
 @task(
     name="assemble",
-    cache_key_fn=_key_from_parameter,
+    cache_policy=STEP_CACHE,
     persist_result=True,
-    result_serializer="json",
+    result_serializer=RESULT_SERIALIZER,
     **STEP_RETRY_POLICY,
 )
 def assemble(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, *, cache_key: str) -> DatasetResult:
@@ -311,7 +308,8 @@ def extract_to_bucket(spec: PipelineSpec, xspec: ExtractSpec, shard_range: Shard
         sub = ShardRange(first=run[0], stop=run[-1] + 1)
         with _Uploader(client, spool, dest, {k: expected[k] for k in sub.shards}, transfer, log):
             extracted.append(extract_range.with_options(refresh_cache=True, **storage)(
-                xspec, sub, cache_key=f"{cache_key}-{sub.first}-{sub.stop}", runner=spec.runner, gpus=spec.gpus
+                range_call(xspec, sub, gpus=spec.gpus), cache_key=f"{cache_key}-{sub.first}-{sub.stop}",
+                runner=spec.runner,
             ))
     final = _retrying(lambda: fleet.shards_in_bucket(client, dest, expected), "reading the bucket", log)
     missing = [k for k in shard_range.shards if k not in final]

@@ -1,7 +1,8 @@
 """The handoff tasks: publish the dataset where training reads it, and announce it.
 
-``publish`` runs `datagen publish DATASET --to s3://...` when the spec names a destination (cached
-on the manifest's bytes and the destination: re-publishing an unchanged dataset costs nothing).
+``publish`` (the step task under that name, ``tasks/step.py``) runs `datagen publish DATASET --to
+s3://...` when the spec names a destination (cached on the manifest's bytes and the destination:
+re-publishing an unchanged dataset costs nothing).
 ``announce`` emits the event ``datagen.dataset.ready`` whose resource is the dataset's fingerprint,
 so a training deployment can trigger on it (prefect.yaml: deployment ``train``). The label
 ``datagen.dataset.changed`` says whether this run wrote anything: the training trigger matches
@@ -10,19 +11,16 @@ only changed datasets, so a nightly run with nothing new does not start a traini
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefect import get_run_logger, task
 from prefect.events import emit_event
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.spec import Runner
-from tasks._common import (
-    STEP_RETRY_POLICY,
-    AWS_CREDENTIAL_ENV,
-    cache_key, make_runner, mounts_for,
-    run_step, step_available,
-)
-from tasks.runners import StepInvocation
+from tasks._common import AWS_CREDENTIAL_ENV, cache_key, mounts_for, step_available
 from tasks.settings import s3_step_env
+from tasks.step import StepCall, step_task
 
 EVENT_READY = "datagen.dataset.ready"
 RESOURCE_PREFIX = "datagen.dataset."
@@ -43,33 +41,27 @@ def publish_cache_key(*, manifest_sha256: str, destination: str) -> str:
     return cache_key("publish", manifest_sha256, destination)
 
 
-def _key_from_parameter(context, parameters) -> str:
-    return parameters["cache_key"]
+publish = step_task("publish", cached=True)
 
 
-@task(
-    name="publish",
-    cache_key_fn=_key_from_parameter,
-    persist_result=True,
-    result_serializer="json",
-    **STEP_RETRY_POLICY,
-)
-def publish(dataset: str, *, destination: str, cache_key: str, runner: Runner) -> PublishOutcome:
-    """`datagen publish DATASET --to s3://...`: shards first, manifest last, only if validated."""
-    logger = get_run_logger()
+def publish_dataset(
+    dataset: str, *, destination: str, cache_key: str, runner: Runner, task_options: dict[str, Any] | None = None
+) -> PublishOutcome:
+    """`datagen publish DATASET --to s3://...`: shards first, manifest last, only if validated.
+    ``task_options``: options of this run of the task (``result_storage``)."""
     if not step_available("publish"):
-        logger.warning("publish: this version has no `datagen publish` step; %s stays in %s", destination, dataset)
+        get_run_logger().warning("publish: this version has no `datagen publish` step; %s stays in %s",
+                                 destination, dataset)
         return PublishOutcome()
-    invocation = StepInvocation(
+    call = StepCall(
         step="publish",
+        result=PublishOutcome,
         args=(dataset, "--to", destination),
         mounts=mounts_for(read_only=(dataset,)),
         env=s3_step_env(),
         secret_env_names=SECRET_ENV,
-        labels={"task": "publish"},
     )
-    result = run_step(invocation, make_runner(runner), log=logger.info)
-    return PublishOutcome.model_validate(result)
+    return publish.with_options(**(task_options or {}))(call, cache_key=cache_key, runner=runner)
 
 
 @task(name="announce")

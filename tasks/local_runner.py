@@ -21,7 +21,6 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-from tasks._testhooks import injected_fault
 from tasks.runners import StepInvocation, StepOutcome, parse_result_line
 
 logger = logging.getLogger(__name__)
@@ -47,11 +46,6 @@ class LocalRunner:
 
     def run(self, invocation: StepInvocation, log: Callable[[str], None]) -> StepOutcome:
         """Runs the step to its end; stops it (and all it started) if this call is interrupted."""
-        fault = injected_fault(invocation)
-        if fault is not None:
-            for line in fault.last_lines:
-                log(line)
-            return fault
         proc = self._start(invocation)
         try:
             result, last = self._stream(proc, log)

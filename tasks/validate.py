@@ -1,32 +1,43 @@
-"""The validate task: `datagen validate DATASET` -- the dataset against the data contract.
+"""The validate task: `datagen validate DATASET` -- the dataset against the data contract. The step
+task (``tasks/step.py``) under the name ``validate``.
 
 Cached on the manifest's bytes (they name every shard's sha256), the dataset's fingerprint and the
 step's code, so a nightly run with nothing changed does not re-read terabytes; the flow refreshes
-the cache when the dataset's `.datagen/validation.json` no longer approves this manifest. Problems
-are permanent (exit 4): the task fails at once with the step's list of problems. When this
-version has no validate step, the task logs that and passes.
+the cache when `datagen plan` reports that the dataset's validation no longer approves this
+manifest. Problems are permanent (exit 4): the task fails at once with the step's list of
+problems, which also becomes the run's `validation-problems` artifact. When this version has no
+validate step, validation is skipped (and says so).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.pipeline_spec import ValidationSettings
 from datagen.spec import Runner
-from tasks._common import (
-    STEP_RETRY_POLICY,
-    StepFailed, cache_key, make_runner, mounts_for,
-    run_step, scratch_dir, step_available,
-)
-from tasks.runners import StepInvocation
+from tasks._common import StepFailed, cache_key, mounts_for, scratch_dir, step_available
+from tasks.step import StepCall, step_task
 
 STEP = "validate"
 REPORT_NAME = "validation-report.json"
+
+
+class ValidateResult(BaseModel):
+    """What `datagen validate` prints (the parts the flow reads)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    ok: bool = Field(description="No problems.")
+    problems: list[dict] = Field(default_factory=list, description="kind, message, shard, row of each.")
+    manifest_sha256: str | None = Field(None, description="sha256 of the manifest that was validated.")
+    shards: int | None = Field(None, description="Shards checked.")
+    golden: dict = Field(default_factory=dict, description="The golden-sample check; its reference engine.")
 
 
 class ValidationOutcome(BaseModel):
@@ -42,6 +53,22 @@ class ValidationOutcome(BaseModel):
         None, description="The engine that re-extracted golden rows (transformers, engine), None when none ran."
     )
 
+    @classmethod
+    def of(cls, result: ValidateResult, *, manifest_sha256: str) -> "ValidationOutcome":
+        reference = result.golden.get("reference") or {}
+        golden = (f"; golden: {reference['kind']} reference, {reference.get('tokens', 0)} tokens in "
+                  f"{reference.get('seconds', 0):.1f} s + {reference.get('start_seconds', 0):.1f} s start"
+                  ) if reference else ""
+        shards = result.shards if result.shards is not None else "?"
+        return cls(
+            ran=True,
+            ok=not result.problems,
+            manifest_sha256=result.manifest_sha256 or manifest_sha256,
+            golden_reference=reference.get("kind"),
+            summary=(f"passed ({shards} shards checked{golden})" if not result.problems
+                     else f"{len(result.problems)} problems"),
+        )
+
 
 def validate_cache_key(
     *, fingerprint: str, manifest_sha256: str, identity: str, settings: ValidationSettings
@@ -49,18 +76,10 @@ def validate_cache_key(
     return cache_key("validate", fingerprint, manifest_sha256, identity, settings.model_dump(mode="json"))
 
 
-def _key_from_parameter(context, parameters) -> str:
-    return parameters["cache_key"]
+validate = step_task(STEP, cached=True)
 
 
-@task(
-    name=STEP,
-    cache_key_fn=_key_from_parameter,
-    persist_result=True,
-    result_serializer="json",
-    **STEP_RETRY_POLICY,
-)
-def validate(
+def validate_dataset(
     dataset: str,
     *,
     manifest_sha256: str,
@@ -71,6 +90,7 @@ def validate(
     source: str,
     trust_remote_code: bool = False,
     gpus: int = 0,
+    task_options: dict[str, Any] | None = None,
 ) -> ValidationOutcome:
     """`datagen validate DATASET --report FILE`: every shard, every row, against the manifest.
 
@@ -79,38 +99,27 @@ def validate(
     when the pipeline spec allows it (``trust_remote_code``; Kimi's tokenizer is code). The step
     runs in the extract image with the spec's GPUs: where transformers cannot load the model, the
     golden reference is the engine itself (vLLM eager with layer hooks), on the host that holds it.
+    ``task_options``: options of this run of the task (``refresh_cache``, ``result_storage``).
     """
-    logger = get_run_logger()
     if not step_available(STEP):
-        logger.info("validate: this version has no `datagen validate` step; skipped")
+        get_run_logger().info("validate: this version has no `datagen validate` step; skipped")
         return ValidationOutcome(ran=False, summary="not run (no validate step in this version)")
     with scratch_dir() as scratch:
         report = scratch / REPORT_NAME
-        invocation = StepInvocation(
+        call = StepCall(
             step=STEP,
+            result=ValidateResult,
             args=(dataset, "--report", str(report), "--model", model, "--source", source, *settings.args(),
                   *(["--trust-remote-code"] if trust_remote_code else [])),
             mounts=mounts_for(dataset, scratch, read_only=(model, source, *filter(None, [settings.previous]))),
             gpus=gpus,
-            labels={"task": STEP},
         )
         try:
-            result = run_step(invocation, make_runner(runner, gpu=gpus > 0), log=logger.info)
+            result = validate.with_options(**(task_options or {}))(call, cache_key=cache_key, runner=runner)
         except StepFailed as e:
             _problems_artifact(report, e)
             raise
-    problems = result.get("problems") or []
-    reference = (result.get("golden") or {}).get("reference") or {}
-    golden = (f"; golden: {reference['kind']} reference, {reference.get('tokens', 0)} tokens in "
-              f"{reference.get('seconds', 0):.1f} s + {reference.get('start_seconds', 0):.1f} s start") if reference else ""
-    return ValidationOutcome(
-        ran=True,
-        ok=not problems,
-        manifest_sha256=result.get("manifest_sha256", manifest_sha256),
-        golden_reference=reference.get("kind"),
-        summary=(f"passed ({result.get('shards', '?')} shards checked{golden})" if not problems
-                 else f"{len(problems)} problems"),
-    )
+    return ValidationOutcome.of(result, manifest_sha256=manifest_sha256)
 
 
 def _problems_artifact(report: Path, error: StepFailed) -> None:

@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 from datagen.compare import GoldenCriterion, compare_states, judge_layer, neighbour_ids, states_match
 from datagen.contract import MANIFEST_NAME, Manifest
 from datagen.engines.hf import HFReference
-from tests.builders import REPO, datagen_cmd, result_of, run_datagen, token_rows, write_jsonl
+from tests.builders import REPO, result_of, run_datagen, token_rows, write_jsonl
+from tests.support.slow_datagen import slow_datagen_cmd
 
 pytestmark = pytest.mark.engine
 
@@ -151,13 +152,13 @@ def test_rerunning_a_finished_dataset_does_nothing(tiny_llama, llama_rows, llama
 def test_resume_after_kill_gives_byte_identical_shards(tiny_llama, llama_rows, llama_vllm, tmp_path):
     ref_out, _ = llama_vllm
     out = tmp_path / "killed"
-    cmd = datagen_cmd(
-        "extract", "--model", str(tiny_llama), "--dataset", str(llama_rows), "--out", str(out),
+    cmd = slow_datagen_cmd(
+        3.0, "extract", "--model", str(tiny_llama), "--dataset", str(llama_rows), "--out", str(out),
         "--max-seq-len", str(MAX_SEQ_LEN), "--samples-per-shard", str(PER_SHARD),
         "--max-num-batched-tokens", str(BUDGET),
     )
     proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env={**os.environ, "DATAGEN_TEST_SLOW_SHARD_S": "3"})
+                            stderr=subprocess.DEVNULL)
     first = out / "shards" / "shard-000000.safetensors"
     deadline = time.monotonic() + 400
     while not first.exists() and proc.poll() is None and time.monotonic() < deadline:

@@ -40,6 +40,7 @@ import psutil
 
 from datagen.contract import MANIFEST_NAME, STATE_DIR
 from tests.builders import REPO, datagen_cmd
+from tests.support.slow_datagen import slow_datagen_cmd
 
 MODES = ("startup", "plan", "engine", "mid-write", "rename", "mid-shard", "finalize")
 # Modes that need shards left to extract; with none left they become "finalize".
@@ -152,9 +153,10 @@ class Campaign:
         return len(self.shard_files()) == len(self.ref.shards)
 
     # --- one attempt ---------------------------------------------------------------------------
-    def launch(self, attempt: int, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
+    def launch(self, attempt: int, *, slow: bool = True) -> tuple[subprocess.Popen, Path]:
+        """An attempt; ``slow``: pausing ``slow_shard_s`` after each shard (a window for the kill)."""
         log = self.logs / f"attempt-{attempt:02d}.log"
-        return launch(self.args, {**self.env, **(env or {})}, log), log
+        return launch(self.args, self.env, log, slow_shard_s=self.slow_shard_s if slow else 0.0), log
 
     def run(self, modes: list[str]) -> None:
         """One kill per mode, in order."""
@@ -279,7 +281,7 @@ class Campaign:
     def finish(self) -> tuple[subprocess.CompletedProcess, Path]:
         """Resume without a kill until the run completes; the completed process and its log."""
         attempt = len(self.kills)
-        proc, log = self.launch(attempt, env={"DATAGEN_TEST_SLOW_SHARD_S": "0"})
+        proc, log = self.launch(attempt, slow=False)
         proc.wait(timeout=900)
         self.note_resume(log)
         return subprocess.CompletedProcess(proc.args, proc.returncode), log
@@ -359,11 +361,12 @@ class _Watch:
         return "extracting"
 
 
-def launch(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+def launch(args: list[str], env: dict[str, str], log: Path, *, slow_shard_s: float = 0.0) -> subprocess.Popen:
     """``datagen ARGS`` in a session of its own (so that killpg reaches every process it starts),
-    output to ``log``."""
+    output to ``log``; pausing ``slow_shard_s`` after each shard when given."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(datagen_cmd(*args), cwd=REPO, env=env, start_new_session=True,
+    cmd = slow_datagen_cmd(slow_shard_s, *args) if slow_shard_s else datagen_cmd(*args)
+    return subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True,
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import struct
 import subprocess
@@ -22,7 +21,8 @@ import pytest
 
 from datagen.contract import MANIFEST_NAME
 from datagen.errors import EXIT_BAD_INPUT, EXIT_CANNOT_RUN_HERE, EXIT_OK, EXIT_VALIDATION, SpecError
-from tests.builders import REPO, datagen_cmd, result_of, run_datagen, token_rows, write_jsonl
+from tests.builders import REPO, result_of, run_datagen, token_rows, write_jsonl
+from tests.support.slow_datagen import slow_datagen_cmd
 from tests.faults._refusal import assert_refused, run_cli, tree
 from tests.support.extracted import extracted_dataset
 
@@ -297,8 +297,8 @@ def test_a_dataset_changed_during_extraction_gets_no_manifest_and_the_rerun_redo
     out = tmp_path / "out"
     args = ["extract", "--model", str(tiny_llama), "--dataset", str(data), "--out", str(out), "--engine", "hf",
             "--samples-per-shard", "2"]
-    proc = subprocess.Popen(datagen_cmd(*args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "DATAGEN_TEST_SLOW_SHARD_S": "1.5"})
+    proc = subprocess.Popen(slow_datagen_cmd(1.5, *args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     first = out / "shards" / "shard-000000.safetensors"
     deadline = time.monotonic() + 300
     while not first.exists() and proc.poll() is None and time.monotonic() < deadline:

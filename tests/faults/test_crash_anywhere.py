@@ -29,11 +29,10 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(2400)]
 
 ROWS = 28
 PER_SHARD = 2  # 14 shards: enough for every kill to find work left, few enough to finish
-SLOW_SHARD_S = 0.5  # the test hook's pause after each shard: a window to land mid-shard kills in
+SLOW_SHARD_S = 0.5  # killed runs pause after each shard (tests/support/slow_datagen.py): a window for mid-shard kills
 # Eager mode starts the engine in about half the time; the reference uses it too (compiled and
 # eager kernels round differently, and the check is byte identity).
 ENV = {"DATAGEN_ENFORCE_EAGER": "1", "DATAGEN_PROGRESS_INTERVAL": "0"}
-KILLED_RUNS_ENV = {"DATAGEN_TEST_SLOW_SHARD_S": str(SLOW_SHARD_S)}  # the final, unkilled run goes at full speed
 # Planted in every run of the campaign; at the end every log and file is searched for them.
 SECRETS = {"AWS_SECRET_ACCESS_KEY": f"FaultsCrashSecret{uuid.uuid4().hex}",
            "HF_TOKEN": f"hf_FaultsCrashToken{uuid.uuid4().hex}"}
@@ -65,7 +64,7 @@ def test_kill_9_anywhere_and_resume_gives_the_uninterrupted_dataset(tiny_llama, 
     assert len(ref.shards) == ROWS // PER_SHARD
 
     out = tmp_path / "killed"
-    campaign = Campaign(_args(tiny_llama, rows, out), out, ref, env={**ENV, **KILLED_RUNS_ENV, **SECRETS}, seed=seed, logs=tmp_path / "logs",
+    campaign = Campaign(_args(tiny_llama, rows, out), out, ref, env={**ENV, **SECRETS}, seed=seed, logs=tmp_path / "logs",
                         engine_start_s=engine_start_s, slow_shard_s=SLOW_SHARD_S)
     modes = schedule(n_kills, seed)
     t0 = time.monotonic()

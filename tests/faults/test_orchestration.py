@@ -3,7 +3,7 @@ in the middle of a run (with the flow run and the extraction it started), and th
 stopped and restarted in the middle of a run.
 
 The deployment runs the `extract` flow on a dataset of 12 shards (one shard range); the worker's
-extraction pauses after each shard (the slow-shard test hook) so that the faults land during
+extraction pauses after each shard (tests/support/slow_datagen.py) so that the faults land during
 extraction. Each ends in a completed run whose dataset is byte-identical to an uninterrupted
 extraction, the shards written before the fault kept.
 """
@@ -25,6 +25,7 @@ from datagen.contract import MANIFEST_NAME
 from tests.builders import REPO, run_datagen
 from tests.faults.conftest import full_campaign
 from tests.support.prefect_server import Process, PrefectServer, flow_run_id, start_server
+from tests.support.step_hooks import worker_env
 
 pytestmark = [pytest.mark.prefect_server, pytest.mark.timeout(1500),
               pytest.mark.skipif(not full_campaign(), reason="full campaign only (make faults): a Prefect server and "
@@ -86,7 +87,8 @@ def server(project, tmp_path_factory):
         server.stop()
 
 
-WORKER_ENV = {"DATAGEN_TEST_SLOW_SHARD_S": "1.5", "DATAGEN_ENFORCE_EAGER": "1", "DATAGEN_CPU_KVCACHE_GIB": "1"}
+ENGINE_ENV = {"DATAGEN_ENFORCE_EAGER": "1", "DATAGEN_CPU_KVCACHE_GIB": "1"}
+WORKER_ENV = {**ENGINE_ENV, **worker_env(slow_shard_s=1.5)}
 
 
 def _client(server: PrefectServer):
@@ -180,7 +182,7 @@ def test_a_worker_killed_mid_run_is_recovered_by_retrying_the_run(server, projec
 
     with _client(server) as c:
         c.set_flow_run_state(UUID(run_id), AwaitingRetry(message="worker lost: retry"), force=True)
-    worker2 = server.start_worker("cpu", name="w-replacement", cwd=project, env={**WORKER_ENV, "DATAGEN_TEST_SLOW_SHARD_S": "0"})
+    worker2 = server.start_worker("cpu", name="w-replacement", cwd=project, env=ENGINE_ENV)
     run = _wait_final(server, run_id, min_run_count=2)
     assert run.state.is_completed(), run.state.message
     _same_as_reference(out, inputs["reference"])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from datagen.pipeline_spec import PipelineSpec
@@ -35,8 +34,3 @@ def append_rows(path: Path, *, rows: int, seed: int = 1) -> None:
         f.write(extra.read_text())
     extra.unlink()
 
-
-def write_faults(path: Path, **faults: dict) -> Path:
-    """The fault file of the local runner's test hook (tasks/_testhooks.py)."""
-    path.write_text(json.dumps(faults))
-    return path

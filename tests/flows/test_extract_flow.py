@@ -18,8 +18,9 @@ import pytest
 from datagen.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT
 from flows.extract import extract
 from tasks import handoff
-from tasks.settings import TEST_HOOK_FAULTS_ENV
-from tests.flows.builders import append_rows, chat_rows, pipeline_spec, write_faults
+from tasks import local_runner
+from tests.flows.builders import append_rows, chat_rows, pipeline_spec
+from tests.support.step_hooks import hooked_runner, write_faults
 from tests.support.prefect_runs import artifacts_by_key, flow_run_logs, state_names, task_runs
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -63,7 +64,7 @@ def recorded_events(story, monkeypatch):
 @pytest.fixture
 def faults(tmp_path, monkeypatch):
     path = tmp_path / "faults.json"
-    monkeypatch.setenv(TEST_HOOK_FAULTS_ENV, str(path))
+    monkeypatch.setattr(local_runner, "LocalRunner", hooked_runner(local_runner.LocalRunner, faults=path))
     return path
 
 

@@ -33,6 +33,7 @@ import pytest
 from datagen.tiny import make_chat_dataset
 from tests.support.prefect_server import PrefectServer, Process, start_server
 from tests.support.s3server import s3_server  # noqa: F401  (fixture)
+from tests.support.step_hooks import worker_env
 
 pytestmark = [pytest.mark.prefect_server, pytest.mark.s3]
 
@@ -42,7 +43,7 @@ SHARDS, RANGES = 8, 2  # 8 shards of 2 rows, 2 ranges of 4 shards
 LEASE_S = 60.0  # the server's minimum
 HEARTBEAT_S = 30  # Prefect's minimum
 LOST_HOST_WINDOW_S = 60
-SLOW_SHARD_S = 2.0  # pause after each shard (test hook), to catch a range half done
+SLOW_SHARD_S = 2.0  # pause after each shard (tests/support/slow_datagen.py), to catch a range half done
 BLOCK = "datagen-results-scale-out"
 CODE = ("flows", "tasks", "datagen", "images")
 
@@ -120,7 +121,7 @@ def start_worker(server: PrefectServer, s3, root: Path, pool: str, name: str) ->
     """A worker host: its own working directory (the code), Prefect home and spool."""
     home = _code_dir(root / name)
     env = {**host_env(s3, home), "DATAGEN_PROJECT_DIR": str(home), "DATAGEN_SPOOL": str(home / "spool"),
-           "DATAGEN_TEST_SLOW_SHARD_S": str(SLOW_SHARD_S)}
+           **worker_env(slow_shard_s=SLOW_SHARD_S)}
     return server.start_worker(pool, name=name, limit=1, cwd=home, env=env)
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from datagen.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT
 from tests.support.prefect_server import PrefectServer, flow_run_id, start_server
+from tests.support.step_hooks import worker_env
 
 pytestmark = [pytest.mark.prefect_server, pytest.mark.engine]
 
@@ -58,7 +59,7 @@ def faults(tmp_path_factory) -> Path:
 def worker(server, project, faults):
     return server.start_worker(
         "cpu", name="cpu-1", cwd=project,
-        env={"DATAGEN_ENFORCE_EAGER": "1", "DATAGEN_CPU_KVCACHE_GIB": "1", "DATAGEN_TEST_HOOK_FAULTS": str(faults)},
+        env={"DATAGEN_ENFORCE_EAGER": "1", "DATAGEN_CPU_KVCACHE_GIB": "1", **worker_env(faults=faults)},
     )
 
 

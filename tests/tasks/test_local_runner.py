@@ -1,9 +1,7 @@
-"""The local runner: streaming, results, exit codes, stopping, the fault test hook."""
+"""The local runner: streaming, results, exit codes, stopping; the tests' fault-injecting subclass."""
 
 from __future__ import annotations
 
-import json
-import os
 import stat
 import time
 from pathlib import Path
@@ -14,7 +12,7 @@ import pytest
 from datagen.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT
 from tasks.local_runner import LocalRunner
 from tasks.runners import StepInvocation
-from tasks.settings import TEST_HOOK_FAULTS_ENV
+from tests.support.step_hooks import hooked_runner, write_faults
 
 
 def fake_python(tmp_path: Path, body: str) -> str:
@@ -72,12 +70,10 @@ def test_stops_the_step_and_everything_it_started_when_interrupted(tmp_path):
         time.sleep(0.1)
 
 
-def test_the_test_hook_injects_a_fault_without_running_the_step(tmp_path, monkeypatch):
-    faults = tmp_path / "faults.json"
-    faults.write_text(json.dumps({"plan": {"exit_code": EXIT_TRANSIENT, "times": 1}}))
-    monkeypatch.setenv(TEST_HOOK_FAULTS_ENV, str(faults))
+def test_the_tests_fault_runner_injects_a_fault_without_running_the_step(tmp_path):
+    faults = write_faults(tmp_path / "faults.json", plan={"exit_code": EXIT_TRANSIENT, "times": 1})
     ran = tmp_path / "ran"
-    runner = LocalRunner(python=fake_python(tmp_path, f"touch {ran}\n"))
+    runner = hooked_runner(LocalRunner, faults=faults)(python=fake_python(tmp_path, f"touch {ran}\n"))
     first = runner.run(invocation(), lambda line: None)
     assert first.exit_code == EXIT_TRANSIENT and first.retryable and not ran.exists()
     second = runner.run(invocation(), lambda line: None)
@@ -91,4 +87,3 @@ def test_runs_the_real_datagen_cli_and_reports_its_error(tmp_path):
     )
     assert outcome.exit_code == EXIT_BAD_INPUT
     assert any(line.startswith("error: cannot read spec file") for line in lines)
-    assert os.environ.get(TEST_HOOK_FAULTS_ENV) is None

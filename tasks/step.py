@@ -1,0 +1,125 @@
+"""The step task: every task that runs a step program is this one task under the step's name.
+
+``step_task("plan")`` runs `datagen plan`, ``step_task("extract-range", cached=True)`` one shard
+range, and so on. The task writes the call's spec to a file of its own, runs
+``datagen <step> [--spec FILE] <args>`` through the runner the pipeline spec names (a local
+subprocess or a container, ``tasks/runners.py``), streams every output line into the run log (and
+onto the run's progress bar), and returns the step's result line as the caller's typed result.
+
+Retries: transient faults only (``tasks/_common.py``). Caching: one policy, ``STEP_CACHE``: the
+cache key is the task's ``cache_key`` argument, which the flow computes from what decides the
+step's output (each ``*_cache_key`` function says what its key holds; docs/orchestration.md). A
+call without a key is not cached. What is cached is the typed result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+from uuid import UUID
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE, CacheKeyFnPolicy
+from prefect.context import TaskRunContext
+from prefect.runtime import flow_run
+from pydantic import BaseModel
+
+from datagen.spec import Runner
+from tasks import artifacts
+from tasks._common import STEP_RETRY_POLICY, make_runner, mounts_for, parse_result, run_step, spec_file
+from tasks.runners import Mount, StepInvocation
+
+# Cache records are JSON: readable, and they survive code moves.
+RESULT_SERIALIZER = "json"
+
+
+@dataclass(frozen=True)
+class StepCall:
+    """One run of a step program, as the step task receives it."""
+
+    step: str  # the datagen command: "plan", "extract", "validate", ...
+    result: type[BaseModel]  # the type of its result line (unknown keys are dropped)
+    args: tuple[str, ...] = ()  # its arguments (after `--spec FILE` when there is a spec)
+    spec: dict[str, Any] | None = None  # the step's spec file, as JSON; the task writes it and mounts it
+    mounts: tuple[Mount, ...] = ()  # host paths the step reads or writes
+    env: dict[str, str] = field(default_factory=dict)  # plain settings, may be logged
+    secret_env_names: tuple[str, ...] = ()  # env vars passed through by name, never logged
+    gpus: int = 0  # GPUs the step needs; > 0 picks the CUDA image of the docker runner
+    known: dict[str, Any] = field(default_factory=dict)  # result fields the caller knows, the step does not print
+    label: str = ""  # what tells this call from the step's others (a shard range "A:B"): run name, progress item
+    progress: UUID | None = None  # the run's progress bar (tasks/artifacts.py) whose item ``label`` it advances
+
+
+def _cache_key_argument(context, parameters: dict[str, Any]) -> str | None:
+    return parameters.get("cache_key")
+
+
+# The one cache policy of the step tasks (and of the fan-out's tasks): the `cache_key` argument.
+STEP_CACHE = CacheKeyFnPolicy(cache_key_fn=_cache_key_argument)
+
+
+@task(name="step", cache_policy=NO_CACHE, **STEP_RETRY_POLICY)
+def _step(call: StepCall, *, runner: Runner, cache_key: str | None = None) -> BaseModel:
+    """`datagen <step>` through ``runner``; its result line as ``call.result``.
+
+    Raises:
+        tasks._common.StepFailed: a non-zero exit (retried when transient).
+        tasks._common.StepResultMissing: exit 0 without a result line.
+    """
+    logger = get_run_logger()
+    board = artifacts.board(call.progress)
+    watch = board.line_watcher(call.label) if board is not None else None
+
+    def log(line: str) -> None:
+        logger.info("%s", line)
+        if watch is not None:
+            watch(line)
+
+    with _spec_args(call) as (args, spec_mounts):
+        invocation = StepInvocation(
+            step=call.step,
+            args=args,
+            mounts=(*call.mounts, *spec_mounts),
+            env=dict(call.env),
+            secret_env_names=call.secret_env_names,
+            gpus=call.gpus,
+            labels=_labels(),
+        )
+        result = run_step(invocation, make_runner(runner, gpu=call.gpus > 0), log=log)
+    if board is not None:
+        board.set(call.label, 1.0, force=True)
+    return parse_result({**result, **call.known}, call.result)
+
+
+def step_task(name: str, *, cached: bool = False, labelled: bool = False):
+    """The step task under ``name`` (the task's name in the UI, the API and the container labels).
+
+    ``cached``: keyed on the ``cache_key`` argument (``STEP_CACHE``), the result persisted as JSON.
+    ``labelled``: each run is named ``<name>-<its call's label>`` (e.g. ``extract-range-0:2``).
+    """
+    options: dict[str, Any] = dict(name=name, task_run_name=name + "-{call.label}" if labelled else None)
+    if cached:
+        options.update(cache_policy=STEP_CACHE, persist_result=True, result_serializer=RESULT_SERIALIZER)
+    return _step.with_options(**options)
+
+
+@contextlib.contextmanager
+def _spec_args(call: StepCall) -> Iterator[tuple[tuple[str, ...], tuple[Mount, ...]]]:
+    """The step's arguments and the mount of its spec file, which exists while the block runs."""
+    if call.spec is None:
+        yield call.args, ()
+        return
+    with spec_file(call.spec) as path:
+        yield ("--spec", str(path), *call.args), mounts_for(read_only=(path.parent,))
+
+
+def _labels() -> dict[str, str]:
+    """The task's name (a step's runs are told apart by it) and the flow run's id."""
+    ctx = TaskRunContext.get()
+    run_id = flow_run.get_id()
+    return {
+        **({"task": ctx.task.name} if ctx is not None else {}),
+        **({"flow-run-id": str(run_id)} if run_id else {}),
+    }
