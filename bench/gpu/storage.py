@@ -441,6 +441,8 @@ def run_all(args) -> None:
         for path in (state, out / "storage.json"):
             path.write_text(json.dumps(results, indent=1))
     for label, argv, env, expect in plan_stages(args, gpus):
+        if args.skip_done and label != "model" and results["stages"].get(label, {}).get("status") == "ok":
+            continue
         left = args.budget - (time.time() - t_start)
         if label != "model" and expect > left:
             if results["stages"].get(label, {}).get("status") != "ok":  # keeps an earlier run's record
@@ -644,6 +646,7 @@ def main() -> None:
     ap.add_argument("--only", help="comma-separated stage labels")
     ap.add_argument("--merge", action="store_true", help="add this run's stages to those of earlier runs with the "
                     "same --work and configuration (one table over several device calls)")
+    ap.add_argument("--skip-done", action="store_true", help="with --merge: leave out the stages already measured")
     ap.add_argument("--profile", action="store_true", help="also write profile.md: where each datagen pass's "
                     "time went (steps, GPU time of forward and capture, gaps, driver calls)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, few rows: every code path on any machine")
