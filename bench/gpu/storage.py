@@ -75,8 +75,8 @@ def _sync() -> None:
 
 
 def _plan(cfg: dict, out: Path, storage: str = "bfloat16", group: int = 1, tp: int = 1):
-    from datagen.extract import plan
-    from datagen.spec import parse_spec
+    from datagen.data.spec import parse_spec
+    from datagen.steps.extract import plan
 
     return plan(parse_spec({"model": cfg["model"], "dataset": cfg["data"], "out": str(out),
                             "layer_ids": cfg["layers"], "max_seq_len": cfg["row_len"] + 8,
@@ -92,7 +92,7 @@ def stage_model(args) -> dict:
     if Path(cfg["model"], "config.json").exists():
         return {"built": False}
     if args.smoke:
-        from datagen.tiny import TinyArch, make_model
+        from datagen.models.tiny import TinyArch, make_model
 
         make_model(cfg["model"], arch=TinyArch.LLAMA, num_layers=6, with_tokenizer=False)
         return {"built": True}
@@ -105,7 +105,7 @@ def stage_model(args) -> dict:
 
 def stage_disk(args) -> dict:
     """The volume's direct-write speed: dd, then the shard writer's own write (hash + O_DIRECT)."""
-    from datagen.shards import _Buffer, write_image
+    from datagen.data.shards import _Buffer, write_image
 
     cfg = _cfg(args)
     work = Path(cfg["out_dir"])
@@ -179,7 +179,7 @@ def stage_plain(args) -> dict:
 def stage_datagen(args) -> dict:
     """The real engine over fresh output directories; per-shard and streamed passes alternate."""
     from datagen.engines.vllm_engine import VllmEngine
-    from datagen.extract import build_job, claim_output, write_manifest
+    from datagen.steps.extract import build_job, claim_output, write_manifest
 
     cfg = _cfg(args)
     root = Path(cfg["out_dir"])
@@ -337,7 +337,7 @@ def stage_connector(args) -> dict:
 
 def stage_hf(args) -> dict:
     from datagen.engines.hf import HFEngine
-    from datagen.extract import build_job, claim_output
+    from datagen.steps.extract import build_job, claim_output
 
     cfg = _cfg(args)
     out = Path(cfg["out_dir"]) / "hf"

@@ -29,7 +29,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from datagen.shards import FP8, TORCH_DTYPES, ShardJob, fp8_token_stats, quantize_fp8, token_stats, write_shard
+from datagen.data.shards import (
+    FP8,
+    TORCH_DTYPES,
+    ShardJob,
+    fp8_token_stats,
+    quantize_fp8,
+    token_stats,
+    write_shard,
+)
 
 log = logging.getLogger("datagen.engines.vllm_worker")
 
