@@ -375,7 +375,7 @@ def plan_stages(args, gpus: int) -> list[tuple[str, list[str], dict, float]]:
     eager = {"DATAGEN_ENFORCE_EAGER": "1"}
     compiled = {"DATAGEN_ENFORCE_EAGER": "0"}
     streamed = str(args.rows // args.per_shard)
-    every = f"1,{streamed}"
+    every = streamed if args.streamed_only else f"1,{streamed}"
     s = 1 if args.smoke else 1.0
     out = [
         ("model", ["model"], {}, 35 * s),
@@ -646,6 +646,8 @@ def main() -> None:
     ap.add_argument("--only", help="comma-separated stage labels")
     ap.add_argument("--merge", action="store_true", help="add this run's stages to those of earlier runs with the "
                     "same --work and configuration (one table over several device calls)")
+    ap.add_argument("--streamed-only", action="store_true", help="datagen bf16 eager: the streamed pass alone "
+                    "(no shard_group 1 passes)")
     ap.add_argument("--skip-done", action="store_true", help="with --merge: leave out the stages already measured")
     ap.add_argument("--profile", action="store_true", help="also write profile.md: where each datagen pass's "
                     "time went (steps, GPU time of forward and capture, gaps, driver calls)")
