@@ -24,7 +24,7 @@ $(STAMP): requirements/lock.txt pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(PY) -m datagen.demo
+	$(PY) -m flows.demo
 
 test: setup services
 	$(PY) -m pytest -q tests

@@ -15,8 +15,8 @@ from prefect.artifacts import create_table_artifact
 from prefect.futures import PrefectFuture
 from pydantic import BaseModel, ConfigDict, Field
 
-from datagen.pipeline_spec import PipelineSpec
 from tasks._common import HUB_AND_AWS_CREDENTIAL_ENV, mounts_for, step_available
+from tasks.pipeline_spec import PipelineSpec
 from tasks.settings import s3_step_env
 from tasks.step import StepCall, step_task
 

@@ -18,9 +18,9 @@ from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from datagen.pipeline_spec import ShardRange
-from datagen.spec import ExtractSpec
+from datagen.data.spec import ExtractSpec
 from tasks._common import cache_key, mounts_for
+from tasks.pipeline_spec import ShardRange
 from tasks.runners import Mount
 from tasks.step import StepCall, step_task
 

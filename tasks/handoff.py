@@ -17,8 +17,8 @@ from prefect import get_run_logger, task
 from prefect.events import emit_event
 from pydantic import BaseModel, ConfigDict, Field
 
-from datagen.spec import Runner
 from tasks._common import AWS_CREDENTIAL_ENV, cache_key, mounts_for, step_available
+from tasks.pipeline_spec import Runner
 from tasks.settings import s3_step_env
 from tasks.step import StepCall, step_task
 

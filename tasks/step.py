@@ -26,9 +26,9 @@ from prefect.context import TaskRunContext
 from prefect.runtime import flow_run
 from pydantic import BaseModel
 
-from datagen.spec import Runner
 from tasks import artifacts
 from tasks._common import STEP_RETRY_POLICY, make_runner, mounts_for, parse_result, run_step, spec_file
+from tasks.pipeline_spec import Runner
 from tasks.runners import Mount, StepInvocation
 
 # Cache records are JSON: readable, and they survive code moves.

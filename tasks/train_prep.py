@@ -10,8 +10,8 @@ from pathlib import Path
 from prefect import get_run_logger
 from pydantic import BaseModel, ConfigDict, Field
 
-from datagen.spec import Runner
 from tasks._common import cache_key, mounts_for, step_available
+from tasks.pipeline_spec import Runner
 from tasks.step import StepCall, step_task
 
 STEP = "export"

@@ -19,9 +19,9 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, ConfigDict, Field
 
-from datagen.pipeline_spec import ValidationSettings
-from datagen.spec import Runner
 from tasks._common import StepFailed, cache_key, mounts_for, scratch_dir, step_available
+from tasks.pipeline_spec import ValidationSettings
+from tasks.pipeline_spec import Runner
 from tasks.step import StepCall, step_task
 
 STEP = "validate"

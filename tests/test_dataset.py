@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from datagen.dataset import _tokenize_by_offsets, prepare_dataset, target_spans, tokenize_chat
+from datagen.data.dataset import _tokenize_by_offsets, prepare_dataset, target_spans, tokenize_chat
 from datagen.errors import DatasetError
-from datagen.modelinfo import has_tokenizer_files
-from datagen.tiny import make_chat_dataset, make_tokenizer
-from datagen.tiny_tiktoken import SPECIAL_OFFSETS, write_kimi_tokenizer
+from datagen.models.modelinfo import has_tokenizer_files
+from datagen.models.tiny import make_chat_dataset, make_tokenizer
+from datagen.models.tiny_tiktoken import SPECIAL_OFFSETS, write_kimi_tokenizer
 
 VOCAB = 1024
 

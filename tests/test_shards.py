@@ -11,8 +11,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save
 
-from datagen.shards import (
-    FP8, SHARD_FORMAT, ShardJob, dequantize_fp8, quantize_fp8, stored_states, token_stats, write_shard,
+from datagen.data.shards import (
+    FP8,
+    SHARD_FORMAT,
+    ShardJob,
+    dequantize_fp8,
+    quantize_fp8,
+    stored_states,
+    token_stats,
+    write_shard,
 )
 
 LAYERS = (2, 3, 6)
@@ -89,7 +96,7 @@ def test_chunked_states_direct_and_buffered_writes_give_the_same_file(tmp_path, 
 def test_a_filesystem_without_direct_io_gets_buffered_writes(tmp_path, monkeypatch, refuses_at):
     import errno
 
-    import datagen.shards as shards
+    import datagen.data.shards as shards
 
     ref = write_shard(job(tmp_path / "a" / "s.safetensors", [33, 9], "bfloat16"), states([33, 9]))
     real_open, real_write, direct_fds = os.open, os.write, set()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from datagen.pipeline_spec import PipelineSpec
-from datagen.tiny import make_chat_dataset
+from datagen.models.tiny import make_chat_dataset
+from tasks.pipeline_spec import PipelineSpec
 
 
 def pipeline_spec(*, model: Path, dataset: Path, output: Path, **overrides) -> PipelineSpec:
