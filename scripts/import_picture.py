@@ -24,7 +24,8 @@ PACKAGES = ("datagen", "tasks", "flows", "bench", "images")
 FLOORS = [
     ["bench"],
     ["flows"],
-    ["tasks", "images"],
+    ["tasks"],
+    ["images"],  # the step images: tasks pick the image a step runs in
     ["datagen.cli"],
     ["datagen.steps"],
     ["datagen.reader", "datagen.validation"],
