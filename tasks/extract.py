@@ -22,7 +22,7 @@ from datagen.data.spec import ExtractSpec
 from tasks._common import cache_key, mounts_for
 from tasks.pipeline_spec import ShardRange
 from tasks.runners import Mount
-from tasks.step import StepCall, step_task
+from tasks.step import STEP_CACHE, StepCall, step_task
 
 
 class PlanResult(BaseModel):
@@ -111,8 +111,8 @@ class DatasetResult(BaseModel):
 
 
 plan = step_task("plan")  # not cached: it is what notices that the dataset or the model changed
-extract_range = step_task("extract-range", cached=True, labelled=True)
-finalize = step_task("finalize", cached=True)
+extract_range = step_task("extract-range", cache_policy=STEP_CACHE, task_run_name="extract-range-{call.label}")
+finalize = step_task("finalize", cache_policy=STEP_CACHE)
 
 
 def _mounts(spec: ExtractSpec) -> tuple[Mount, ...]:

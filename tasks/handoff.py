@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tasks._common import AWS_CREDENTIAL_ENV, cache_key, mounts_for, step_available
 from tasks.pipeline_spec import Runner
 from tasks.settings import s3_step_env
-from tasks.step import StepCall, step_task
+from tasks.step import STEP_CACHE, StepCall, step_task
 
 EVENT_READY = "datagen.dataset.ready"
 RESOURCE_PREFIX = "datagen.dataset."
@@ -41,7 +41,7 @@ def publish_cache_key(*, manifest_sha256: str, destination: str) -> str:
     return cache_key("publish", manifest_sha256, destination)
 
 
-publish = step_task("publish", cached=True)
+publish = step_task("publish", cache_policy=STEP_CACHE)
 
 
 def publish_dataset(

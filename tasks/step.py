@@ -1,7 +1,7 @@
 """The step task: every task that runs a step program is this one task under the step's name.
 
-``step_task("plan")`` runs `datagen plan`, ``step_task("extract-range", cached=True)`` one shard
-range, and so on. The task writes the call's spec to a file of its own, runs
+``step_task("plan")`` runs `datagen plan`, ``step_task("extract-range", cache_policy=STEP_CACHE)``
+one shard range, and so on. The task writes the call's spec to a file of its own, runs
 ``datagen <step> [--spec FILE] <args>`` through the runner the pipeline spec names (a local
 subprocess or a container, ``tasks/runners.py``), streams every output line into the run log (and
 onto the run's progress bar), and returns the step's result line as the caller's typed result.
@@ -21,7 +21,7 @@ from typing import Any
 from uuid import UUID
 
 from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE, CacheKeyFnPolicy
+from prefect.cache_policies import NO_CACHE, CacheKeyFnPolicy, CachePolicy
 from prefect.context import TaskRunContext
 from prefect.runtime import flow_run
 from pydantic import BaseModel
@@ -93,15 +93,18 @@ def _step(call: StepCall, *, runner: Runner, cache_key: str | None = None) -> Ba
     return parse_result({**result, **call.known}, call.result)
 
 
-def step_task(name: str, *, cached: bool = False, labelled: bool = False):
+def step_task(name: str, *, cache_policy: CachePolicy = NO_CACHE, task_run_name: str | None = None):
     """The step task under ``name`` (the task's name in the UI, the API and the container labels).
 
-    ``cached``: keyed on the ``cache_key`` argument (``STEP_CACHE``), the result persisted as JSON.
-    ``labelled``: each run is named ``<name>-<its call's label>`` (e.g. ``extract-range-0:2``).
+    Args:
+        cache_policy: ``STEP_CACHE`` to key it on its ``cache_key`` argument (its results are then
+            persisted, as JSON); ``NO_CACHE``, the default, for a step that must always run.
+        task_run_name: a template of its runs' names, e.g. ``"extract-range-{call.label}"``;
+            None: Prefect's ``<name>-<random>``.
     """
-    options: dict[str, Any] = dict(name=name, task_run_name=name + "-{call.label}" if labelled else None)
-    if cached:
-        options.update(cache_policy=STEP_CACHE, persist_result=True, result_serializer=RESULT_SERIALIZER)
+    options: dict[str, Any] = dict(name=name, task_run_name=task_run_name, cache_policy=cache_policy)
+    if cache_policy is not NO_CACHE:
+        options.update(persist_result=True, result_serializer=RESULT_SERIALIZER)
     return _step.with_options(**options)
 
 

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tasks._common import cache_key, mounts_for, step_available
 from tasks.pipeline_spec import Runner
-from tasks.step import StepCall, step_task
+from tasks.step import STEP_CACHE, StepCall, step_task
 
 STEP = "export"
 
@@ -28,7 +28,7 @@ def export_cache_key(*, fingerprint: str, out: str) -> str:
     return cache_key("export", fingerprint, out)
 
 
-export = step_task(STEP, cached=True)
+export = step_task(STEP, cache_policy=STEP_CACHE)
 
 
 def export_speculators(dataset: str, out: str, *, cache_key: str, runner: Runner) -> ExportOutcome:

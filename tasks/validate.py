@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tasks._common import StepFailed, cache_key, mounts_for, scratch_dir, step_available
 from tasks.pipeline_spec import ValidationSettings
 from tasks.pipeline_spec import Runner
-from tasks.step import StepCall, step_task
+from tasks.step import STEP_CACHE, StepCall, step_task
 
 STEP = "validate"
 REPORT_NAME = "validation-report.json"
@@ -76,7 +76,7 @@ def validate_cache_key(
     return cache_key("validate", fingerprint, manifest_sha256, identity, settings.model_dump(mode="json"))
 
 
-validate = step_task(STEP, cached=True)
+validate = step_task(STEP, cache_policy=STEP_CACHE)
 
 
 def validate_dataset(
