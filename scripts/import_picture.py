@@ -25,10 +25,11 @@ FLOORS = [
     ["bench"],
     ["flows"],
     ["tasks"],
-    ["images"],  # the step images: tasks pick the image a step runs in
+    ["images"],
     ["datagen.cli"],
     ["datagen.steps"],
     ["datagen.reader", "datagen.validation"],
+    ["datagen.extraction"],
     ["datagen.engines"],
     ["datagen.storage", "datagen.models"],
     ["datagen.data"],

@@ -129,8 +129,11 @@ def run_step(invocation: StepInvocation, runner: StepRunner, *, log) -> dict:
 
 
 def parse_result(result: dict, model: type[T]) -> T:
-    """The step's result record as its typed model (unknown keys kept out)."""
-    return model.model_validate({k: v for k, v in result.items() if k in model.model_fields})
+    """The step's result record as its typed model: keys the model does not declare are dropped,
+    unless it keeps extra ones (``extra="allow"``)."""
+    if model.model_config.get("extra") != "allow":
+        result = {k: v for k, v in result.items() if k in model.model_fields}
+    return model.model_validate(result)
 
 
 @contextlib.contextmanager

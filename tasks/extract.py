@@ -19,39 +19,11 @@ from uuid import UUID
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.data.spec import ExtractSpec
+from datagen.steps.plan import PlanResult
 from tasks._common import cache_key, mounts_for
 from tasks.pipeline_spec import ShardRange
 from tasks.runners import Mount
 from tasks.step import STEP_CACHE, StepCall, step_task
-
-
-class PlanResult(BaseModel):
-    """What `datagen plan` says about a spec, and what is already on disk."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    fingerprint: str = Field(description="sha256 of the full spec: the dataset's identity.")
-    extraction_fingerprint: str = Field(description="The spec without the dataset.")
-    num_shards: int = Field(description="Shards of the dataset.")
-    rows: int = Field(description="Dataset rows.")
-    tokens: int = Field(description="Tokens the dataset will hold.")
-    layer_ids: list[int] = Field(description="Captured layers (vLLM numbering).")
-    shard_keys: list[str] = Field(description="Cache key of each shard, by index.")
-    shards_complete: list[int] = Field(description="Shards already written for this spec.")
-    manifest_fingerprint: str | None = Field(
-        None, description="Fingerprint in the output's manifest, None when there is none."
-    )
-    validated_manifest_sha256: str | None = Field(
-        None, description="sha256 of the manifest that the output's validation report approves."
-    )
-
-    @property
-    def dataset_complete(self) -> bool:
-        return self.manifest_fingerprint == self.fingerprint
-
-    def range_on_disk(self, shard_range: ShardRange) -> bool:
-        done = set(self.shards_complete)
-        return all(k in done for k in shard_range.shards)
 
 
 class RangeResult(BaseModel):

@@ -19,25 +19,13 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, ConfigDict, Field
 
+from datagen.steps.validate import ValidateResult
 from tasks._common import StepFailed, cache_key, mounts_for, scratch_dir, step_available
-from tasks.pipeline_spec import ValidationSettings
-from tasks.pipeline_spec import Runner
+from tasks.pipeline_spec import Runner, ValidationSettings
 from tasks.step import STEP_CACHE, StepCall, step_task
 
 STEP = "validate"
 REPORT_NAME = "validation-report.json"
-
-
-class ValidateResult(BaseModel):
-    """What `datagen validate` prints (the parts the flow reads)."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    ok: bool = Field(description="No problems.")
-    problems: list[dict] = Field(default_factory=list, description="kind, message, shard, row of each.")
-    manifest_sha256: str | None = Field(None, description="sha256 of the manifest that was validated.")
-    shards: int | None = Field(None, description="Shards checked.")
-    golden: dict = Field(default_factory=dict, description="The golden-sample check; its reference engine.")
 
 
 class ValidationOutcome(BaseModel):
@@ -55,11 +43,12 @@ class ValidationOutcome(BaseModel):
 
     @classmethod
     def of(cls, result: ValidateResult, *, manifest_sha256: str) -> "ValidationOutcome":
-        reference = result.golden.get("reference") or {}
+        extra = result.model_extra or {}
+        reference = (extra.get("golden") or {}).get("reference") or {}
         golden = (f"; golden: {reference['kind']} reference, {reference.get('tokens', 0)} tokens in "
                   f"{reference.get('seconds', 0):.1f} s + {reference.get('start_seconds', 0):.1f} s start"
                   ) if reference else ""
-        shards = result.shards if result.shards is not None else "?"
+        shards = extra.get("shards", "?")
         return cls(
             ran=True,
             ok=not result.problems,
