@@ -26,8 +26,16 @@ $(STAMP): requirements/lock.txt pyproject.toml
 demo: setup
 	$(PY) -m datagen.demo
 
+# The suite runs in file order. SHUFFLE=1 runs it in a random order (pytest-randomly: the
+# modules, then the tests of each module, shuffled) and prints the seed first and last;
+# SEED=N replays the order of seed N. docs/testing.md says which tests are slow and why.
 test: setup services
-	$(PY) -m pytest -q tests
+	@seed="$(SEED)"; order=""; \
+	if [ -z "$$seed" ] && [ -n "$(SHUFFLE)" ]; then seed=$$(od -An -N4 -tu4 /dev/urandom | tr -d ' '); fi; \
+	if [ -n "$$seed" ]; then order="-p randomly --randomly-seed=$$seed"; echo "test order: shuffled with seed $$seed"; fi; \
+	$(PY) -m pytest -q $$order tests; status=$$?; \
+	if [ -n "$$seed" ]; then echo "test order: shuffled with seed $$seed (SEED=$$seed make test replays it)"; fi; \
+	exit $$status
 
 # Starts what the tests need and the project installs itself (Docker engine). Idempotent.
 services:
