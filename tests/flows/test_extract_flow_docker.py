@@ -33,12 +33,15 @@ def shard_checksums(output: Path) -> list[tuple[str, str]]:
     return [(shard["path"], shard["sha256"]) for shard in manifest["shards"]]
 
 
-def kill_first_container(client, step: str, killed: list[str], *, timeout_s: float = 600) -> None:
-    """`docker kill` the first running container of ``step`` the runner starts."""
+def kill_first_container(client, step: str, killed: list[str], *, under: Path, timeout_s: float = 600) -> None:
+    """`docker kill` the first running container of ``step`` the runner starts for this test: one
+    that mounts a path under ``under`` (another run on the same Docker engine is left alone)."""
     wanted = [f"{MANAGED_LABEL}=true", f"{LABEL_PREFIX}step={step}"]
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for container in client.containers.list(filters={"label": wanted}):
+            if not any(str(m.get("Source", "")).startswith(f"{under}/") for m in container.attrs.get("Mounts", [])):
+                continue
             container.kill()
             killed.append(container.labels.get(LABEL_PREFIX + "flow-run-id", ""))
             return
@@ -59,7 +62,8 @@ def test_tiny_flow_in_containers_survives_a_killed_container_and_matches_the_loc
 
     local = extract(spec("local"), return_state=True)
     killed: list[str] = []
-    killer = threading.Thread(target=kill_first_container, args=(client, "extract", killed))
+    killer = threading.Thread(target=kill_first_container, args=(client, "extract", killed),
+                              kwargs={"under": tmp_path})
     killer.start()
     in_docker = extract(spec("docker"), return_state=True)
     killer.join()
