@@ -24,7 +24,7 @@ $(STAMP): requirements/lock.txt pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(PY) -m datagen.demo
+	$(PY) -m flows.demo
 
 # The suite runs in file order. SHUFFLE=1 runs it in a random order (pytest-randomly: the
 # modules, then the tests of each module, shuffled) and prints the seed first and last;

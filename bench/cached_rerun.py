@@ -3,7 +3,7 @@
     python -m bench.cached_rerun --mode smoke|full [--results DIR]
 
 Runs what ``make demo`` runs (``python -m flows.extract --deployment tiny`` in Prefect's
-ephemeral mode, ``datagen.demo.ephemeral_env``), but in a project root of its own under the
+ephemeral mode, ``flows.demo.ephemeral_env``), but in a project root of its own under the
 bench's work directory (its own model, dataset, output and Prefect home), so that a demo or a
 test running at the same time is neither disturbed nor a disturbance. The first run fills the
 cache (or finds it filled by an earlier bench); every timed re-run must then report every range
@@ -32,7 +32,7 @@ RERUNS = {Mode.FULL: 3, Mode.SMOKE: 1}
 
 def _root() -> Path:
     """A project root for the flow: prefect.yaml (copied), the tiny model and dataset."""
-    from datagen import demo
+    from flows import demo
 
     root = work_dir("flow-root")
     shutil.copy(ROOT / "prefect.yaml", root / "prefect.yaml")
@@ -43,7 +43,7 @@ def _root() -> Path:
 def run_flow(root: Path) -> tuple[float, dict, list[tuple[float, str]]]:
     """One ``python -m flows.extract --deployment tiny``: (wall seconds, summary, output lines
     with the seconds since start at which each arrived)."""
-    from datagen import demo
+    from flows import demo
 
     t = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "flows.extract", "--deployment", demo.DEPLOYMENT], cwd=root,

@@ -79,7 +79,7 @@ VOCAB = {"tiny": 512, "100m": 32000}
 
 
 def _spec(model: Path, data: Path, out: Path, case: Case, *, engine: str = "vllm"):
-    from datagen.spec import parse_spec
+    from datagen.data.spec import parse_spec
 
     return parse_spec({"model": str(model), "dataset": str(data), "out": str(out), "max_seq_len": MAX_SEQ_LEN,
                        "samples_per_shard": case.samples_per_shard,
@@ -125,7 +125,7 @@ class ModelBench:
         return d
 
     def plan(self, case: Case, tag: str, *, engine: str = "vllm"):
-        from datagen.extract import claim_output, plan
+        from datagen.steps.extract import claim_output, plan
 
         p = plan(_spec(self.model, self.data[case], self.out(tag), case, engine=engine))
         claim_output(p)
@@ -136,7 +136,7 @@ class ModelBench:
         from vllm import LLM
 
         from bench.naive_capture import EXTENSION
-        from datagen.extract import make_engine, plan
+        from datagen.steps.extract import make_engine, plan
 
         p = plan(_spec(self.model, self.data[self.cases[0]], self.work / "unused", self.cases[0]))
         kwargs = make_engine(p).engine_kwargs()
@@ -172,7 +172,7 @@ class ModelBench:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from datagen.extract import build_job
+        from datagen.steps.extract import build_job
 
         p = self.plan(case, f"plain-{case.model}-{case.length}")
         groups = [[TokensPrompt(prompt_token_ids=ids.tolist()) for ids in build_job(p, k).input_ids]
@@ -185,7 +185,7 @@ class ModelBench:
         return t
 
     def run_datagen(self, case: Case) -> Timing:
-        from datagen.extract import build_job, write_manifest
+        from datagen.steps.extract import build_job, write_manifest
 
         p = self.plan(case, f"datagen-{case.model}-{case.length}")
         jobs = [build_job(p, k) for k in range(p.num_shards)]
@@ -204,8 +204,8 @@ class ModelBench:
         from vllm.inputs import TokensPrompt
 
         from bench.naive_capture import from_wire
-        from datagen.extract import build_job
-        from datagen.shards import TORCH_DTYPES, write_shard
+        from datagen.data.shards import TORCH_DTYPES, write_shard
+        from datagen.steps.extract import build_job
 
         p = self.plan(case, f"naive-{case.model}-{case.length}")
         jobs = [build_job(p, k) for k in range(p.num_shards)]
@@ -226,7 +226,7 @@ class ModelBench:
 
     def run_hf(self, case: Case, runs: int) -> list[Timing]:
         """Seconds per run of ``case.hf_rows`` rows (the first rows of the case's data)."""
-        from datagen.extract import build_job, make_engine
+        from datagen.steps.extract import build_job, make_engine
 
         case = dataclasses.replace(case, rows=case.hf_rows, samples_per_shard=case.hf_rows)
         self.data[case] = self.rows(case)

@@ -41,7 +41,7 @@ BATCH = 16
 
 
 def _dataset(mode: Mode) -> Path:
-    from datagen.contract import MANIFEST_NAME
+    from datagen.data.contract import MANIFEST_NAME
     from tests.support.fake_dataset import approve
     from tests.support.synthetic_shards import make_synthetic_dataset
 
@@ -55,7 +55,7 @@ def _dataset(mode: Mode) -> Path:
 
 
 def _export(root: Path) -> Path:
-    from datagen import export
+    from datagen.steps import export
 
     out = root.parent / f"{root.name}-speculators"
     if not (out / export.EXPORT_RECORD).exists():
@@ -150,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     setup_logging()
     mode = Mode(args.mode)
-    from datagen import publish
     from datagen.reader import Verify
+    from datagen.steps import publish
     from tests.support.s3server import S3Server
 
     # imported once here: the first-batch times are of the data, not of importing a trainer

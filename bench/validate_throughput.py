@@ -2,13 +2,13 @@
 
     python -m bench.validate_throughput [--mb 384] [--hidden 2048] [--workers 1,2] [--dir DIR]
 
-Writes a synthetic dataset with the real shard writer (``datagen.shards.write_shard``:
+Writes a synthetic dataset with the real shard writer (``datagen.data.shards.write_shard``:
 random bf16 states, 4 layers) and a self-consistent manifest, then measures, cold and
 warm:
 
 - read: one thread reading every shard file sequentially in 8 MiB blocks;
 - sha256: hashing the same files (the part of validation no parallelism can skip per file);
-- validate: ``datagen.validate.run`` with no golden samples and no reachable source (the
+- validate: ``datagen.steps.validate.run`` with no golden samples and no reachable source (the
   structure, checksum, tensor, offsets, row, NaN/Inf and statistics checks: every byte).
 
 "Cold" evicts the files from the page cache first: by default with
@@ -32,9 +32,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from datagen.contract import FORMAT_VERSION, LAYER_NUMBERING, MANIFEST_NAME, Manifest, shard_name
-from datagen.shards import ShardJob, atomic_write_json, combine_stats, write_shard
-from datagen.spec import canonical_json, sha256_hex
+from datagen.data.contract import FORMAT_VERSION, LAYER_NUMBERING, MANIFEST_NAME, Manifest, shard_name
+from datagen.data.shards import ShardJob, atomic_write_json, combine_stats, write_shard
+from datagen.data.spec import canonical_json, sha256_hex
 
 LAYER_IDS = (2, 4, 5, 8)
 TOKENS_PER_SAMPLE = 256
@@ -127,7 +127,7 @@ def sha_only(files: list[Path]) -> float:
 
 
 def validate_once(root: Path, workers: int) -> float:
-    from datagen.validate import run
+    from datagen.steps.validate import run
 
     t = time.perf_counter()
     report = run(root, golden_rows=0, workers=workers)

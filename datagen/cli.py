@@ -1,6 +1,6 @@
 """The `datagen` command line: one sub-command per step.
 
-Each step module under ``datagen`` exposes:
+Each step module under ``datagen.steps`` exposes:
 
     HELP: str                                   one line for `datagen --help`
     def add_arguments(parser) -> None           its options (argparse)
@@ -24,16 +24,16 @@ from datagen.errors import EXIT_FAILED, EXIT_OK, CannotRunHereError, DatagenErro
 
 # command name -> module. The same step name is used for module, task, image and log lines.
 STEPS = {
-    "plan": "datagen.plan",
-    "extract": "datagen.extract",
-    "assemble": "datagen.assemble",
-    "env-check": "datagen.env_check",
-    "download": "datagen.download",
-    "validate": "datagen.validate",
-    "publish": "datagen.publish",
-    "export": "datagen.export",
-    "report": "datagen.report",
-    "make-tiny": "datagen.tiny",
+    "plan": "datagen.steps.plan",
+    "extract": "datagen.steps.extract",
+    "assemble": "datagen.steps.assemble",
+    "env-check": "datagen.steps.env_check",
+    "download": "datagen.steps.download",
+    "validate": "datagen.steps.validate",
+    "publish": "datagen.steps.publish",
+    "export": "datagen.steps.export",
+    "report": "datagen.steps.report",
+    "make-tiny": "datagen.steps.make_tiny",
 }
 RESULT_PREFIX = "datagen-result: "
 

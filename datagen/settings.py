@@ -75,7 +75,7 @@ def _cuda() -> bool:
         return False
 
 
-# -- S3 transfers (datagen.s3). Endpoint, region and credentials are NOT read here: boto3 reads
+# -- S3 transfers (datagen.storage.s3). Endpoint, region and credentials are NOT read here: boto3 reads
 # the standard AWS variables itself (AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, AWS_REGION /
 # AWS_DEFAULT_REGION, AWS_PROFILE, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, instance roles), so
 # every credential source boto3 supports works and no secret passes through datagen.

@@ -21,13 +21,13 @@ from collections.abc import Callable
 from prefect import flow, get_run_logger
 from prefect.futures import PrefectFuture, as_completed
 
-from datagen.pipeline_spec import PipelineSpec, ShardRange
-from datagen.sources import LocalSource, parse_model_source
-from datagen.spec import ExtractSpec
+from datagen.data.spec import ExtractSpec
+from datagen.storage.sources import LocalSource, parse_model_source
 from tasks import artifacts
 from tasks._common import runner_identity
 from tasks.download import download
 from tasks.env_check import env_check
+from tasks.pipeline_spec import PipelineSpec, ShardRange
 from tasks.extract import (
     PlanResult, RangeResult, extract_range, finalize, finalize_cache_key, plan, range_cache_key,
 )
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flows.extract", description=main.__doc__)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--deployment", default="tiny", help="deployment of prefect.yaml whose parameters to use")
-    source.add_argument("--spec", help="a pipeline spec JSON file (datagen.pipeline_spec.PipelineSpec) instead")
+    source.add_argument("--spec", help="a pipeline spec JSON file (tasks.pipeline_spec.PipelineSpec) instead")
     args = parser.parse_args(argv)
     if args.spec:
         from pathlib import Path

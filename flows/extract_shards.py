@@ -17,11 +17,11 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from datagen.errors import SpecError
-from datagen.pipeline_spec import PipelineSpec, ShardRange
-from datagen.sources import LocalSource, parse_model_source
+from datagen.storage.sources import LocalSource, parse_model_source
 from tasks.download import download
 from tasks.extract import RangeResult
 from tasks.fanout import extract_to_bucket, gpu_slots, range_lease, spool_dir, write_receipt
+from tasks.pipeline_spec import PipelineSpec, ShardRange
 
 
 @flow(name="extract-shards", description="Extract one shard range of a spec into its bucket (no manifest).")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger
 
-from datagen.spec import Runner
+from tasks.pipeline_spec import Runner
 from tasks.train_prep import export_cache_key, export_speculators
 
 

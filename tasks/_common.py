@@ -25,7 +25,7 @@ from datagen.cli import STEPS
 from datagen.errors import (
     EXIT_BAD_INPUT, EXIT_CANNOT_RUN_HERE, EXIT_FAILED, EXIT_TRANSIENT, EXIT_VALIDATION, TransientError,
 )
-from datagen.spec import Runner
+from tasks.pipeline_spec import Runner
 from tasks.runners import Mount, StepInvocation, StepOutcome, StepRunner
 
 T = TypeVar("T", bound=BaseModel)

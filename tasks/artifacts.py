@@ -186,7 +186,7 @@ def _history(key: str, limit: int, *, exclude_flow_run) -> list:
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
     from prefect.client.schemas.sorting import ArtifactSort
 
-    from datagen.report import RunStats
+    from datagen.steps.report import RunStats
 
     with get_client(sync_client=True) as client:
         found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
@@ -218,7 +218,7 @@ def layer_report(dataset: str, *, previous: str | None = None, runs: int = REPOR
     from prefect import get_run_logger
     from prefect.runtime import deployment, flow_run
 
-    from datagen import report as step
+    from datagen.steps import report as step
 
     logger = get_run_logger()
     try:

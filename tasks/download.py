@@ -14,8 +14,8 @@ from prefect import get_run_logger, task
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.errors import CannotRunHereError, ModelNotFoundError
-from datagen.pipeline_spec import PipelineSpec
-from datagen.sources import LocalSource, parse_model_source
+from datagen.storage.sources import LocalSource, parse_model_source
+from tasks.pipeline_spec import PipelineSpec
 from tasks._common import (
     STEP_RETRY_POLICY,
     HUB_AND_AWS_CREDENTIAL_ENV,
@@ -52,7 +52,7 @@ def download(spec: PipelineSpec) -> ModelLocation:
     logger = get_run_logger()
     if not step_available(STEP):
         return _without_download_step(spec, logger)
-    from datagen.model_cache import cache_root  # the host path the step writes to
+    from datagen.storage.model_cache import cache_root  # the host path the step writes to
 
     cache = cache_root(spec.model_cache)
     cache.mkdir(parents=True, exist_ok=True)
@@ -83,7 +83,7 @@ def _without_download_step(spec: PipelineSpec, logger) -> ModelLocation:
     if not Path(source.path).is_dir():
         raise ModelNotFoundError(
             f"model directory {source.path} does not exist",
-            hint="for the tiny demo model run `python -m datagen.demo --prepare`; else fix the spec's model",
+            hint="for the tiny demo model run `python -m flows.demo --prepare`; else fix the spec's model",
         )
     logger.info("download: this version has no `datagen download` step; using %s in place", source.path)
     return ModelLocation(model_dir=str(source.path))

@@ -13,7 +13,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel, ConfigDict, Field
 
-from datagen.pipeline_spec import PipelineSpec
+from tasks.pipeline_spec import PipelineSpec
 from tasks._common import (
     STEP_RETRY_POLICY,
     HUB_AND_AWS_CREDENTIAL_ENV,

@@ -21,10 +21,11 @@ from prefect import get_run_logger, task
 from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field
 
-from datagen.contract import MANIFEST_NAME
-from datagen.pipeline_spec import ShardRange
-from datagen.spec import ExtractSpec, Runner
+from datagen.data.contract import MANIFEST_NAME
+from datagen.data.spec import ExtractSpec
 from tasks import artifacts
+from tasks.pipeline_spec import ShardRange
+from tasks.pipeline_spec import Runner
 from tasks._common import (
     STEP_RETRY_POLICY,
     cache_key, make_runner, mounts_for,

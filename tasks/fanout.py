@@ -1,7 +1,7 @@
 """Fan-out: shard ranges as flow runs of the `extract-shards` deployment, the dataset in a bucket.
 
 Nothing here is a scheduler or a lock of ours: exclusivity, lost hosts and placement are Prefect's,
-and the only store hosts share is the dataset's bucket (``datagen.fleet``).
+and the only store hosts share is the dataset's bucket (``datagen.storage.fleet``).
 
 Parent side (the `extract` flow with ``ranges_in_flight > 1``):
 
@@ -41,14 +41,15 @@ from prefect import get_client, get_run_logger, task
 from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
 
-from datagen import fleet, s3, settings
-from datagen.contract import MANIFEST_NAME, ShardRecord
+from datagen import settings
+from datagen.data.contract import MANIFEST_NAME, ShardRecord
+from datagen.data.spec import ExtractSpec
 from datagen.errors import StorageError, TransientError
-from datagen.pipeline_spec import PipelineSpec, ShardRange
-from datagen.spec import ExtractSpec
+from datagen.storage import fleet, s3
 from tasks import artifacts
 from tasks._common import STEP_RETRY_DELAYS_S, STEP_RETRY_POLICY, make_runner, mounts_for, run_step, scratch_dir, spec_file
 from tasks.extract import DatasetResult, PlanResult, RangeResult, ShardRow, extract_range
+from tasks.pipeline_spec import PipelineSpec, ShardRange
 from tasks.runners import StepInvocation
 
 WAITING_LOG_INTERVAL_S = 300.0  # how often "still waiting for a worker" is logged

@@ -14,7 +14,7 @@ from prefect import get_run_logger, task
 from prefect.events import emit_event
 from pydantic import BaseModel, ConfigDict, Field
 
-from datagen.spec import Runner
+from tasks.pipeline_spec import Runner
 from tasks._common import (
     STEP_RETRY_POLICY,
     AWS_CREDENTIAL_ENV,

@@ -9,7 +9,7 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from pydantic import BaseModel, ConfigDict, Field
 
-from datagen.spec import Runner
+from tasks.pipeline_spec import Runner
 from tasks._common import (
     STEP_RETRY_POLICY,
     cache_key, make_runner, mounts_for,

@@ -16,8 +16,8 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, ConfigDict, Field
 
-from datagen.pipeline_spec import ValidationSettings
-from datagen.spec import Runner
+from tasks.pipeline_spec import ValidationSettings
+from tasks.pipeline_spec import Runner
 from tasks._common import (
     STEP_RETRY_POLICY,
     StepFailed, cache_key, make_runner, mounts_for,

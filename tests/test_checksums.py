@@ -1,4 +1,4 @@
-"""datagen.checksums: the checksum forms sources publish, checked against their producers."""
+"""datagen.data.checksums: the checksum forms sources publish, checked against their producers."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from datagen.checksums import (
+from datagen.data.checksums import (
     ChecksumKind,
     Expected,
     git_blob_sha1,

@@ -9,14 +9,19 @@ import json
 import numpy as np
 import pytest
 
-from datagen.dataset import (
-    _tokenize_by_offsets, file_fingerprint, prepare_dataset, read_rows, target_spans, tokenize_chat,
+from datagen.data.dataset import (
+    _tokenize_by_offsets,
+    file_fingerprint,
+    prepare_dataset,
+    read_rows,
+    target_spans,
+    tokenize_chat,
     tokenizer_fingerprint,
 )
 from datagen.errors import DatasetError, ModelError
-from datagen.modelinfo import has_tokenizer_files
-from datagen.tiny import make_chat_dataset, make_tokenizer
-from datagen.tiny_tiktoken import SPECIAL_OFFSETS, write_kimi_tokenizer
+from datagen.models.modelinfo import has_tokenizer_files
+from datagen.models.tiny import make_chat_dataset, make_tokenizer
+from datagen.models.tiny_tiktoken import SPECIAL_OFFSETS, write_kimi_tokenizer
 
 VOCAB = 1024
 

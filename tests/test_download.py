@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-import datagen.s3 as s3mod
-from datagen import download
+import datagen.storage.s3 as s3mod
 from datagen.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, ModelError, ModelNotFoundError, SpecError, StorageError
-from datagen.sources import parse_sources_spec
-from datagen.tiny import TinyArch, make_model
+from datagen.models.tiny import TinyArch, make_model
+from datagen.steps import download
+from datagen.storage.sources import parse_sources_spec
 from tests.support.hub_cache import populate_hub_cache, snapshot_file
 from tests.support.s3server import s3_env, s3_server, upload_tree  # noqa: F401  (fixtures)
 
@@ -258,7 +258,7 @@ def test_objects_published_by_datagen_are_checked_against_their_sha256(s3_env, c
     bucket = s3_env.create_bucket()
     client = s3mod.make_client()
     for p in model_dir.iterdir():
-        from datagen.checksums import sha256_file
+        from datagen.data.checksums import sha256_file
 
         s3mod.upload_file(client, p, bucket, f"m/{p.name}", sha256=sha256_file(p), transfer=s3mod.TransferSettings.from_settings())
     download.run(spec_for(f"s3://{bucket}/m"))
@@ -325,9 +325,9 @@ def test_hub_corrupted_blob_is_named_and_deleted(hub_offline, cache_env):
 
 def test_hub_second_download_does_not_rehash(hub_offline, monkeypatch):
     download.run(spec_for("hf://acme/tiny@main"))
-    import datagen.hub
+    import datagen.storage.hub
 
-    monkeypatch.setattr(datagen.hub, "verify_snapshot", lambda *a, **k: pytest.fail("verified again"))
+    monkeypatch.setattr(datagen.storage.hub, "verify_snapshot", lambda *a, **k: pytest.fail("verified again"))
     assert download.run(spec_for("hf://acme/tiny@main")).cached
 
 

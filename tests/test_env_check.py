@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from datagen import env_check
-from datagen.accelerators import Accelerators, Device, ProbeSource
-from datagen.env_check import Status
+from datagen.engines.accelerators import Accelerators, Device, ProbeSource
 from datagen.errors import EXIT_CANNOT_RUN_HERE, EXIT_OK, EXIT_TRANSIENT, CannotRunHereError, TransientError
-from datagen.sources import parse_sources_spec
-from datagen.tiny import TinyArch, make_model
+from datagen.models.tiny import TinyArch, make_model
+from datagen.steps import env_check
+from datagen.steps.env_check import Status
+from datagen.storage.sources import parse_sources_spec
 from tests.support.hub_cache import populate_hub_cache
 from tests.support.s3server import s3_env, s3_server, upload_tree  # noqa: F401  (fixtures)
 

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from datagen import cli, export
+from datagen import cli
 from datagen.errors import DatasetError, OutputConflictError, ValidationFailed
+from datagen.steps import export
 from tests.support.extracted import (
     SKIPPED_ROWS, copy_dataset, extracted_dataset, manifest, shard_path, stored_samples,
 )

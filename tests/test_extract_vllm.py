@@ -14,8 +14,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from datagen.compare import GoldenCriterion, compare_states, judge_layer, neighbour_ids, states_match
-from datagen.contract import MANIFEST_NAME, Manifest
+from datagen.validation.compare import (
+    GoldenCriterion,
+    compare_states,
+    judge_layer,
+    neighbour_ids,
+    states_match,
+)
+from datagen.data.contract import MANIFEST_NAME, Manifest
 from datagen.engines.hf import HFReference
 from tests.builders import REPO, datagen_cmd, result_of, run_datagen, token_rows, write_jsonl
 
@@ -201,7 +207,7 @@ def test_fp8_storage_halves_the_bytes_within_e4m3_rounding_and_validates(tiny_ll
     """--storage-dtype fp8_e4m3: the same engine's states, quantized in the worker; validation
     (with golden rows) and the speculators export (back to bfloat16) understand it."""
     from datagen import cli
-    from datagen.shards import stored_states
+    from datagen.data.shards import stored_states
 
     bf16_out, bf16 = llama_vllm
     out = tmp_path / "fp8"

@@ -1,4 +1,4 @@
-"""The bucket a fanned-out run writes its dataset to (``datagen.fleet``), against a real S3 server:
+"""The bucket a fanned-out run writes its dataset to (``datagen.storage.fleet``), against a real S3 server:
 what counts as a shard in the bucket, uploads checked against their records, another dataset's
 location refused."""
 
@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from datagen import fleet, s3
-from datagen.contract import Manifest, ShardRecord
+from datagen.data.contract import Manifest, ShardRecord
 from datagen.errors import OutputConflictError, ValidationFailed
+from datagen.storage import fleet, s3
 from tests.support.fake_dataset import make_dataset
 from tests.support.s3server import s3_env, s3_server  # noqa: F401  (fixtures)
 

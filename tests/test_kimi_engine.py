@@ -158,8 +158,8 @@ def test_an_untested_release_cannot_promise_layer_n_of_a_deepseek_decoder():
 def test_tiny_kimi_checkpoint_has_kimi_names_config_and_int4_layout(tmp_path):
     from safetensors import safe_open
 
-    from datagen.modelinfo import inspect_model
-    from datagen.tiny_kimi import IGNORE, make_tiny_kimi
+    from datagen.models.modelinfo import inspect_model
+    from datagen.models.tiny_kimi import IGNORE, make_tiny_kimi
 
     p = make_tiny_kimi(tmp_path / "kimi", quantization="int4", vocab_size=512, num_layers=3, n_routed_experts=4)
     cfg = json.loads((p.model / "config.json").read_text())
@@ -189,9 +189,9 @@ def test_tiny_kimi_checkpoint_has_kimi_names_config_and_int4_layout(tmp_path):
 # --- capture-ability before any download -----------------------------------------------------------
 
 def test_env_check_says_which_layer_this_engine_cannot_capture_from_the_config_alone(tmp_path):
-    from datagen import env_check
-    from datagen.sources import parse_sources_spec
-    from datagen.tiny_kimi import text_config
+    from datagen.models.tiny_kimi import text_config
+    from datagen.steps import env_check
+    from datagen.storage.sources import parse_sources_spec
 
     model = tmp_path / "kimi-config-only"
     model.mkdir()
@@ -211,7 +211,7 @@ def test_env_check_says_which_layer_this_engine_cannot_capture_from_the_config_a
 
 
 def test_plan_refuses_a_layer_the_engine_cannot_capture(tmp_path):
-    from datagen.tiny_kimi import make_tiny_kimi
+    from datagen.models.tiny_kimi import make_tiny_kimi
     from tests.builders import result_of, run_datagen, token_rows, write_jsonl
 
     p = make_tiny_kimi(tmp_path / "kimi", quantization="int4", vocab_size=512, num_layers=3, n_routed_experts=4,
@@ -248,7 +248,7 @@ def _kimi_extract(model: Path, data: Path, out: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def kimi_cpu(tmp_path_factory):
-    from datagen.tiny_kimi import make_tiny_kimi
+    from datagen.models.tiny_kimi import make_tiny_kimi
     from tests.builders import token_rows, write_jsonl
 
     root = tmp_path_factory.mktemp("kimi")
@@ -278,8 +278,8 @@ def test_kimi_wrapper_equals_plain_deepseek_v3_with_the_same_weights_layer_n_inc
 def test_kimi_wrapper_matches_the_transformers_reference_per_layer(kimi_cpu):
     """Flip-robust: per layer the median token error is small and every other reference layer,
     the after-norm output for id N included, is far; an off-by-one layer list fails."""
-    from datagen.compare import token_rel_err
     from datagen.engines.hf import HFReference
+    from datagen.validation.compare import token_rel_err
 
     paths, wrapper, _ = kimi_cpu
     n = paths.num_hidden_layers

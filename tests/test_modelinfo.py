@@ -13,13 +13,23 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from datagen import modelinfo
 from datagen.errors import ModelError, ModelNotFoundError, SpecError, UnsafePathError
-from datagen.modelinfo import (
-    check_layer_ids, describe_quantization, has_tokenizer_files, inspect_model, model_content_hash,
+from datagen.models import modelinfo
+from datagen.models.modelinfo import (
+    check_layer_ids,
+    describe_quantization,
+    has_tokenizer_files,
+    inspect_model,
+    model_content_hash,
     read_safetensors_header,
 )
-from datagen.tiny_kimi import KIMI_K25_VOCAB, kimi_width, quantization_config, text_config, vision_config
+from datagen.models.tiny_kimi import (
+    KIMI_K25_VOCAB,
+    kimi_width,
+    quantization_config,
+    text_config,
+    vision_config,
+)
 
 
 def kimi_config(*, num_layers: int = 61, quantized: bool = True) -> dict:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from datagen.errors import SpecError
-from datagen.pipeline_spec import PipelineSpec, ShardRange, parse_pipeline_spec
-from datagen.spec import Runner
+from tasks.pipeline_spec import PipelineSpec, ShardRange, parse_pipeline_spec
+from tasks.pipeline_spec import Runner
 
 
 def spec(**overrides) -> PipelineSpec:
@@ -43,7 +43,7 @@ def test_the_extract_spec_carries_what_decides_the_dataset():
 
 
 def test_the_sources_spec_is_what_env_check_and_download_read():
-    from datagen.sources import parse_sources_spec
+    from datagen.storage.sources import parse_sources_spec
 
     parsed = parse_sources_spec(spec(model="hf://org/name@main", layer_ids=[1, 2]).sources_spec())
     assert parsed.model == "hf://org/name@main" and parsed.layer_ids == (1, 2)

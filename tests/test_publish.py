@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from datagen import publish
-from datagen.contract import MANIFEST_NAME
+from datagen.data.contract import MANIFEST_NAME
 from datagen.errors import EXIT_TRANSIENT, EXIT_VALIDATION, OutputConflictError, SpecError, ValidationFailed
+from datagen.steps import publish
 from tests.support.fake_dataset import approve, make_dataset
 from tests.support.s3server import s3_env, s3_server, s3_server_private  # noqa: F401  (fixtures)
 
@@ -201,7 +201,7 @@ def test_missing_bucket_is_named(s3_env, tmp_path):
 
 def test_a_dataset_extracted_and_validated_by_datagen_is_published(s3_env, tmp_path, tmp_path_factory):
     """The gate end to end: the real extraction and `datagen validate` write what publish reads."""
-    from datagen import validate
+    from datagen.steps import validate
     from tests.support.extracted import copy_dataset, extracted_dataset
 
     ds = copy_dataset(extracted_dataset(tmp_path_factory), tmp_path / "ds")

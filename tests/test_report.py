@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from datagen import cli, report
+from datagen import cli
 from datagen.errors import EXIT_BAD_INPUT
+from datagen.steps import report
 from tests.support.synthetic_shards import make_synthetic_dataset, manifest_of, write_manifest
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -12,8 +12,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save
 
-from datagen.shards import (
-    FP8, SHARD_FORMAT, ShardJob, dequantize_fp8, quantize_fp8, stored_states, token_stats, write_shard,
+from datagen.data.shards import (
+    FP8,
+    SHARD_FORMAT,
+    ShardJob,
+    dequantize_fp8,
+    quantize_fp8,
+    stored_states,
+    token_stats,
+    write_shard,
 )
 
 LAYERS = (2, 3, 6)
@@ -90,7 +97,7 @@ def test_chunked_states_direct_and_buffered_writes_give_the_same_file(tmp_path, 
 def test_a_filesystem_without_direct_io_gets_buffered_writes(tmp_path, monkeypatch, refuses_at):
     import errno
 
-    import datagen.shards as shards
+    import datagen.data.shards as shards
 
     ref = write_shard(job(tmp_path / "a" / "s.safetensors", [33, 9], "bfloat16"), states([33, 9]))
     real_open, real_write, direct_fds = os.open, os.write, set()
@@ -177,7 +184,7 @@ def test_states_already_quantized_by_the_engine_are_stored_as_given(tmp_path):
 
 
 def test_the_hash_is_taken_piece_by_piece_while_writing_and_matches_the_file(tmp_path, monkeypatch):
-    import datagen.shards as shards
+    import datagen.data.shards as shards
 
     lengths = [300, 257]  # about 130 kB of bfloat16 states: 11 pieces of 12 kB, the last one short
     monkeypatch.setattr(shards, "WRITE_PIECE", 3 * shards.ALIGN)
@@ -227,7 +234,7 @@ def test_a_reused_file_image_leaves_no_bytes_of_the_previous_shard(tmp_path):
 def test_a_failed_write_leaves_neither_the_shard_nor_a_temporary(tmp_path, monkeypatch):
     import errno
 
-    import datagen.shards as shards
+    import datagen.data.shards as shards
 
     def full_disk(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -241,8 +248,8 @@ def test_a_failed_write_leaves_neither_the_shard_nor_a_temporary(tmp_path, monke
 def test_atomic_writes_replace_whole_files_and_leave_the_old_one_on_failure(tmp_path, monkeypatch):
     import errno
 
-    import datagen.shards as shards
-    from datagen.shards import atomic_write_bytes, atomic_write_json, file_sha256
+    import datagen.data.shards as shards
+    from datagen.data.shards import atomic_write_bytes, atomic_write_json, file_sha256
 
     p = tmp_path / "sub" / "manifest.json"
     atomic_write_json(p, {"b": 1, "a": [1, 2]})
@@ -271,7 +278,7 @@ def test_a_shard_job_survives_the_wire_as_plain_lists():
 
 
 def test_shard_statistics_combine_exactly_into_the_datasets(tmp_path):
-    from datagen.shards import combine_stats, layer_stats
+    from datagen.data.shards import combine_stats, layer_stats
 
     parts = [torch.randn(n, len(LAYERS), H) * 3 + 1 for n in (17, 1, 40)]
     empty = layer_stats(torch.zeros(0, len(LAYERS), H), LAYERS)

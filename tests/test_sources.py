@@ -1,11 +1,11 @@
-"""datagen.sources: model source strings and the env-check / download spec."""
+"""datagen.storage.sources: model source strings and the env-check / download spec."""
 
 from __future__ import annotations
 
 import pytest
 
 from datagen.errors import SpecError
-from datagen.sources import (
+from datagen.storage.sources import (
     HubSource,
     LocalSource,
     S3Source,

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from datagen import cli
-from datagen._validation.golden import draw_rows
-from datagen._validation.shardfile import read_header
 from datagen.errors import EXIT_VALIDATION, ValidationFailed
-from datagen.validate import run, validation_path
+from datagen.steps.validate import run, validation_path
+from datagen.validation.golden import draw_rows
+from datagen.validation.shardfile import read_header
 from tests.support.extracted import (
     EQUAL_LENGTH_ROWS, SKIPPED_ROWS, copy_dataset, extracted_dataset, fix_checksums, fix_records, foreign_shard,
     manifest, rewrite_shard, sample_span, shard_path, write_manifest,
@@ -393,7 +393,7 @@ def test_the_golden_check_fails_on_an_off_by_one_layer(ds):
 
 
 def test_statistics_survive_float32_overflow_and_skip_only_non_finite_values():
-    from datagen._validation.scan import _LayerSums
+    from datagen.validation.scan import _LayerSums
 
     x = torch.randn(40, 2, 64).to(torch.bfloat16)
     x[3, 0, 5] = 1e30  # finite in bf16, but its square overflows a float32 sum

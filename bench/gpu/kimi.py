@@ -44,7 +44,7 @@ def make(args) -> None:
     import numpy as np
 
     sys.path.insert(0, str(REPO))
-    from datagen.tiny_kimi import make_tiny_kimi
+    from datagen.models.tiny_kimi import make_tiny_kimi
 
     work = Path(args.work)
     t0 = time.time()
@@ -123,9 +123,9 @@ def compare(args) -> None:
     import torch
 
     sys.path.insert(0, str(REPO))
-    from datagen.compare import token_rel_err
     from datagen.engines.hf import HFReference
     from datagen.engines.patches import installed_vllm_version, run_self_tests
+    from datagen.validation.compare import token_rel_err
 
     work, out = Path(args.work), Path(args.out)
     twin = work / "kimi-bf16"
@@ -212,14 +212,14 @@ def wide(args) -> None:
     """A checkpoint at Kimi-K2.5's real width (hidden 7168, 64 heads, MLA 1536/512/64/128/128, vocab
     163840, INT4 group-32 routed experts, the wrapper) with ``--layers`` layers and ``--experts`` routed
     experts, made on the GPU. Then, each in its own process: (1) at ``--tp``, compiled, plain vLLM
-    prefill of the rows and the project's extraction (``datagen.extract``'s plan, engine and shard
+    prefill of the rows and the project's extraction (``datagen.steps.extract``'s plan, engine and shard
     writer, layers [2, N/2, N-3, N]) timed around the shard loop, each on a started engine
     (``wide-bench``); (2) ``datagen extract`` of the same rows at ``--ref-tp`` (eager) through the
     CLI; (3) rank-0 states of (1) against (2). Writes kimi-wide-tp<tp>.json under --out."""
     import numpy as np
 
     sys.path.insert(0, str(REPO))
-    from datagen.tiny_kimi import kimi_width, make_tiny_kimi
+    from datagen.models.tiny_kimi import kimi_width, make_tiny_kimi
 
     work, out = Path(args.work), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -274,7 +274,7 @@ def wide(args) -> None:
             print(f"[reference tp{args.ref_tp}] rc={proc.returncode} {rec['reference']['wall_s']} s "
                   + ("" if proc.returncode == 0 else proc.stderr[-2500:]), flush=True)
             if proc.returncode == 0:
-                from datagen.compare import token_rel_err
+                from datagen.validation.compare import token_rel_err
 
                 a = {row: hs for row, _, hs in _samples(work / "runs" / f"tp{args.tp}")}
                 b = {row: hs for row, _, hs in _samples(run)}
@@ -291,8 +291,8 @@ def wide_bench(args) -> None:
     import torch
 
     sys.path.insert(0, str(REPO))
-    from datagen.extract import build_job, claim_output, make_engine, plan, write_manifest
-    from datagen.spec import parse_spec
+    from datagen.data.spec import parse_spec
+    from datagen.steps.extract import build_job, claim_output, make_engine, plan, write_manifest
 
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     work = Path(args.work)

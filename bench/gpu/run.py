@@ -58,7 +58,7 @@ def make_model(args) -> None:
 
 
 def _spec(model: str, data: str, out: str, layers, dtype="bfloat16"):
-    from datagen.spec import parse_spec
+    from datagen.data.spec import parse_spec
 
     return parse_spec({"model": model, "dataset": data, "out": out, "layer_ids": list(layers),
                        "max_seq_len": ROW_LEN + 8, "samples_per_shard": PER_SHARD,
@@ -92,7 +92,7 @@ def bench(args) -> None:
     import torch
 
     from datagen.engines.vllm_engine import VllmEngine
-    from datagen.extract import build_job, claim_output, plan, write_manifest
+    from datagen.steps.extract import build_job, claim_output, plan, write_manifest
 
     out = Path(args.out)
     work = Path(args.work)
@@ -174,9 +174,9 @@ def _param_shapes(model_dir: str):
 def parity(args) -> None:
     """A random 6-layer Llama: the project's capture on CUDA against transformers on CUDA."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from datagen.compare import compare_states, states_match
     from datagen.engines.hf import HFReference
-    from datagen.tiny import TinyArch, make_model as make_tiny
+    from datagen.models.tiny import TinyArch, make_model as make_tiny
+    from datagen.validation.compare import compare_states, states_match
 
     work = Path(args.work) / "parity"
     shutil.rmtree(work, ignore_errors=True)
@@ -225,7 +225,7 @@ def v2(args) -> None:
     work = Path(args.work) / "v2"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    from datagen.tiny import TinyArch, make_model as make_tiny
+    from datagen.models.tiny import TinyArch, make_model as make_tiny
 
     model = make_tiny(work / "model", arch=TinyArch.LLAMA, num_layers=6, with_tokenizer=False)
     data = work / "rows.jsonl"

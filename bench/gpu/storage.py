@@ -22,7 +22,10 @@ once in a process of its own and timed over several passes (median):
 The random 8B Llama shape is built on the GPU with transformers when --model does not exist.
 Stages run in priority order within --budget seconds; a stage that would not fit is reported as
 skipped, one that fails as failed (its error in the JSON), and the rest still run. The table
-(table.md), the records (storage.json) and a plot (storage.png) go to --out.
+(table.md), the records (storage.json) and a plot (storage.png) go to --out; with --profile also
+profile.md (each datagen pass: steps, GPU time of the forward and of the capture, GPU idle time,
+gaps between steps, the driver's calls). One table over several device calls (each at most 10
+minutes): the same --work with --merge and --only (the stage labels) on the warm machine.
 """
 
 from __future__ import annotations
@@ -72,8 +75,8 @@ def _sync() -> None:
 
 
 def _plan(cfg: dict, out: Path, storage: str = "bfloat16", group: int = 1, tp: int = 1):
-    from datagen.extract import plan
-    from datagen.spec import parse_spec
+    from datagen.data.spec import parse_spec
+    from datagen.steps.extract import plan
 
     return plan(parse_spec({"model": cfg["model"], "dataset": cfg["data"], "out": str(out),
                             "layer_ids": cfg["layers"], "max_seq_len": cfg["row_len"] + 8,
@@ -89,7 +92,7 @@ def stage_model(args) -> dict:
     if Path(cfg["model"], "config.json").exists():
         return {"built": False}
     if args.smoke:
-        from datagen.tiny import TinyArch, make_model
+        from datagen.models.tiny import TinyArch, make_model
 
         make_model(cfg["model"], arch=TinyArch.LLAMA, num_layers=6, with_tokenizer=False)
         return {"built": True}
@@ -102,7 +105,7 @@ def stage_model(args) -> dict:
 
 def stage_disk(args) -> dict:
     """The volume's direct-write speed: dd, then the shard writer's own write (hash + O_DIRECT)."""
-    from datagen.shards import _Buffer, write_image
+    from datagen.data.shards import _Buffer, write_image
 
     cfg = _cfg(args)
     work = Path(cfg["out_dir"])
@@ -176,11 +179,12 @@ def stage_plain(args) -> dict:
 def stage_datagen(args) -> dict:
     """The real engine over fresh output directories; per-shard and streamed passes alternate."""
     from datagen.engines.vllm_engine import VllmEngine
-    from datagen.extract import build_job, claim_output, write_manifest
+    from datagen.steps.extract import build_job, claim_output, write_manifest
 
     cfg = _cfg(args)
     root = Path(cfg["out_dir"])
     storage = args.storage
+    os.environ.setdefault("DATAGEN_GPU_STEP_TIMES", "1")  # the worker's trace times each step on the GPU too
     p0 = _plan(cfg, root / "warm", storage, tp=args.tp)
     t0 = time.time()
     eng = VllmEngine(p0.info, layer_ids=p0.layer_ids, dtype="bfloat16", max_seq_len=p0.spec.max_seq_len,
@@ -194,6 +198,7 @@ def stage_datagen(args) -> dict:
     shutil.rmtree(root / "warm", ignore_errors=True)
     groups = [int(g) for g in args.groups.split(",")]
     res: dict = {"engine_start_s": start, "storage": storage, "by_group": {}}
+    clock = DriverClock(eng)
     for i in range(cfg["passes"]):
         for g in groups:
             out = root / f"ds-{g}-{i}"
@@ -201,14 +206,16 @@ def stage_datagen(args) -> dict:
             claim_output(p)
             eng.shard_group = g
             eng._last_index = -2  # noqa: SLF001 (a new run: its first shard starts a group)
+            clock.take()
             t0 = time.time()
             for k in range(p.num_shards):
                 eng.submit(build_job(p, k))
             records = {r.index: r for r in eng.finish()}
             dt = time.time() - t0
+            driver = clock.take()
             write_manifest(p, records)
             r = res["by_group"].setdefault(str(g), {"tokens_per_s": [], "bytes_per_s": [], "bytes": 0, "steps": []})
-            r["steps"].append(step_profile(eng, t0, dt))
+            r["steps"].append(step_profile(eng, t0, dt, driver))
             r["tokens_per_s"].append(cfg["rows"] * cfg["row_len"] / dt)
             r["bytes_per_s"].append(sum(x.bytes for x in records.values()) / dt)
             r["bytes"] = sum(x.bytes for x in records.values())
@@ -217,18 +224,59 @@ def stage_datagen(args) -> dict:
     return res
 
 
-def step_profile(eng, t0: float, wall: float) -> dict:
-    """Where a pass's wall time went, from the worker's step trace (datagen_step_trace)."""
+def step_profile(eng, t0: float, wall: float, driver: dict | None = None) -> dict:
+    """Where a pass's wall time went: the worker's step trace (datagen_step_trace: CPU time of each
+    step's execute_model and of the capture, GPU time of the forward and of the capture's kernels)
+    and the driver's own time (adding requests, stepping, the write RPCs, the wait for the writers)."""
     trace = next((t for t in eng.llm.collective_rpc("datagen_step_trace") if t is not None), [])
     if not trace:
         return {}
-    busy = sum(e - s for s, e, _ in trace)
-    gaps = sorted(b[0] - a[1] for a, b in zip(trace, trace[1:]))
-    return {"steps": len(trace), "tokens_per_step": statistics.mean(n for _, _, n in trace),
-            "in_steps_s": busy, "between_steps_s": sum(gaps), "wall_s": wall,
-            "gap_ms_median": 1e3 * gaps[len(gaps) // 2] if gaps else 0.0,
-            "gap_ms_max": 1e3 * gaps[-1] if gaps else 0.0,
-            "gaps_over_5ms": sum(1 for x in gaps if x > 0.005)}
+    gaps = sorted(b[0] - a[3] for a, b in zip(trace, trace[1:]))
+    gpu_fwd = [x[4] for x in trace if x[4] is not None]
+    gpu_cap = [x[5] for x in trace if x[5] is not None]
+    out = {"steps": len(trace), "tokens_per_step": statistics.mean(x[2] for x in trace),
+           "full_steps": sum(1 for x in trace if x[2] >= ENGINE["max_num_batched_tokens"]),
+           "execute_model_cpu_s": sum(x[1] - x[0] for x in trace), "capture_cpu_s": sum(x[3] - x[1] for x in trace),
+           "between_steps_s": sum(gaps), "first_to_last_step_s": trace[-1][3] - trace[0][0], "wall_s": wall,
+           "gap_ms_median": 1e3 * gaps[len(gaps) // 2] if gaps else 0.0,
+           "gap_ms_max": 1e3 * gaps[-1] if gaps else 0.0,
+           "gaps_over_5ms": sum(1 for x in gaps if x > 0.005)}
+    if gpu_fwd:
+        out.update(gpu_forward_s=sum(gpu_fwd) / 1e3, gpu_capture_s=sum(gpu_cap) / 1e3,
+                   gpu_forward_ms_per_full_step=_med([x[4] for x in trace if x[2] >= ENGINE["max_num_batched_tokens"]]),
+                   gpu_forward_ms_per_step=[round(x[4], 2) for x in trace],
+                   tokens_each_step=[x[2] for x in trace])
+    if driver:
+        out["driver"] = dict(driver)
+    return out
+
+
+class DriverClock:
+    """Wall time of the driver's calls into the engine during a pass (wraps the instance's methods)."""
+
+    def __init__(self, eng):
+        self.t = {"add_request_s": 0.0, "engine_step_s": 0.0, "write_rpc_s": 0.0, "finish_wait_s": 0.0}
+        core = eng.llm.llm_engine
+        self._wrap(core, "add_request", "add_request_s")
+        self._wrap(core, "step", "engine_step_s")
+        self._wrap(eng, "_write", "write_rpc_s")
+        self._wrap(eng, "_collect", "finish_wait_s")
+
+    def _wrap(self, obj, name: str, key: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.t[key] += time.perf_counter() - t0
+
+        setattr(obj, name, timed)
+
+    def take(self) -> dict:
+        out, self.t = self.t, dict.fromkeys(self.t, 0.0)
+        return out
 
 
 def stage_connector(args) -> dict:
@@ -289,7 +337,7 @@ def stage_connector(args) -> dict:
 
 def stage_hf(args) -> dict:
     from datagen.engines.hf import HFEngine
-    from datagen.extract import build_job, claim_output
+    from datagen.steps.extract import build_job, claim_output
 
     cfg = _cfg(args)
     out = Path(cfg["out_dir"]) / "hf"
@@ -322,31 +370,39 @@ STAGES = {"model": stage_model, "disk": stage_disk, "plain": stage_plain, "datag
 # --- the driver ---------------------------------------------------------------------------------
 
 def plan_stages(args, gpus: int) -> list[tuple[str, list[str], dict, float]]:
-    """(label, stage argv, environment, expected seconds) in priority order."""
+    """(label, stage argv, environment, expected seconds) in priority order (also the table's order).
+    Expected seconds are those measured on the H200 (the first engine start reads the weights)."""
     eager = {"DATAGEN_ENFORCE_EAGER": "1"}
     compiled = {"DATAGEN_ENFORCE_EAGER": "0"}
-    every = f"1,{args.rows // args.per_shard}"
+    streamed = str(args.rows // args.per_shard)
+    every = streamed if args.streamed_only else f"1,{streamed}"
     s = 1 if args.smoke else 1.0
     out = [
-        ("model", ["model"], {}, 60 * s),
+        ("model", ["model"], {}, 35 * s),
         ("disk", ["disk"], {}, 15 * s),
-        ("plain eager", ["plain"], eager, 45 * s),
-        ("datagen bf16 eager", ["datagen", "--storage", "bfloat16", "--groups", every], eager, 75 * s),
-        ("datagen fp8 eager", ["datagen", "--storage", "fp8_e4m3", "--groups", every.split(",")[1]], eager, 45 * s),
-        ("transformers", ["hf"], {}, 30 * s),
-        ("connector eager", ["connector"], eager, 50 * s),
-        ("plain compiled", ["plain"], compiled, 100 * s),
-        ("datagen bf16 compiled", ["datagen", "--storage", "bfloat16", "--groups", every.split(",")[1]], compiled,
-         110 * s),
+        ("transformers", ["hf"], {}, 25 * s),
+        ("plain eager", ["plain"], eager, 60 * s),
+        ("datagen bf16 eager", ["datagen", "--storage", "bfloat16", "--groups", every], eager, 110 * s),
+        ("datagen fp8 eager", ["datagen", "--storage", "fp8_e4m3", "--groups", streamed], eager, 75 * s),
+        ("connector eager", ["connector"], eager, 70 * s),
+        ("plain compiled", ["plain"], compiled, 110 * s),
+        ("datagen bf16 compiled", ["datagen", "--storage", "bfloat16", "--groups", streamed], compiled, 120 * s),
+        ("datagen fp8 compiled", ["datagen", "--storage", "fp8_e4m3", "--groups", streamed], compiled, 110 * s),
     ]
-    if gpus >= 2:
-        out += [("plain eager tp2", ["plain", "--tp", "2"], eager, 50 * s),
-                ("datagen bf16 eager tp2", ["datagen", "--storage", "bfloat16", "--groups", every.split(",")[1],
-                                            "--tp", "2"], eager, 60 * s)]
+    if gpus >= 2 or args.smoke:
+        out += [("plain eager tp2", ["plain", "--tp", "2"], eager, 55 * s),
+                ("datagen bf16 eager tp2", ["datagen", "--storage", "bfloat16", "--groups", streamed, "--tp", "2"],
+                 eager, 70 * s)]
+    if args.smoke and gpus < 2:
+        out = [x for x in out if "tp2" not in x[0]]
     if args.only:
         keep = set(args.only.split(","))
         out = [x for x in out if x[0] in keep or x[0] == "model"]
     return out
+
+
+ORDER = ["model", "disk", "transformers", "plain eager", "datagen bf16 eager", "datagen fp8 eager", "connector eager",
+         "plain compiled", "datagen bf16 compiled", "datagen fp8 compiled", "plain eager tp2", "datagen bf16 eager tp2"]
 
 
 def run_all(args) -> None:
@@ -370,11 +426,27 @@ def run_all(args) -> None:
     except Exception:  # noqa: BLE001
         gpus, device = 0, "cpu"
     t_start = time.time()
-    results: dict = {"config": cfg, "device": device, "gpus": gpus, "stages": {}}
+    results: dict = {"config": cfg, "device": device, "gpus": gpus, "stages": {}, "calls": []}
+    state = work / "storage-results.json"  # every stage so far: --merge adds this run's stages to it
+    if args.merge and state.exists():
+        prev = json.loads(state.read_text())
+        if prev["config"] != cfg:
+            raise SystemExit(f"--merge: {state} was made with another configuration")
+        results["stages"], results["calls"] = prev["stages"], prev.get("calls", [])
+    results["calls"].append({"argv": sys.argv[1:], "stages": []})
+
+    def save() -> None:
+        results["stages"] = {k: results["stages"][k] for k in sorted(
+            results["stages"], key=lambda k: ORDER.index(k) if k in ORDER else len(ORDER))}
+        for path in (state, out / "storage.json"):
+            path.write_text(json.dumps(results, indent=1))
     for label, argv, env, expect in plan_stages(args, gpus):
+        if args.skip_done and label != "model" and results["stages"].get(label, {}).get("status") == "ok":
+            continue
         left = args.budget - (time.time() - t_start)
         if label != "model" and expect > left:
-            results["stages"][label] = {"status": "skipped", "why": f"expected {expect:.0f} s, {left:.0f} s left"}
+            if results["stages"].get(label, {}).get("status") != "ok":  # keeps an earlier run's record
+                results["stages"][label] = {"status": "skipped", "why": f"expected {expect:.0f} s, {left:.0f} s left"}
             print(f"[{time.time() - t_start:6.1f}s] {label}: skipped ({left:.0f} s left)", flush=True)
             continue
         rec = work / f"stage-{label.replace(' ', '_')}.json"  # only three files go to --out
@@ -391,18 +463,23 @@ def run_all(args) -> None:
             tail = (proc.stderr or "")[-6000:]
             r = {"status": "failed", "seconds": dt, "exit": proc.returncode, "error": tail}
         results["stages"][label] = r
-        (out / "storage.json").write_text(json.dumps(results, indent=1))
+        results["calls"][-1]["stages"].append(label)
+        save()
         print(f"[{time.time() - t_start:6.1f}s] {label}: {r['status']} in {dt:.0f} s "
               f"{summary(label, r)}", flush=True)
         if r["status"] == "failed":
             print("   " + "\n   ".join(r["error"].splitlines()[-6:]), flush=True)
-    results["seconds"] = time.time() - t_start
-    (out / "storage.json").write_text(json.dumps(results, indent=1))
+    results["calls"][-1]["seconds"] = time.time() - t_start
+    results["seconds"] = sum(c.get("seconds", 0) for c in results["calls"])
+    save()
     table = render(results)
     (out / "table.md").write_text(table + "\n")
     print(table, flush=True)
     plot(results, out / "storage.png")
     shutil.rmtree(cfg["out_dir"], ignore_errors=True)
+    if args.profile:
+        (out / "profile.md").write_text(profile_md(results) + "\n")
+        print(profile_md(results), flush=True)
 
 
 def _med(x) -> float | None:
@@ -443,7 +520,7 @@ def rows_of(results: dict) -> list[dict]:
                     for g, v in r["by_group"].items()] if "by_group" in r else [(label, r)]
         for name, v in variants:
             tps = _med(v["tokens_per_s"])
-            row = {"variant": name, "status": "ok", "tokens_per_s": tps,
+            row = {"variant": name, "status": "ok", "tokens_per_s": tps, "plain": base,
                    "vs_plain": (base / tps) if base and tps and not label.startswith("plain") else None}
             if v.get("bytes_per_s"):
                 row["gb_per_s"] = _med(v["bytes_per_s"]) / 1e9
@@ -467,20 +544,54 @@ def render(results: dict) -> str:
              "| --- | --- | --- | --- | --- | --- |"]
     st = results["stages"]
     dd = (st.get("disk", {}).get("dd_bytes_per_s") or 0)
-    plain_eager = _med(st.get("plain eager", {}).get("tokens_per_s") or [])
     for r in rows_of(results):
         if r["status"] != "ok":
             lines.append(f"| {r['variant']} | {r['status']}: {r.get('why') or ''} | | | | |")
             continue
         goal = ""
-        if r.get("bytes_per_token") and plain_eager and dd:
-            bound = min(plain_eager, dd / r["bytes_per_token"])
+        plain = r.get("plain")
+        if r.get("bytes_per_token") and plain and dd:
+            bound = min(plain, dd / r["bytes_per_token"])
             goal = f"{0.95 * bound:,.0f} tok/s: {'met' if r['tokens_per_s'] >= 0.95 * bound else 'not met'}"
         lines.append("| {} | {} | {} | {} | {} | {} |".format(
             r["variant"], f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "",
             f"{r['vs_plain']:.3f}x" if r.get("vs_plain") else "",
             f"{r['gb_per_s']:.2f}" if r.get("gb_per_s") else "",
             f"{r['bytes_per_token']:,.0f}" if r.get("bytes_per_token") else "", goal))
+    return "\n".join(lines)
+
+
+def profile_md(results: dict) -> str:
+    """Per datagen variant, its median pass (by wall time): where the time went."""
+    cfg = results["config"]
+    tokens = cfg["rows"] * cfg["row_len"]
+    st = results["stages"]
+    lines = ["| variant | wall s | plain s | steps (full) | tokens/step | GPU forward s | GPU capture s | GPU idle s "
+             "| before first / after last step s | between steps s (median gap ms) | execute_model + capture CPU s "
+             "| driver: step / add / write RPC / final wait s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for label, r in st.items():
+        if r.get("status") != "ok" or "by_group" not in r:
+            continue
+        mode = "eager tp2" if "tp2" in label else "compiled" if "compiled" in label else "eager"
+        plain = _med(st.get(f"plain {mode}", {}).get("tokens_per_s") or [])
+        for g, v in r["by_group"].items():
+            passes = [x for x in v["steps"] if x]
+            if not passes:
+                continue
+            x = sorted(passes, key=lambda q: q["wall_s"])[len(passes) // 2]
+            d = x.get("driver", {})
+            fwd, cap = x.get("gpu_forward_s"), x.get("gpu_capture_s")
+            idle = x["wall_s"] - fwd - cap if fwd is not None else None
+            f = (lambda q: f"{q:.2f}" if q is not None else "")
+            lines.append(" | ".join([
+                f"| {label}, group {g}", f(x["wall_s"]), f(tokens / plain if plain else None),
+                f"{x['steps']} ({x.get('full_steps', '')})", f"{x['tokens_per_step']:,.0f}", f(fwd), f(cap), f(idle),
+                f(x["wall_s"] - x["first_to_last_step_s"]),
+                f"{x['between_steps_s']:.2f} ({x['gap_ms_median']:.1f})",
+                f"{x['execute_model_cpu_s']:.2f} + {x['capture_cpu_s']:.2f}",
+                " / ".join(f(d.get(k)) for k in ("engine_step_s", "add_request_s", "write_rpc_s", "finish_wait_s")),
+            ]) + " |")
     return "\n".join(lines)
 
 
@@ -533,6 +644,13 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for all stages (a stage that would not "
                     "fit is skipped)")
     ap.add_argument("--only", help="comma-separated stage labels")
+    ap.add_argument("--merge", action="store_true", help="add this run's stages to those of earlier runs with the "
+                    "same --work and configuration (one table over several device calls)")
+    ap.add_argument("--streamed-only", action="store_true", help="datagen bf16 eager: the streamed pass alone "
+                    "(no shard_group 1 passes)")
+    ap.add_argument("--skip-done", action="store_true", help="with --merge: leave out the stages already measured")
+    ap.add_argument("--profile", action="store_true", help="also write profile.md: where each datagen pass's "
+                    "time went (steps, GPU time of forward and capture, gaps, driver calls)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, few rows: every code path on any machine")
     args = ap.parse_args()
     if args.cmd == "stage":

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import abc
 
-from datagen.contract import ShardRecord
-from datagen.shards import ShardJob
+from datagen.data.contract import ShardRecord
+from datagen.data.shards import ShardJob
 
 
 class Engine(abc.ABC):

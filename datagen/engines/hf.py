@@ -12,10 +12,10 @@ import logging
 
 import torch
 
-from datagen.contract import ShardRecord
+from datagen.data.contract import ShardRecord
+from datagen.data.shards import TORCH_DTYPES, ShardJob, write_shard
 from datagen.engines.base import Engine
 from datagen.errors import ModelError
-from datagen.shards import TORCH_DTYPES, ShardJob, write_shard
 
 log = logging.getLogger(__name__)
 

@@ -18,13 +18,13 @@ import os
 from pathlib import Path
 
 from datagen import settings
-from datagen.contract import ShardRecord
+from datagen.data.contract import ShardRecord
+from datagen.data.shards import ShardJob
+from datagen.data.spec import MlaBackend
 from datagen.engines import patches
 from datagen.engines.base import Engine
 from datagen.errors import CannotRunHereError, EngineUnsupportedError, ModelError, SpecError, StorageError
-from datagen.modelinfo import ModelInfo
-from datagen.shards import ShardJob
-from datagen.spec import MlaBackend
+from datagen.models.modelinfo import ModelInfo
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from datagen.shards import FP8, TORCH_DTYPES, ShardJob, fp8_token_stats, quantize_fp8, token_stats, write_shard
+from datagen.data.shards import (
+    FP8,
+    TORCH_DTYPES,
+    ShardJob,
+    fp8_token_stats,
+    quantize_fp8,
+    token_stats,
+    write_shard,
+)
 
 log = logging.getLogger("datagen.engines.vllm_worker")
 
@@ -67,7 +75,9 @@ class _Capture:
         self.cuda = runner.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=runner.device) if self.cuda else None
         self.steps = 0
-        # (start, end, tokens) of each engine step, for profiles (datagen_step_trace); bounded
+        # each engine step, for profiles (datagen_step_trace); bounded: (start, end of the model
+        # runner's execute_model, tokens, end of the capture's own work, CUDA events before the
+        # forward, after it and after the capture's kernels when DATAGEN_GPU_STEP_TIMES=1, else None)
         self.trace: collections.deque = collections.deque(maxlen=1 << 16)
         self.jobs: queue.Queue = queue.Queue(maxsize=2 * WRITERS)
         self.done: list[dict] = []
@@ -230,14 +240,27 @@ def _enable_capture(runner) -> None:
     runner._datagen_capture = capture  # noqa: SLF001
     original = runner.execute_model
 
+    timed = capture.cuda and os.environ.get("DATAGEN_GPU_STEP_TIMES") == "1"  # profiles only (bench/gpu)
+
+    def event():
+        if not timed:
+            return None
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
     @functools.wraps(original)
     def execute_model(scheduler_output, *args, **kwargs):
+        e0 = event()
         t0 = time.perf_counter()
         out = original(scheduler_output, *args, **kwargs)
-        capture.trace.append((t0, time.perf_counter(), int(scheduler_output.total_num_scheduled_tokens)))
+        t1 = time.perf_counter()
+        e1 = event()
         state = getattr(runner, "execute_model_state", None)
         if state is not None:
             capture.on_step(state.scheduler_output, state.aux_hidden_states)
+        capture.trace.append((t0, t1, int(scheduler_output.total_num_scheduled_tokens), time.perf_counter(),
+                              e0, e1, event()))
         return out
 
     runner.execute_model = execute_model
@@ -297,11 +320,19 @@ class CaptureExtension:
         return None if capture is None else capture.collect(wait)
 
     def datagen_step_trace(self) -> list | None:
-        """(start, end, tokens) of the engine steps since the last call (rank 0), for profiles."""
+        """The engine steps since the last call (rank 0), for profiles: (start, end of execute_model,
+        tokens, end of the capture, GPU ms of the forward, GPU ms of the capture's kernels); the
+        times are this process's perf_counter, the GPU times None unless
+        DATAGEN_GPU_STEP_TIMES=1 (CUDA)."""
         capture = self._datagen()
         if capture is None:
             return None
-        out = list(capture.trace)
+        out = []
+        for t0, t1, n, t2, e0, e1, e2 in capture.trace:
+            if e0 is not None:
+                e2.synchronize()
+            gpu = (e0.elapsed_time(e1), e1.elapsed_time(e2)) if e0 is not None else (None, None)
+            out.append((t0, t1, n, t2, *gpu))
         capture.trace.clear()
         return out
 

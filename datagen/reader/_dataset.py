@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from pydantic import ValidationError
 
-from datagen.contract import FORMAT_VERSION, MANIFEST_NAME, Manifest
+from datagen.data.contract import FORMAT_VERSION, MANIFEST_NAME, Manifest
 from datagen.errors import DatasetError
 from datagen.reader._shards import (
     FP8_CODES, ST_DTYPES, STORAGE_CODES, Expected, OpenShard, open_shard, verify_content,

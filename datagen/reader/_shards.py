@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from datagen.contract import ShardRecord
+from datagen.data.contract import ShardRecord
 from datagen.errors import ValidationFailed
 from datagen.reader._store import FileInfo, Store
 

@@ -117,10 +117,10 @@ class LocalStore:
 
 
 class S3Store:
-    """A dataset under an S3 prefix, read with ranged GETs through ``datagen.s3``."""
+    """A dataset under an S3 prefix, read with ranged GETs through ``datagen.storage.s3``."""
 
     def __init__(self, uri: str) -> None:
-        from datagen.sources import parse_s3_uri
+        from datagen.storage.sources import parse_s3_uri
 
         self.location = parse_s3_uri(uri)
         self.uri = self.location.uri
@@ -135,13 +135,13 @@ class S3Store:
     def client(self):
         with self._lock:
             if self._client is None or self._pid != os.getpid():
-                from datagen import s3
+                from datagen.storage import s3
 
                 self._client, self._pid = s3.make_client(), os.getpid()
             return self._client
 
     def read_text(self, rel: str) -> bytes:
-        from datagen import s3
+        from datagen.storage import s3
 
         if s3.head_object(self.client(), self.location.bucket, self._key(rel)) is None:
             raise DatasetError(f"no {rel}: the dataset is incomplete or not a datagen dataset", path=self.uri,
@@ -149,7 +149,7 @@ class S3Store:
         return s3.get_bytes(self.client(), self.location.bucket, self._key(rel))
 
     def info(self, rel: str) -> FileInfo:
-        from datagen import s3
+        from datagen.storage import s3
 
         got = s3.head_object(self.client(), self.location.bucket, self._key(rel))
         if got is None:
@@ -158,12 +158,12 @@ class S3Store:
         return FileInfo(size=got.size, etag=got.etag, sha256=got.sha256)
 
     def read(self, rel: str, start: int, end: int, *, etag: str | None = None) -> bytes:
-        from datagen import s3
+        from datagen.storage import s3
 
         return s3.get_range(self.client(), self.location.bucket, self._key(rel), start=start, end=end, etag=etag)
 
     def sha256(self, rel: str, *, etag: str | None = None) -> str:
-        from datagen import s3
+        from datagen.storage import s3
 
         return s3.sha256_object(self.client(), self.location.bucket, self._key(rel), etag=etag)
 

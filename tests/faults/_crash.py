@@ -38,7 +38,7 @@ from pathlib import Path
 
 import psutil
 
-from datagen.contract import MANIFEST_NAME, STATE_DIR
+from datagen.data.contract import MANIFEST_NAME, STATE_DIR
 from tests.builders import REPO, datagen_cmd
 
 MODES = ("startup", "plan", "engine", "mid-write", "rename", "mid-shard", "finalize")

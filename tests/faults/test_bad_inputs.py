@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from datagen.contract import MANIFEST_NAME
+from datagen.data.contract import MANIFEST_NAME
 from datagen.errors import EXIT_BAD_INPUT, EXIT_CANNOT_RUN_HERE, EXIT_OK, EXIT_VALIDATION, SpecError
 from tests.builders import REPO, datagen_cmd, result_of, run_datagen, token_rows, write_jsonl
 from tests.faults._refusal import assert_refused, run_cli, tree
@@ -326,7 +326,7 @@ def test_a_dataset_changed_while_it_is_read_gets_the_fingerprint_of_what_was_rea
                                                                                  case):
     """Regression: the fingerprint used to come from a second read of the file, so a change
     between the two reads gave the manifest the sha256 of content no shard was made from."""
-    from datagen import dataset as ds_module
+    from datagen.data import dataset as ds_module
 
     data = write_jsonl(tmp_path / "rows.jsonl", GOOD_ROWS)
     original = data.read_bytes()
@@ -493,9 +493,9 @@ OUTPUT_REFUSALS = {
 
 
 def _apply(monkeypatch, change: str | None) -> None:
-    from datagen import extract
     from datagen.engines import patches
     from datagen.errors import EngineUnsupportedError, ModelError
+    from datagen.steps import extract
 
     if change == "vllm_0.99":
         monkeypatch.setattr(patches, "installed_vllm_version", lambda: "0.99.0")
@@ -719,7 +719,7 @@ PIPELINE_CASES = {
 
 @pytest.mark.parametrize("name", list(PIPELINE_CASES))
 def test_a_bad_pipeline_spec_is_refused_naming_the_field(tiny_llama, rows, tmp_path, case, name):
-    from datagen.pipeline_spec import parse_pipeline_spec
+    from tasks.pipeline_spec import parse_pipeline_spec
 
     changes, message = PIPELINE_CASES[name]
     raw = {"model": str(tiny_llama), "dataset": str(rows), "output": str(tmp_path / "out"), **changes}

@@ -19,7 +19,7 @@ import uuid
 import numpy as np
 import pytest
 
-from datagen.contract import MANIFEST_NAME
+from datagen.data.contract import MANIFEST_NAME
 from tests.builders import token_rows, write_jsonl
 from tests.faults._crash import Campaign, measure_reference, read_reference, schedule, stored_rows
 from tests.faults._results import CaseRecord

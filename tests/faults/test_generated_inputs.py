@@ -20,8 +20,8 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from datagen.contract import MANIFEST_NAME
-from datagen.dataset import ROLES
+from datagen.data.contract import MANIFEST_NAME
+from datagen.data.dataset import ROLES
 from datagen.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_VALIDATION
 from tests.builders import write_jsonl
 from tests.faults._refusal import assert_refused, run_cli, tree
@@ -45,7 +45,7 @@ GOOD_ROW = {"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]}
 ABSENT = object()
 
 
-# --- oracles: what the contract (README, datagen.dataset's docstring) says is a valid row ---------
+# --- oracles: what the contract (README, datagen.data.dataset's docstring) says is a valid row ---------
 
 def _ints(v) -> bool:
     return isinstance(v, list) and all(type(t) is int for t in v)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from datagen.contract import MANIFEST_NAME
+from datagen.data.contract import MANIFEST_NAME
 from datagen.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_VALIDATION
 from tests.builders import write_jsonl
 from tests.faults._refusal import assert_refused, run_cli
@@ -151,10 +151,10 @@ def rows_file(tmp_path) -> Path:
 
 
 def test_mirror_keys_leading_out_of_the_model_cache_are_refused(monkeypatch, case):
-    from datagen import s3 as s3mod
     from datagen.errors import DatagenError
-    from datagen.s3_mirror import list_mirror
-    from datagen.sources import parse_s3_uri
+    from datagen.storage import s3 as s3mod
+    from datagen.storage.s3_mirror import list_mirror
+    from datagen.storage.sources import parse_s3_uri
 
     source = parse_s3_uri("s3://mirror/models/tiny")
     # what an S3 listing returns for keys the server allows (AWS does): prefix + "/" + rel
@@ -267,7 +267,7 @@ def test_a_model_asking_for_its_own_code_never_runs_it_unless_allowed(tiny_llama
 
 
 def test_validate_never_runs_model_code_because_a_manifest_says_so(tiny_llama, rows_file, tmp_path, marker, case):
-    from datagen.spec import canonical_json, sha256_hex
+    from datagen.data.spec import canonical_json, sha256_hex
 
     model = _evil_model(tiny_llama, tmp_path / "model", architecture="LlamaForCausalLM")
     out = tmp_path / "ds"

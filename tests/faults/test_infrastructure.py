@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from datagen.contract import MANIFEST_NAME
+from datagen.data.contract import MANIFEST_NAME
 from datagen.errors import EXIT_TRANSIENT
 from tests.builders import REPO, datagen_cmd, result_of, run_datagen, token_rows, write_jsonl
 from tests.faults.conftest import full_campaign

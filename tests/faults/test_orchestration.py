@@ -21,7 +21,7 @@ import httpx
 import pytest
 import yaml
 
-from datagen.contract import MANIFEST_NAME
+from datagen.data.contract import MANIFEST_NAME
 from tests.builders import REPO, run_datagen
 from tests.faults.conftest import full_campaign
 from tests.support.prefect_server import Process, PrefectServer, flow_run_id, start_server
@@ -40,15 +40,15 @@ SPEC = {"engine": {"name": ENGINE, "max_num_batched_tokens": 512}, "samples_per_
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory, tiny_llama) -> dict:
-    from datagen.tiny import make_chat_dataset
+    from datagen.models.tiny import make_chat_dataset
 
     root = tmp_path_factory.mktemp("orchestration-inputs")
     rows = make_chat_dataset(root / "rows.jsonl", rows=2 * SHARDS, seed=11)
     ref = root / "reference"
     # the flow extracts with the revision its download step resolved (for a local directory: its
     # content fingerprint), which is part of every shard key: the reference uses the same
-    from datagen.download import run as download
-    from datagen.sources import parse_sources_spec
+    from datagen.steps.download import run as download
+    from datagen.storage.sources import parse_sources_spec
 
     revision = download(parse_sources_spec({"model": str(tiny_llama), "out": str(ref)})).resolved_revision
     args = ["extract", "--model", str(tiny_llama), "--model-revision", revision, "--dataset", str(rows),

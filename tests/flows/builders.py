@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from datagen.pipeline_spec import PipelineSpec
-from datagen.tiny import make_chat_dataset
+from datagen.models.tiny import make_chat_dataset
+from tasks.pipeline_spec import PipelineSpec
 
 
 def pipeline_spec(*, model: Path, dataset: Path, output: Path, **overrides) -> PipelineSpec:

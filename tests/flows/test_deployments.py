@@ -3,9 +3,9 @@ limits and the training trigger are what the docs say."""
 
 from __future__ import annotations
 
-from datagen.pipeline_spec import PipelineSpec
 from flows._deployments import deployment_parameters, deployments
 from tasks.handoff import EVENT_READY, RESOURCE_PREFIX
+from tasks.pipeline_spec import PipelineSpec
 
 
 def test_the_kimi_deployment_is_kimi_k2_5_at_a_pinned_revision_on_eight_gpus():
@@ -33,7 +33,7 @@ def test_the_tiny_deployment_is_the_embedded_default():
 
 
 def test_the_demo_makes_the_model_where_the_tiny_deployment_reads_it():
-    from datagen.demo import tiny_spec
+    from flows.demo import tiny_spec
 
     assert tiny_spec() == deployment_parameters("tiny")["spec"]
 
@@ -49,7 +49,7 @@ def test_the_range_deployment_runs_the_extract_shards_flow_on_the_gpu_pool():
     gpu = deployments()["gpu"]
     assert gpu["entrypoint"] == "flows/extract_shards.py:extract_shards"
     assert gpu["work_pool"]["name"] == "gpu"
-    from datagen.pipeline_spec import DEFAULT_RANGE_DEPLOYMENT
+    from tasks.pipeline_spec import DEFAULT_RANGE_DEPLOYMENT
 
     assert DEFAULT_RANGE_DEPLOYMENT == "extract-shards/gpu"
 

@@ -48,7 +48,7 @@ def project(tmp_path_factory) -> Path:
     """prefect.yaml and a copy of the code (the images are tagged by the code's content: a copy
     keeps the tags the worker resolves equal to the ones built, whatever changes in the checkout
     meanwhile); the tiny Kimi-K2.5 model and chat dataset where the deployment reads them."""
-    from datagen.kimi_mini import prepare
+    from flows.kimi_mini import prepare
 
     root = tmp_path_factory.mktemp("kimi-project")
     for name in ("flows", "tasks", "datagen", "images", "requirements"):
@@ -74,7 +74,7 @@ def images(project):
 @pytest.fixture(scope="module")
 def s3(images, project, tmp_path_factory):
     """SeaweedFS on the Docker bridge, with the deployment's buckets and the model's mirror."""
-    from datagen.kimi_mini import kimi_mini_spec
+    from flows.kimi_mini import kimi_mini_spec
 
     _skip_without_weed()
     server = S3Server(tmp_path_factory.mktemp("kimi-s3"), ip=_bridge_ip())
@@ -141,7 +141,7 @@ def test_the_kimi_mini_run_completes_in_containers_from_the_s3_mirror(finished_r
 def test_chat_rows_went_through_the_tiktoken_tokenizer_and_kimis_template(finished_run, project):
     from transformers import AutoTokenizer
 
-    from datagen.dataset import tokenizer_fingerprint
+    from datagen.data.dataset import tokenizer_fingerprint
 
     dataset = project / "out" / "kimi-mini"
     manifest = json.loads((dataset / "manifest.json").read_text())
@@ -173,7 +173,7 @@ def test_the_dataset_was_published_to_s3_and_triggered_training(finished_run, pr
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from datagen.kimi_mini import kimi_mini_spec
+    from flows.kimi_mini import kimi_mini_spec
 
     bucket, prefix = _bucket_and_prefix(kimi_mini_spec(project)["publish_to"])
     local = json.loads((project / "out" / "kimi-mini" / "manifest.json").read_text())

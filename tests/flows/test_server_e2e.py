@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
     """A project directory: prefect.yaml, links to the code, the tiny model and dataset."""
-    from datagen.demo import prepare
+    from flows.demo import prepare
 
     root = tmp_path_factory.mktemp("project")
     for name in ("flows", "tasks", "datagen", "images"):

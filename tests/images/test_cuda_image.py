@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from datagen import env_check
-from datagen.accelerators import Accelerators, ProbeSource
+from datagen.engines.accelerators import Accelerators, ProbeSource
 from datagen.engines.releases import CUDA_VLLM_RELEASE, TESTED_VLLM_VERSIONS
-from datagen.env_check import Status
 from datagen.errors import EXIT_CANNOT_RUN_HERE, SpecError
-from datagen.sources import parse_sources_spec
+from datagen.steps import env_check
+from datagen.steps.env_check import Status
+from datagen.storage.sources import parse_sources_spec
 from images.base import ENGINE_BASE
 from images.lock_cuda import LOCK, check_lock, lock_text, roots
 from images.requirements import read_lock
@@ -240,7 +240,7 @@ def test_the_image_holds_exactly_the_lock(cuda_image):
 
 @pytest.mark.docker
 def test_env_check_in_the_image_says_no_gpu_is_visible(cuda_image, tmp_path):
-    from datagen.tiny import TinyArch, make_model
+    from datagen.models.tiny import TinyArch, make_model
     from tasks.docker_runner import DockerRunner
     from tasks.runners import Mount, StepInvocation
 

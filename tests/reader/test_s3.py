@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from datagen import publish
 from datagen.errors import StorageError
 from datagen.reader import ShardRefused, Verify, open_dataset
+from datagen.steps import publish
 from tests.support.fake_dataset import approve
 from tests.support.s3server import s3_env, s3_server, upload_tree  # noqa: F401  (fixtures)
 from tests.support.synthetic_shards import make_synthetic_dataset

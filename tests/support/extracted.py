@@ -28,8 +28,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from datagen.contract import MANIFEST_NAME
-from datagen.shards import combine_stats, layer_stats
+from datagen.data.contract import MANIFEST_NAME
+from datagen.data.shards import combine_stats, layer_stats
 
 ROWS_PER_SHARD = 8
 EQUAL_LENGTH_ROWS = (24, 26)
@@ -50,9 +50,9 @@ def _extra_rows() -> list[dict]:
 
 
 def _build(base: Path) -> Path:
-    from datagen import extract
-    from datagen.spec import parse_spec
-    from datagen.tiny import TinyArch, make_chat_dataset, make_model
+    from datagen.data.spec import parse_spec
+    from datagen.models.tiny import TinyArch, make_chat_dataset, make_model
+    from datagen.steps import extract
 
     model = make_model(base / "model", arch=TinyArch.LLAMA, num_layers=4, seed=0)
     rows = make_chat_dataset(base / "chat.jsonl", rows=24, seed=0)
@@ -79,8 +79,8 @@ def extracted_dataset(tmp_path_factory) -> Path:
 
 def foreign_shard(tmp_path_factory) -> Path:
     """Shard 0 of the same model and rows extracted with other layers (same shapes): another spec."""
-    from datagen import extract
-    from datagen.spec import parse_spec
+    from datagen.data.spec import parse_spec
+    from datagen.steps import extract
 
     ds = extracted_dataset(tmp_path_factory)
     base = ds.parent

@@ -1,4 +1,4 @@
-"""Builders of small datasets that follow the data contract (``datagen.contract``), without a model.
+"""Builders of small datasets that follow the data contract (``datagen.data.contract``), without a model.
 
 The hidden states are random: these datasets are for tests of storage and transfer steps
 (publish, download, validation gates), not of numerics.
@@ -11,7 +11,7 @@ import json
 from datetime import datetime, timezone
 from pathlib import Path
 
-from datagen.contract import MANIFEST_NAME, STATE_DIR, LayerStats, Manifest, ShardRecord, shard_name
+from datagen.data.contract import MANIFEST_NAME, STATE_DIR, LayerStats, Manifest, ShardRecord, shard_name
 
 
 def _sha256(path: Path) -> str:

