@@ -2,86 +2,26 @@
 the transformers engine on a tiny Llama: caching by shard range, incremental re-extraction,
 transient faults retried, permanent ones not, artifacts, log streaming, the dataset event.
 
-The module's tests share one dataset: ``runs`` extracts it and runs the flow again at once
-(everything cached), and keeps what those two runs returned; the tests that change the dataset
-or inject faults run after both and leave it complete, so any test passes alone and in any order.
+The module's tests share one dataset: ``runs`` (tests/flows/conftest.py) extracts it and runs
+the flow again at once (everything cached), and keeps what those two runs returned; the tests that
+change the dataset or inject faults run after both and leave it complete, so any test passes
+alone and in any order.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 
 from datagen.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT
-from flows.extract import extract
-from tasks import handoff
 from tasks.settings import TEST_HOOK_FAULTS_ENV
-from tests.flows.builders import append_rows, chat_rows, pipeline_spec, write_faults
+from tests.flows.builders import append_rows, write_faults
+from tests.flows.conftest import Story
 from tests.support.prefect_runs import artifacts_by_key, flow_run_logs, state_names, task_runs
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
-
-
-class Story:
-    """The dataset the tests of this module share."""
-
-    def __init__(self, root: Path, model: Path) -> None:
-        self.root = root
-        self.model = model
-        self.dataset = chat_rows(root / "chat.jsonl", rows=10)  # 4 shards of 3 rows: 2 ranges of 2
-        self.output = root / "out"
-
-    def spec(self, **overrides):
-        return pipeline_spec(model=self.model, dataset=self.dataset, output=self.output, **overrides)
-
-    def run(self, **overrides):
-        t0 = time.monotonic()
-        state = extract(self.spec(**overrides), return_state=True)
-        return state, state.state_details.flow_run_id, time.monotonic() - t0
-
-
-@dataclass
-class Run:
-    """One flow run of the story: its final state, its id, how long it took, the events it emitted."""
-
-    state: object
-    run_id: object
-    seconds: float
-    events: list[dict] = field(default_factory=list)
-
-
-@dataclass
-class Runs:
-    story: Story
-    first: Run
-    cached: Run
-    manifest: dict  # manifest.json and the validation report right after the first run
-    validation: dict
-
-
-def _recorded_run(story: Story) -> Run:
-    events: list[dict] = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(handoff, "emit_event", lambda **kwargs: events.append(kwargs))
-        state, run_id, seconds = story.run()
-    return Run(state, run_id, seconds, events)
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_llama, prefect_harness) -> Runs:
-    """A first run on a new dataset, then a second run of the same spec right after it."""
-    story = Story(tmp_path_factory.mktemp("flow"), tiny_llama)
-    first = _recorded_run(story)
-    assert first.state.is_completed(), first.state.message
-    manifest = json.loads((story.output / "manifest.json").read_text())
-    validation = json.loads((story.output / ".datagen" / "validation.json").read_text())
-    cached = _recorded_run(story)
-    return Runs(story, first, cached, manifest, validation)
 
 
 @pytest.fixture
