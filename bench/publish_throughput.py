@@ -5,7 +5,7 @@
 Starts SeaweedFS on loopback (tests.support.s3server), writes a contract-valid dataset of random
 shards (tests.support.fake_dataset), then times, each ``--repeats`` times into a fresh prefix:
 
-* ``publish``: ``datagen.steps.publish.run`` (re-hashes every shard, uploads them through one transfer
+* ``publish``: ``datagen.steps.publish.publish`` (re-hashes every shard, uploads them through one transfer
   manager with a SHA-256 checksum per part, checks every object, then writes the manifest);
 * ``boto3-one-file``: one ``upload_file`` of a single file holding the same number of bytes,
   with boto3's default TransferConfig (8 MiB parts, 10 threads, its default CRC32 checksum);
@@ -61,7 +61,7 @@ def main() -> None:
         rows: dict[str, list[float]] = {"publish": [], "boto3-one-file": [], "boto3-one-file-sha256": []}
         for i in range(args.repeats):
             t = time.monotonic()
-            publish.run(ds, to=f"s3://{bucket}/publish-{i}")
+            publish.publish(ds, to=f"s3://{bucket}/publish-{i}")
             rows["publish"].append(total / (time.monotonic() - t) / 1e6)
             t = time.monotonic()
             client.upload_file(str(blob), bucket, f"one-file-{i}.bin")

@@ -60,7 +60,7 @@ def _export(root: Path) -> Path:
     out = root.parent / f"{root.name}-speculators"
     if not (out / export.EXPORT_RECORD).exists():
         shutil.rmtree(out, ignore_errors=True)
-        export.run(root, out)
+        export.export(root, out)
     return out
 
 
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         bucket = server.create_bucket()
         uri = f"s3://{bucket}/nightly/ds"
         t0 = time.monotonic()
-        publish.run(root, to=uri)
+        publish.publish(root, to=uri)
         log.info("published in %.0f s", time.monotonic() - t0)
         client = server.client()
         keys = [f"nightly/ds/shards/{p.name}" for p in shards]

@@ -1,40 +1,34 @@
-"""The `datagen` command line: one sub-command per step.
+"""The `datagen` command line: one sub-command per step, made from the steps' ``Spec`` models.
 
-Each step module under ``datagen.steps`` exposes:
+Each step module under ``datagen.steps`` declares ``HELP``, ``Spec`` (its input), ``Result`` and
+``run(spec) -> Result`` (``datagen.steps``). This module turns a ``Spec`` into argparse options
+(``add_spec_arguments``; ``datagen.steps._args`` says how a field becomes an option), parses the
+command line back into a ``Spec`` and runs the step. ``to_argv`` is the inverse: the command line
+that gives a ``Spec``, for the runners that start a step as a program.
 
-    HELP: str                                   one line for `datagen --help`
-    def add_arguments(parser) -> None           its options (argparse)
-    def main(args) -> dict                      runs the step, returns its result record
-
-The result record is printed as the last line of stdout, prefixed with
-``datagen-result: `` so a runner (subprocess or container) can read it. Errors
-derived from ``DatagenError`` print their message and hint (no traceback) and
-exit with the error's code; the codes are in ``datagen.errors``.
+The result is printed as the last line of stdout, prefixed with ``datagen-result: `` so a runner
+(subprocess or container) can read it. Errors derived from ``DatagenError`` print their message
+and hint (no traceback) and exit with the error's code; the codes are in ``datagen.errors``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import enum
 import json
 import logging
 import sys
+import types
+import typing
+from typing import Any, Literal
 
-from datagen.errors import EXIT_FAILED, EXIT_OK, CannotRunHereError, DatagenError
+from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
-# command name -> module. The same step name is used for module, task, image and log lines.
-STEPS = {
-    "plan": "datagen.steps.plan",
-    "extract": "datagen.steps.extract",
-    "assemble": "datagen.steps.assemble",
-    "env-check": "datagen.steps.env_check",
-    "download": "datagen.steps.download",
-    "validate": "datagen.steps.validate",
-    "publish": "datagen.steps.publish",
-    "export": "datagen.steps.export",
-    "report": "datagen.steps.report",
-    "make-tiny": "datagen.steps.make_tiny",
-}
+from datagen.errors import EXIT_FAILED, EXIT_OK, CannotRunHereError, DatagenError, spec_error
+from datagen.steps import STEPS, load
+from datagen.steps._args import Arg
+
 RESULT_PREFIX = "datagen-result: "
 
 
@@ -44,12 +38,99 @@ class _Missing:
     def __init__(self, step: str, package: str):
         self.step, self.package = step, package
 
-    def main(self, args):
+    def run(self, spec):
         raise CannotRunHereError(
             f"`datagen {self.step}` needs the package {self.package}, which this environment lacks",
             hint="run this step in the steps image or an environment made by `make setup`",
         )
 
+
+# --- Spec <-> command line --------------------------------------------------------------------
+
+def _arg(field: FieldInfo) -> Arg:
+    return next((m for m in field.metadata if isinstance(m, Arg)), Arg())
+
+
+def _plain(annotation: Any) -> Any:
+    """``X | None`` -> ``X``."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        rest = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(rest) == 1:
+            return rest[0]
+    return annotation
+
+
+def _option(name: str, field: FieldInfo) -> str:
+    return _arg(field).flag or "--" + name.replace("_", "-")
+
+
+def add_spec_arguments(parser: argparse.ArgumentParser, spec_type: type[BaseModel]) -> None:
+    """One argparse argument per field of ``spec_type`` (its dest is the field's name)."""
+    for name, field in spec_type.model_fields.items():
+        arg = _arg(field)
+        kind = _plain(field.annotation)
+        kwargs: dict[str, Any] = {"help": arg.help or field.description}
+        if kind is bool:
+            kwargs["action"] = "store_true"
+        else:
+            if typing.get_origin(kind) in (list, tuple):
+                kwargs["nargs"] = "+"
+                kind = typing.get_args(kind)[0]
+            if isinstance(kind, type) and issubclass(kind, enum.Enum):
+                kwargs["choices"] = [e.value for e in kind]
+            elif typing.get_origin(kind) is Literal:
+                kwargs["choices"] = list(typing.get_args(kind))
+            elif kind in (int, float):
+                kwargs["type"] = kind
+            if arg.metavar:
+                kwargs["metavar"] = arg.metavar
+        if arg.positional:
+            parser.add_argument(name, **kwargs)
+            continue
+        if field.is_required():
+            kwargs["required"] = True
+        else:
+            default = field.get_default(call_default_factory=True)
+            kwargs["default"] = default.value if isinstance(default, enum.Enum) else default
+        parser.add_argument(_option(name, field), dest=name, **kwargs)
+
+
+def spec_from_namespace(step: str, spec_type: type[BaseModel], args: argparse.Namespace) -> BaseModel:
+    """The ``Spec`` the parsed command line gives (options left out take the field's default)."""
+    values = {name: getattr(args, name) for name in spec_type.model_fields if getattr(args, name, None) is not None}
+    try:
+        return spec_type.model_validate(values)
+    except ValidationError as e:
+        raise spec_error(e, source="the command line", hint=f"see `datagen {step} --help`") from None
+
+
+def to_argv(step: str, spec: BaseModel) -> list[str]:
+    """The command line (after ``datagen``) that parses into ``spec``: ``[step, ...]``."""
+    positional: list[str] = []
+    options: list[str] = []
+    for name, field in type(spec).model_fields.items():
+        value = getattr(spec, name)
+        if value is None or (value is False and _plain(field.annotation) is bool):
+            continue
+        if _arg(field).positional:
+            positional.append(_text(value))
+        elif value is True:
+            options.append(_option(name, field))
+        elif isinstance(value, (list, tuple)):
+            if value:
+                options += [_option(name, field), *(_text(v) for v in value)]
+        else:
+            options += [_option(name, field), _text(value)]
+    if any(p.startswith("-") for p in positional):  # "--": not to be read as an option
+        return [step, *options, "--", *positional]
+    return [step, *positional, *options]  # before the options: a list option would take them
+
+
+def _text(value: Any) -> str:
+    return str(value.value if isinstance(value, enum.Enum) else value)
+
+
+# --- the program ------------------------------------------------------------------------------
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The parser; with ``only``, just that step's module is imported (a step starts faster)."""
@@ -62,7 +143,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         if only is not None and name != only:
             continue
         try:
-            module = importlib.import_module(module_name)
+            module = load(name)
         except ModuleNotFoundError as e:
             if e.name == module_name:
                 continue  # step not built in this version
@@ -73,7 +154,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             p.set_defaults(_module=_Missing(name, e.name), _step=name)
             continue
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
-        module.add_arguments(p)
+        add_spec_arguments(p, module.Spec)
         p.set_defaults(_module=module, _step=name)
     return parser
 
@@ -90,15 +171,18 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        result = args._module.main(args)
+        module = args._module
+        spec = None if isinstance(module, _Missing) else spec_from_namespace(args._step, module.Spec, args)
+        result = module.run(spec)
     except DatagenError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
-    print(RESULT_PREFIX + json.dumps(result or {}, sort_keys=True, default=str), flush=True)
-    return EXIT_OK if result is None or not result.get("failed") else EXIT_FAILED
+    record = result.model_dump(mode="json", fallback=str)  # as json.dumps(default=str) did
+    print(RESULT_PREFIX + json.dumps(record, sort_keys=True, default=str), flush=True)
+    return EXIT_FAILED if record.get("failed") else EXIT_OK
 
 
 if __name__ == "__main__":

@@ -34,6 +34,18 @@ class SpecError(DatagenError, ValueError):
     exit_code = EXIT_BAD_INPUT
 
 
+def spec_error(error, *, source: str, hint: str) -> SpecError:
+    """One SpecError naming every field a pydantic ``ValidationError`` found wrong.
+
+    Args:
+        error: the ``pydantic.ValidationError``.
+        source: what was parsed, for the message ("spec.json", "the command line").
+        hint: what to do (where the fields are documented).
+    """
+    lines = [f"{'.'.join(str(x) for x in err['loc']) or '(root)'}: {err['msg']}" for err in error.errors()]
+    return SpecError(f"{source} is invalid:\n    " + "\n    ".join(lines), hint=hint)
+
+
 class DatasetError(DatagenError, ValueError):
     """A dataset row cannot be read. ``line`` is 1-based."""
 

@@ -24,10 +24,12 @@ PACKAGES = ("datagen", "tasks", "flows", "bench", "images")
 FLOORS = [
     ["bench"],
     ["flows"],
-    ["tasks", "images"],
+    ["tasks"],
+    ["images"],
     ["datagen.cli"],
     ["datagen.steps"],
     ["datagen.reader", "datagen.validation"],
+    ["datagen.extraction"],
     ["datagen.engines"],
     ["datagen.storage", "datagen.models"],
     ["datagen.data"],

@@ -23,9 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.data.contract import MANIFEST_NAME
 from datagen.data.spec import ExtractSpec
+from datagen.steps.plan import PlanResult
 from tasks import artifacts
-from tasks.pipeline_spec import ShardRange
-from tasks.pipeline_spec import Runner
+from tasks.pipeline_spec import Runner, ShardRange
 from tasks._common import (
     STEP_RETRY_POLICY,
     cache_key, make_runner, mounts_for,
@@ -36,35 +36,6 @@ from tasks.runners import StepInvocation
 RESULT_SERIALIZER = "json"
 # Written by `datagen validate` into the dataset: {"ok": bool, "manifest_sha256": ...}.
 VALIDATION_REPORT = ".datagen/validation.json"  # cache records stay readable and survive code moves
-
-
-class PlanResult(BaseModel):
-    """What `datagen plan` says about a spec, and what is already on disk."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    fingerprint: str = Field(description="sha256 of the full spec: the dataset's identity.")
-    extraction_fingerprint: str = Field(description="The spec without the dataset.")
-    num_shards: int = Field(description="Shards of the dataset.")
-    rows: int = Field(description="Dataset rows.")
-    tokens: int = Field(description="Tokens the dataset will hold.")
-    layer_ids: list[int] = Field(description="Captured layers (vLLM numbering).")
-    shard_keys: list[str] = Field(description="Cache key of each shard, by index.")
-    shards_complete: list[int] = Field(description="Shards already written for this spec.")
-    manifest_fingerprint: str | None = Field(
-        None, description="Fingerprint in the output's manifest.json, None when there is none."
-    )
-    validated_manifest_sha256: str | None = Field(
-        None, description="sha256 of the manifest that the output's validation report approves."
-    )
-
-    @property
-    def dataset_complete(self) -> bool:
-        return self.manifest_fingerprint == self.fingerprint
-
-    def range_on_disk(self, shard_range: ShardRange) -> bool:
-        done = set(self.shards_complete)
-        return all(k in done for k in shard_range.shards)
 
 
 class RangeResult(BaseModel):

@@ -27,8 +27,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from datagen.data.spec import EngineSettings, ExtractSpec, parse_spec
-from datagen.errors import SpecError
+from datagen.data.spec import EngineSettings, ExtractSpec, LayerIds, parse_spec
+from datagen.errors import SpecError, spec_error
 from datagen.storage.sources import is_s3_uri, parse_model_source, parse_s3_uri
 
 DEFAULT_RANGE_DEPLOYMENT = "extract-shards/gpu"
@@ -163,7 +163,7 @@ class PipelineSpec(BaseModel):
         description="Model source: hf://org/name@revision (a commit sha pins it), "
         "s3://bucket/prefix (a mirror of a model directory), or a local model directory."
     )
-    layer_ids: tuple[int, ...] | None = Field(
+    layer_ids: LayerIds | None = Field(
         None,
         description="Captured layers in vLLM numbering (id k enters decoder layer k; id N is the last "
         "layer's output before the final norm). Sorted, unique. None: the EAGLE-3 default "
@@ -269,13 +269,6 @@ class PipelineSpec(BaseModel):
             parse_s3_uri(v)
         return v
 
-    @field_validator("layer_ids")
-    @classmethod
-    def _layers_sorted_unique(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
-        if v is not None and (not v or v[0] < 0 or list(v) != sorted(set(v))):
-            raise ValueError(f"layer_ids {list(v)} must be non-empty, non-negative, sorted and unique")
-        return v
-
     # --- derived specs ------------------------------------------------------------------------
 
     def resolved(self, base: Path | None = None) -> "PipelineSpec":
@@ -358,8 +351,4 @@ def parse_pipeline_spec(raw: dict[str, Any], *, source: str = "pipeline spec") -
     try:
         return PipelineSpec.model_validate(raw)
     except ValidationError as e:
-        lines = [f"{'.'.join(str(x) for x in err['loc']) or '(root)'}: {err['msg']}" for err in e.errors()]
-        raise SpecError(
-            f"{source} is invalid:\n    " + "\n    ".join(lines),
-            hint="fix the fields named above (docs/orchestration.md lists them)",
-        ) from None
+        raise spec_error(e, source=source, hint="fix the fields named above (docs/orchestration.md lists them)") from None

@@ -96,7 +96,7 @@ def content_fingerprint(model_dir: Path, tmp_path: Path) -> str:
     import shutil
 
     d = shutil.copytree(model_dir, tmp_path / "local-copy")
-    return download.run(spec_for(str(d))).fingerprint
+    return download.download(spec_for(str(d))).fingerprint
 
 
 # -- S3 mirrors ------------------------------------------------------------------------------
@@ -105,7 +105,7 @@ def content_fingerprint(model_dir: Path, tmp_path: Path) -> str:
 @pytest.mark.s3
 def test_s3_mirror_is_downloaded_verified_into_the_cache(s3_env, cache_env, model_dir, tmp_path):
     uri = mirror(s3_env, model_dir, with_checksums=True)
-    result = download.run(spec_for(uri))
+    result = download.download(spec_for(uri))
     assert result.kind.value == "s3" and not result.cached
     assert result.files == engine_files(model_dir)
     assert result.bytes == result.fetched_bytes == sum((model_dir / f).stat().st_size for f in result.files)
@@ -122,13 +122,13 @@ def test_s3_mirror_is_downloaded_verified_into_the_cache(s3_env, cache_env, mode
 @pytest.mark.s3
 def test_second_download_of_the_same_mirror_fetches_nothing(s3_env, cache_env, model_dir, monkeypatch):
     uri = mirror(s3_env, model_dir)
-    first = download.run(spec_for(uri))
+    first = download.download(spec_for(uri))
 
     def no_reads(*a, **k):
         raise AssertionError("a cached model was read from S3 again")
 
     monkeypatch.setattr(s3mod, "read_range_into", no_reads)
-    second = download.run(spec_for(uri))
+    second = download.download(spec_for(uri))
     assert second.cached and second.fetched_bytes == 0
     assert (second.model_dir, second.resolved_revision, second.fingerprint) == (
         first.model_dir, first.resolved_revision, first.fingerprint,
@@ -138,11 +138,11 @@ def test_second_download_of_the_same_mirror_fetches_nothing(s3_env, cache_env, m
 @pytest.mark.s3
 def test_a_changed_mirror_is_a_new_revision(s3_env, cache_env, model_dir):
     uri = mirror(s3_env, model_dir)
-    first = download.run(spec_for(uri))
+    first = download.download(spec_for(uri))
     bucket = uri.split("/")[2]
     config = json.loads((model_dir / "config.json").read_text()) | {"note": "changed"}
     s3_env.client().put_object(Bucket=bucket, Key="models/tiny/config.json", Body=json.dumps(config).encode())
-    second = download.run(spec_for(uri))
+    second = download.download(spec_for(uri))
     assert not second.cached and second.resolved_revision != first.resolved_revision
     assert second.model_dir != first.model_dir and second.fingerprint != first.fingerprint
 
@@ -161,12 +161,12 @@ def test_interrupted_download_resumes_where_it_stopped(s3_env, cache_env, model_
 
     monkeypatch.setattr(s3mod, "read_range_into", network_drops_after_five_ranges)
     with pytest.raises(StorageError) as e:
-        download.run(spec_for(uri))
+        download.download(spec_for(uri))
     assert e.value.exit_code == EXIT_TRANSIENT
     assert list(cache_env.rglob("*.ranges")), "the finished ranges are recorded"
 
     monkeypatch.setattr(s3mod, "read_range_into", real)
-    result = download.run(spec_for(uri))
+    result = download.download(spec_for(uri))
     assert result.fetched_bytes == result.bytes - sum(fetched), "only the missing ranges are fetched again"
     for f in result.files:
         assert (Path(result.model_dir) / f).read_bytes() == (model_dir / f).read_bytes()
@@ -229,7 +229,7 @@ def test_corrupted_object_in_the_mirror_is_detected_named_and_deleted(s3_env, ca
     s3_env.client().put_object(Bucket=bucket, Key="models/tiny/model.safetensors", Body=bytes(data))
 
     with pytest.raises(ModelError, match=r"model\.safetensors is corrupt: checksums\.sha256") as e:
-        download.run(spec_for(uri))
+        download.download(spec_for(uri))
     assert e.value.exit_code == EXIT_BAD_INPUT
     assert not list(cache_env.rglob("model.safetensors")), "the bad file is deleted"
     assert not list(cache_env.rglob("model.safetensors.ranges"))
@@ -250,7 +250,7 @@ def test_bytes_damaged_in_transit_fail_the_etag_check(s3_env, cache_env, model_d
 
     monkeypatch.setattr(s3mod, "read_range_into", flip_a_byte)
     with pytest.raises(ModelError, match=r"model\.safetensors is corrupt: the object's " + re.escape(origin)):
-        download.run(spec_for(uri))
+        download.download(spec_for(uri))
 
 
 @pytest.mark.s3
@@ -261,7 +261,7 @@ def test_objects_published_by_datagen_are_checked_against_their_sha256(s3_env, c
         from datagen.data.checksums import sha256_file
 
         s3mod.upload_file(client, p, bucket, f"m/{p.name}", sha256=sha256_file(p), transfer=s3mod.TransferSettings.from_settings())
-    download.run(spec_for(f"s3://{bucket}/m"))
+    download.download(spec_for(f"s3://{bucket}/m"))
     record = json.loads(next((cache_env / "verified").glob("*.json")).read_text())
     assert {f["checksum"].split(":")[0] for f in record["files"]} == {"sha256"}
 
@@ -269,10 +269,10 @@ def test_objects_published_by_datagen_are_checked_against_their_sha256(s3_env, c
 @pytest.mark.s3
 def test_missing_bucket_and_missing_model_are_permanent_errors(s3_env, cache_env):
     with pytest.raises(SpecError, match="bucket does not exist"):
-        download.run(spec_for("s3://no-such-bucket-here/models/x"))
+        download.download(spec_for("s3://no-such-bucket-here/models/x"))
     bucket = s3_env.create_bucket()
     with pytest.raises(ModelNotFoundError, match="holds no config.json"):
-        download.run(spec_for(f"s3://{bucket}/empty"))
+        download.download(spec_for(f"s3://{bucket}/empty"))
 
 
 # -- Hub repos, from a pre-populated cache (HF_HUB_OFFLINE=1) --------------------------------------
@@ -290,7 +290,7 @@ def hub_offline(cache_env, monkeypatch, model_dir):
 
 
 def test_hub_branch_resolves_to_its_commit_and_serves_the_snapshot(hub_offline, cache_env, model_dir, tmp_path):
-    result = download.run(spec_for("hf://acme/tiny@main"))
+    result = download.download(spec_for("hf://acme/tiny@main"))
     assert result.kind.value == "hf" and result.resolved_revision == hub_offline
     assert Path(result.model_dir) == snapshot_file(cache_env / "hub", "acme/tiny", hub_offline, "")
     assert result.files == engine_files(model_dir)
@@ -298,14 +298,14 @@ def test_hub_branch_resolves_to_its_commit_and_serves_the_snapshot(hub_offline, 
 
 
 def test_hub_tag_pinned_commit_and_default_branch_are_one_cache_entry(hub_offline):
-    results = [download.run(spec_for(m)) for m in ("hf://acme/tiny", "hf://acme/tiny@v1", f"hf://acme/tiny@{hub_offline}")]
+    results = [download.download(spec_for(m)) for m in ("hf://acme/tiny", "hf://acme/tiny@v1", f"hf://acme/tiny@{hub_offline}")]
     assert {r.resolved_revision for r in results} == {hub_offline}
     assert [r.cached for r in results] == [False, True, True]
 
 
 def test_hub_revision_not_in_the_cache_offline_says_what_to_do(hub_offline):
     with pytest.raises(ModelNotFoundError, match="HF_HUB_OFFLINE") as e:
-        download.run(spec_for("hf://acme/tiny@no-such-branch"))
+        download.download(spec_for("hf://acme/tiny@no-such-branch"))
     assert "unset HF_HUB_OFFLINE" in str(e.value)
 
 
@@ -316,24 +316,24 @@ def test_hub_corrupted_blob_is_named_and_deleted(hub_offline, cache_env):
     data[-1] ^= 0xFF
     blob.write_bytes(bytes(data))
     with pytest.raises(ModelError, match=r"model\.safetensors is corrupt: the Hub's LFS sha256 is [0-9a-f]{64}"):
-        download.run(spec_for("hf://acme/tiny@main"))
+        download.download(spec_for("hf://acme/tiny@main"))
     assert not blob.exists() and not link.exists()
     # offline, the deleted file cannot come back: the next run says so instead of using a bad file
     with pytest.raises(ModelNotFoundError, match="HF_HUB_OFFLINE"):
-        download.run(spec_for("hf://acme/tiny@main"))
+        download.download(spec_for("hf://acme/tiny@main"))
 
 
 def test_hub_second_download_does_not_rehash(hub_offline, monkeypatch):
-    download.run(spec_for("hf://acme/tiny@main"))
+    download.download(spec_for("hf://acme/tiny@main"))
     import datagen.storage.hub
 
     monkeypatch.setattr(datagen.storage.hub, "verify_snapshot", lambda *a, **k: pytest.fail("verified again"))
-    assert download.run(spec_for("hf://acme/tiny@main")).cached
+    assert download.download(spec_for("hf://acme/tiny@main")).cached
 
 
 def test_hub_custom_code_only_when_trusted(hub_offline, model_dir):
-    plain = download.run(spec_for("hf://acme/tiny@main"))
-    trusted = download.run(spec_for("hf://acme/tiny@main", engine={"trust_remote_code": True}))
+    plain = download.download(spec_for("hf://acme/tiny@main"))
+    trusted = download.download(spec_for("hf://acme/tiny@main", engine={"trust_remote_code": True}))
     assert "modeling_custom.py" not in plain.files
     assert "modeling_custom.py" in trusted.files and trusted.model_dir == plain.model_dir
 
@@ -345,13 +345,13 @@ def test_local_directory_is_used_in_place_with_a_content_fingerprint(tmp_path, c
     import shutil
 
     d = shutil.copytree(model_dir, tmp_path / "local")
-    first = download.run(spec_for(str(d)))
+    first = download.download(spec_for(str(d)))
     assert first.model_dir == str(d) and first.resolved_revision == first.fingerprint
     assert not cache_env.exists(), "nothing is copied into the cache"
     (d / "generation_config.json").write_text("{}")
-    assert download.run(spec_for(str(d))).fingerprint != first.fingerprint
+    assert download.download(spec_for(str(d))).fingerprint != first.fingerprint
 
 
 def test_missing_local_directory_is_a_bad_input(tmp_path, cache_env):
     with pytest.raises(ModelNotFoundError, match="does not exist"):
-        download.run(spec_for(str(tmp_path / "nope")))
+        download.download(spec_for(str(tmp_path / "nope")))

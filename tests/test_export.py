@@ -71,7 +71,7 @@ def test_a_dataset_without_a_manifest_is_refused(pristine, tmp_path):
     (ds / "manifest.json").unlink()
 
     with pytest.raises(DatasetError, match="no manifest.json"):
-        export.run(ds, tmp_path / "out")
+        export.export(ds, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -83,7 +83,7 @@ def test_a_corrupt_shard_stops_the_export_and_leaves_nothing(pristine, tmp_path)
     p.write_bytes(bytes(data))
 
     with pytest.raises(ValidationFailed, match="sha256"):
-        export.run(ds, tmp_path / "out")
+        export.export(ds, tmp_path / "out")
     assert sorted(x.name for x in tmp_path.iterdir()) == ["ds"]  # no output, no temporary directory
 
 
@@ -100,16 +100,16 @@ def test_a_crash_midway_leaves_no_output(pristine, tmp_path, monkeypatch):
     monkeypatch.setattr(export, "save_file", failing_save)
 
     with pytest.raises(OSError, match="disk full"):
-        export.run(pristine, tmp_path / "out", workers=1)
+        export.export(pristine, tmp_path / "out", workers=1)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_exporting_again_is_a_no_op_and_another_output_is_refused(pristine, exported, tmp_path):
-    again = export.run(pristine, exported)
+    again = export.export(pristine, exported)
     assert again["cached"] is True
 
     other = tmp_path / "other"
     other.mkdir()
     (other / "something").write_text("x")
     with pytest.raises(OutputConflictError):
-        export.run(pristine, other)
+        export.export(pristine, other)

@@ -43,7 +43,7 @@ def manifest_of(dataset: Path) -> dict:
 def test_publish_uploads_every_shard_then_the_manifest(s3_env, tmp_path):
     ds = make_dataset(tmp_path / "ds", shards=3)
     bucket = s3_env.create_bucket()
-    result = publish.run(ds, to=f"s3://{bucket}/runs/a")
+    result = publish.publish(ds, to=f"s3://{bucket}/runs/a")
 
     client = s3_env.client()
     shards = [s["path"] for s in manifest_of(ds)["shards"]]
@@ -61,10 +61,10 @@ def test_publish_uploads_every_shard_then_the_manifest(s3_env, tmp_path):
 def test_publishing_again_uploads_nothing(s3_env, tmp_path):
     ds = make_dataset(tmp_path / "ds", shards=3)
     bucket = s3_env.create_bucket()
-    publish.run(ds, to=f"s3://{bucket}/runs/a")
+    publish.publish(ds, to=f"s3://{bucket}/runs/a")
     before = {k: (o["ETag"], o["LastModified"]) for k, o in objects(s3_env.client(), bucket, "runs/a").items()}
     time.sleep(1.1)  # LastModified has one-second resolution
-    again = publish.run(ds, to=f"s3://{bucket}/runs/a")
+    again = publish.publish(ds, to=f"s3://{bucket}/runs/a")
     assert again.uploaded == [] and len(again.skipped) == 3 and not again.manifest_uploaded
     assert again.bytes_uploaded == 0
     after = {k: (o["ETag"], o["LastModified"]) for k, o in objects(s3_env.client(), bucket, "runs/a").items()}
@@ -74,12 +74,12 @@ def test_publishing_again_uploads_nothing(s3_env, tmp_path):
 def test_a_partly_published_dataset_is_completed(s3_env, tmp_path):
     ds = make_dataset(tmp_path / "ds", shards=4)
     bucket = s3_env.create_bucket()
-    publish.run(ds, to=f"s3://{bucket}/p")
+    publish.publish(ds, to=f"s3://{bucket}/p")
     client = s3_env.client()
     client.delete_object(Bucket=bucket, Key="p/manifest.json")
     client.delete_object(Bucket=bucket, Key="p/shards/shard-000002.safetensors")
     client.put_object(Bucket=bucket, Key="p/shards/shard-000003.safetensors", Body=b"a torn upload")
-    result = publish.run(ds, to=f"s3://{bucket}/p")
+    result = publish.publish(ds, to=f"s3://{bucket}/p")
     assert result.uploaded == ["shards/shard-000002.safetensors", "shards/shard-000003.safetensors"]
     assert result.skipped == ["shards/shard-000000.safetensors", "shards/shard-000001.safetensors"]
     assert result.manifest_uploaded
@@ -101,7 +101,7 @@ def test_manifest_appears_only_after_every_shard(s3_env, tmp_path, fast_faults):
     poller = threading.Thread(target=poll)
     poller.start()
     try:
-        publish.run(ds, to=f"s3://{bucket}/m")
+        publish.publish(ds, to=f"s3://{bucket}/m")
     finally:
         done.set()
         poller.join()
@@ -158,7 +158,7 @@ def test_unvalidated_dataset_is_refused(s3_env, tmp_path):
     ds = make_dataset(tmp_path / "ds", validated=False)
     bucket = s3_env.create_bucket()
     with pytest.raises(ValidationFailed, match="has not been validated") as e:
-        publish.run(ds, to=f"s3://{bucket}/x")
+        publish.publish(ds, to=f"s3://{bucket}/x")
     assert e.value.exit_code == EXIT_VALIDATION and "datagen validate" in str(e.value)
     assert objects(s3_env.client(), bucket, "x") == {}
 
@@ -168,7 +168,7 @@ def test_manifest_changed_after_validation_is_refused(s3_env, tmp_path):
     m = manifest_of(ds) | {"created_at": "2000-01-01T00:00:00+00:00"}
     (ds / MANIFEST_NAME).write_text(json.dumps(m))
     with pytest.raises(ValidationFailed, match="changed after it was validated"):
-        publish.run(ds, to=f"s3://{s3_env.create_bucket()}/x")
+        publish.publish(ds, to=f"s3://{s3_env.create_bucket()}/x")
 
 
 def test_shard_changed_after_validation_is_never_uploaded(s3_env, tmp_path):
@@ -179,24 +179,24 @@ def test_shard_changed_after_validation_is_never_uploaded(s3_env, tmp_path):
     shard.write_bytes(bytes(data))
     bucket = s3_env.create_bucket()
     with pytest.raises(ValidationFailed, match=r"shard shards/shard-000001\.safetensors changed after validation"):
-        publish.run(ds, to=f"s3://{bucket}/x")
+        publish.publish(ds, to=f"s3://{bucket}/x")
     keys = objects(s3_env.client(), bucket, "x")
     assert "shards/shard-000001.safetensors" not in keys and MANIFEST_NAME not in keys
 
 
 def test_another_datasets_destination_is_refused(s3_env, tmp_path):
     bucket = s3_env.create_bucket()
-    publish.run(make_dataset(tmp_path / "a", seed=1), to=f"s3://{bucket}/same")
+    publish.publish(make_dataset(tmp_path / "a", seed=1), to=f"s3://{bucket}/same")
     other = make_dataset(tmp_path / "b", seed=2)
     with pytest.raises(OutputConflictError, match="already holds another dataset"):
-        publish.run(other, to=f"s3://{bucket}/same")
+        publish.publish(other, to=f"s3://{bucket}/same")
 
 
 def test_missing_bucket_is_named(s3_env, tmp_path):
     ds = make_dataset(tmp_path / "ds")
     approve(ds)
     with pytest.raises(SpecError, match="bucket does not exist"):
-        publish.run(ds, to="s3://no-such-bucket-anywhere/x")
+        publish.publish(ds, to="s3://no-such-bucket-anywhere/x")
 
 
 def test_a_dataset_extracted_and_validated_by_datagen_is_published(s3_env, tmp_path, tmp_path_factory):
@@ -208,7 +208,7 @@ def test_a_dataset_extracted_and_validated_by_datagen_is_published(s3_env, tmp_p
     (ds / ".datagen" / "validation.json").unlink(missing_ok=True)
     bucket = s3_env.create_bucket()
     with pytest.raises(ValidationFailed, match="has not been validated"):
-        publish.run(ds, to=f"s3://{bucket}/real")
-    assert validate.run(ds)["ok"]
-    result = publish.run(ds, to=f"s3://{bucket}/real")
+        publish.publish(ds, to=f"s3://{bucket}/real")
+    assert validate.validate(ds)["ok"]
+    result = publish.publish(ds, to=f"s3://{bucket}/real")
     assert result.manifest_uploaded and len(result.uploaded) == result.shards == len(manifest_of(ds)["shards"])

@@ -21,7 +21,7 @@ import torch
 
 from datagen import cli
 from datagen.errors import EXIT_VALIDATION, ValidationFailed
-from datagen.steps.validate import run, validation_path
+from datagen.steps.validate import validate as run, validation_path
 from datagen.validation.golden import draw_rows
 from datagen.validation.shardfile import read_header
 from tests.support.extracted import (

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from datagen.steps.validate import run
+from datagen.steps.validate import validate as run
 from datagen.validation.golden import POST_NORM, GoldenCriterionName, GoldenReference
 from tests.builders import result_of, run_datagen, token_rows, write_jsonl
 from tests.support.extracted import copy_dataset, fix_records, manifest, rewrite_shard, sample_span

@@ -14,8 +14,8 @@ once in a process of its own and timed over several passes (median):
   connector        vLLM's own extract_hidden_states + ExampleHiddenStatesConnector (one
                    safetensors file per request), timed until every file is written
   transformers     the reference engine (`--engine hf`: transformers, one row at a time, shards)
-  compiled         plain and datagen again without enforce_eager (torch.compile + CUDA graphs,
-                   the production default)
+  compiled         plain, datagen and datagen fp8 again without enforce_eager (torch.compile +
+                   CUDA graphs, the production default)
   tp2              plain and datagen at tensor parallel 2, when two GPUs are visible
   disk             `dd oflag=direct` and the shard writer's own direct write (sha256 on the way)
 

@@ -11,6 +11,9 @@ that does I/O.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from pydantic import BaseModel, ConfigDict, Field
 
 FORMAT_VERSION = 1
@@ -19,6 +22,9 @@ SHARDS_DIR = "shards"
 # Private state of an extraction in progress (spec lock, per-shard records). Not part of
 # the contract: readers ignore it, and `datagen publish` does not upload it.
 STATE_DIR = ".datagen"
+# The report of a passing `datagen validate`, kept in the dataset: the gate of publish and export,
+# and what tells the orchestration that this manifest was validated.
+VALIDATION_REPORT = f"{STATE_DIR}/validation.json"
 LAYER_NUMBERING = (
     "vllm: id k is the residual stream entering decoder layer k (hidden_states + residual); "
     "id N = num_hidden_layers is the last layer's output before the final norm"
@@ -114,3 +120,26 @@ class Manifest(BaseModel):
     truncated: list[TruncatedRow]
     layer_stats: list[LayerStats] = Field(description="Per-layer statistics over the dataset.")
     created_at: str = Field(description="UTC time the manifest was written (ISO 8601).")
+
+
+def validation_path(dataset: str | Path) -> Path:
+    """Where a passing validation of ``dataset`` is recorded (``VALIDATION_REPORT``)."""
+    return Path(dataset) / VALIDATION_REPORT
+
+
+def validated_manifest_sha256(dataset: str | Path) -> str | None:
+    """The sha256 of the manifest a passing validation of ``dataset`` approved; None when none did."""
+    try:
+        report = json.loads(validation_path(dataset).read_text())
+    except (OSError, ValueError):
+        return None
+    return report.get("manifest_sha256") if isinstance(report, dict) and report.get("ok") is True else None
+
+
+def manifest_fingerprint(dataset: str | Path) -> str | None:
+    """The fingerprint in ``dataset``'s manifest.json; None when there is no readable one."""
+    try:
+        found = json.loads((Path(dataset) / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return found.get("fingerprint") if isinstance(found, dict) else None

@@ -311,11 +311,9 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 def file_fingerprint(path: str | Path) -> str:
     """sha256 of a dataset file as it is now (``PreparedDataset.fingerprint`` is this at read time)."""
-    h = hashlib.sha256()
-    with Path(path).open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    from datagen.data.checksums import sha256_file
+
+    return sha256_file(path)
 
 
 def prepare_dataset(

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from datagen import settings
+from datagen.data.files import atomic_write_bytes, atomic_write_json, fsync_dir  # noqa: F401 (re-exported)
 from datagen.data.contract import LayerStats, ShardRecord
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -68,42 +69,6 @@ class ShardJob:
             "sample_rows": tuple(int(r) for r in d["sample_rows"]),
             "layer_ids": tuple(int(i) for i in d["layer_ids"]),
         })
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temporary name in the same directory, fsync, rename, fsync the directory."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with tmp.open("wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError:
-        tmp.unlink(missing_ok=True)  # a full disk must not keep the half-written file
-        raise
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def atomic_write_json(path: Path, obj) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(8 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def token_stats(states: torch.Tensor) -> torch.Tensor:

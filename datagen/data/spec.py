@@ -12,11 +12,32 @@ import enum
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from datagen.errors import SpecError
+from datagen.errors import SpecError, spec_error
+
+
+def check_layer_ids(v: tuple[int, ...]) -> tuple[int, ...]:
+    """Layer ids as the data contract stores them: non-empty, non-negative, sorted, unique."""
+    if not v:
+        raise ValueError("layer_ids is empty: give at least one layer id, e.g. 2,30,58,61")
+    if any(i < 0 for i in v):
+        raise ValueError(f"layer_ids {list(v)} has a negative id: ids count from 0")
+    if len(set(v)) != len(v):
+        raise ValueError(f"layer_ids {list(v)} has duplicates: list each layer once")
+    if list(v) != sorted(v):
+        raise ValueError(
+            f"layer_ids {list(v)} is not sorted: write them in increasing order "
+            f"({','.join(map(str, sorted(v)))}), the order of the stored layer axis"
+        )
+    return v
+
+
+# Captured layers in vLLM numbering (0 = embeddings, i = after decoder layer i). One type for every
+# spec that names layers (extraction, sources, pipeline), so all refuse the same lists the same way.
+LayerIds = Annotated[tuple[int, ...], AfterValidator(check_layer_ids)]
 
 
 class EngineName(str, enum.Enum):
@@ -126,7 +147,7 @@ class ExtractSpec(BaseModel):
     )
     dataset: str = Field(description="JSONL dataset file: chat rows or pre-tokenized rows.")
     out: str = Field(description="Output dataset directory.")
-    layer_ids: tuple[int, ...] | None = Field(
+    layer_ids: LayerIds | None = Field(
         None,
         description="Captured layers in vLLM numbering (id k enters layer k; id N is the last "
         "layer's output before the final norm). Sorted, unique. Default: [2, N//2, N-3, N].",
@@ -140,23 +161,6 @@ class ExtractSpec(BaseModel):
     )
     engine: EngineSettings = Field(default_factory=EngineSettings, description="Engine settings.")
 
-    @field_validator("layer_ids")
-    @classmethod
-    def _layers_sorted_unique(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
-        if v is None:
-            return v
-        if not v:
-            raise ValueError("layer_ids is empty: give at least one layer id, e.g. 2,30,58,61")
-        if any(i < 0 for i in v):
-            raise ValueError(f"layer_ids {list(v)} has a negative id: ids count from 0")
-        if len(set(v)) != len(v):
-            raise ValueError(f"layer_ids {list(v)} has duplicates: list each layer once")
-        if list(v) != sorted(v):
-            raise ValueError(
-                f"layer_ids {list(v)} is not sorted: write them in increasing order "
-                f"({','.join(map(str, sorted(v)))}), the order of the stored layer axis"
-            )
-        return v
 
 
 def default_layer_ids(num_hidden_layers: int) -> tuple[int, ...]:
@@ -203,11 +207,6 @@ def parse_spec(raw: dict, *, source: str = "spec") -> ExtractSpec:
     try:
         return ExtractSpec.model_validate(raw)
     except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            loc = ".".join(str(x) for x in err["loc"]) or "(root)"
-            lines.append(f"{loc}: {err['msg']}")
-        raise SpecError(
-            f"{source} is invalid:\n    " + "\n    ".join(lines),
-            hint="fix the fields named above (unknown fields are refused; see `datagen extract --help`)",
+        raise spec_error(
+            e, source=source, hint="fix the fields named above (unknown fields are refused; see `datagen extract --help`)"
         ) from None

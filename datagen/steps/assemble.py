@@ -13,20 +13,38 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from datagen.data.contract import MANIFEST_NAME, ShardRecord
 from datagen.data.spec import sha256_hex
 from datagen.errors import SpecError, ValidationFailed
-from datagen.steps.extract import add_arguments as _extract_arguments
+from datagen.steps import extract
 from datagen.steps.extract import check_dataset_unchanged, plan, spec_from_args, write_manifest
 
 HELP = "Write the manifest of a dataset whose shards are in object storage, from their checked records."
 
 
-def add_arguments(parser) -> None:
-    _extract_arguments(parser)
-    parser.add_argument("--records", required=True, help="directory of shard-NNNNNN.json records (checked in the bucket)")
+class Spec(extract.Spec):
+    """``datagen assemble``'s command line: ``datagen extract``'s, and the directory of records."""
+
+    records: str = Field(description="directory of shard-NNNNNN.json records (checked in the bucket)")
+
+
+class AssembleResult(BaseModel):
+    """The manifest `datagen assemble` wrote."""
+
+    model_config = ConfigDict(frozen=True)
+
+    dataset: str = Field(description="Directory the manifest was written to (absolute).")
+    fingerprint: str = Field(description="The manifest's fingerprint.")
+    manifest_sha256: str = Field(description="sha256 of manifest.json.")
+    layer_ids: list[int] = Field(description="Captured layers (vLLM numbering).")
+    engine: dict = Field(description="Engine name, version, patches and attention backend.")
+    totals: dict = Field(description="rows, samples, tokens, bytes, shards, skipped, truncated.")
+    shards_total: int = Field(description="Shards of the dataset.")
+
+
+Result = AssembleResult
 
 
 def read_records(directory: Path, p) -> tuple[dict[int, ShardRecord], list[int], list[int]]:
@@ -49,7 +67,7 @@ def read_records(directory: Path, p) -> tuple[dict[int, ShardRecord], list[int],
     return found, missing, foreign
 
 
-def main(args) -> dict:
+def run(args: Spec) -> AssembleResult:
     spec = spec_from_args(args)
     records_dir = Path(args.records)
     if not records_dir.is_dir():
@@ -72,12 +90,12 @@ def main(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     manifest = write_manifest(p, records)
     raw = (out / MANIFEST_NAME).read_bytes()
-    return {
-        "dataset": str(out.resolve()),
-        "fingerprint": p.fingerprint,
-        "manifest_sha256": sha256_hex(raw),
-        "layer_ids": list(p.layer_ids),
-        "engine": p.engine_desc,
-        "totals": manifest.totals,
-        "shards_total": p.num_shards,
-    }
+    return AssembleResult(
+        dataset=str(out.resolve()),
+        fingerprint=p.fingerprint,
+        manifest_sha256=sha256_hex(raw),
+        layer_ids=list(p.layer_ids),
+        engine=p.engine_desc,
+        totals=manifest.totals,
+        shards_total=p.num_shards,
+    )

@@ -28,6 +28,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.errors import ModelNotFoundError
+from datagen.steps._args import StepSpec
 from datagen.models.modelinfo import hash_file_sampled, inspect_model
 from datagen.storage.model_cache import ModelCache, VerifiedFile, VerifiedRecord, cache_root
 from datagen.storage.sources import (
@@ -87,7 +88,7 @@ def _local(source: LocalSource, *, trust_remote_code: bool) -> VerifiedRecord:
     return VerifiedRecord(source=str(d), revision=files_fingerprint(d, rels), model_dir=str(d), files=files)
 
 
-def run(spec: SourcesSpec) -> DownloadResult:
+def download(spec: SourcesSpec) -> DownloadResult:
     """Download (or find) the spec's model. See the module docstring."""
     start = time.monotonic()
     source = spec.source
@@ -133,9 +134,15 @@ def run(spec: SourcesSpec) -> DownloadResult:
     return result
 
 
-def add_arguments(parser) -> None:
-    parser.add_argument("--spec", required=True, help="spec JSON (datagen.storage.sources.SourcesSpec): model, out, engine")
+class Spec(StepSpec):
+    """``datagen download``'s command line."""
+
+    spec: str = Field(description="spec JSON (datagen.storage.sources.SourcesSpec): model, out, engine")
 
 
-def main(args) -> dict:
-    return run(load_sources_spec(args.spec)).model_dump(mode="json")
+Result = DownloadResult
+
+
+def run(spec: Spec) -> DownloadResult:
+    """``datagen download --spec SPEC``: the spec file's model, downloaded (``download``)."""
+    return download(load_sources_spec(spec.spec))

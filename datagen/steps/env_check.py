@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.engines.accelerators import Accelerators, probe
 from datagen.errors import CannotRunHereError, DatagenError, TransientError
+from datagen.steps._args import StepSpec
 from datagen.storage.model_cache import ModelCache, cache_key, cache_root
 from datagen.storage.sources import (
     HubSource,
@@ -492,7 +493,7 @@ def _guarded(name: str, fn: Callable[[], Check]) -> Check:
         return Check(name=name, status=Status.UNKNOWN, detail=f"{type(e).__name__}: {e}", fix="retry")
 
 
-def run(spec: SourcesSpec) -> EnvReport:
+def check(spec: SourcesSpec) -> EnvReport:
     start = time.monotonic()
     cache = ModelCache(cache_root(spec.model_cache))
     acc = probe()
@@ -569,15 +570,22 @@ def raise_for_report(report: EnvReport) -> None:
         )
 
 
-def add_arguments(parser) -> None:
-    parser.add_argument("--spec", required=True, help="spec JSON (datagen.storage.sources.SourcesSpec)")
-    parser.add_argument("--report", help="also write the JSON report here (written whatever the outcome)")
+class Spec(StepSpec):
+    """``datagen env-check``'s command line."""
+
+    spec: str = Field(description="spec JSON (datagen.storage.sources.SourcesSpec)")
+    report: str | None = Field(None, description="also write the JSON report here (written whatever the outcome)")
 
 
-def main(args) -> dict:
-    report = run(load_sources_spec(args.spec))
-    if args.report:
-        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.report).write_text(report.model_dump_json(indent=2))
+Result = EnvReport
+
+
+def run(spec: Spec) -> EnvReport:
+    """``datagen env-check``: every check (``check``); the report also to ``--report``; an error
+    when a check failed (``raise_for_report``)."""
+    report = check(load_sources_spec(spec.spec))
+    if spec.report:
+        Path(spec.report).parent.mkdir(parents=True, exist_ok=True)
+        Path(spec.report).write_text(report.model_dump_json(indent=2))
     raise_for_report(report)
-    return report.model_dump(mode="json")
+    return report

@@ -36,14 +36,16 @@ import shutil
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 import torch
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors.torch import save_file
 
-from datagen.data.contract import MANIFEST_NAME, Manifest, ShardRecord
-from datagen.data.shards import dequantize_fp8
+from datagen.data.contract import MANIFEST_NAME, Manifest, ShardRecord, validated_manifest_sha256
+from datagen.data.shards import dequantize_fp8, fsync_dir
+from datagen.steps._args import Arg, StepSpec
 from datagen.errors import DatasetError, OutputConflictError, SpecError, UnsafePathError, ValidationFailed
 from datagen.validation.scan import resolve_inside
 from datagen.validation.shardfile import MappedShard, read_header
@@ -86,16 +88,10 @@ def _load_manifest(root: Path) -> tuple[Manifest, bytes]:
 def _validated(root: Path, raw: bytes) -> bool:
     import hashlib
 
-    from datagen.steps.validate import validation_path
-
-    try:
-        v = json.loads(validation_path(root).read_text())
-    except (OSError, ValueError):
-        return False
-    return v.get("ok") is True and v.get("manifest_sha256") == hashlib.sha256(raw).hexdigest()
+    return validated_manifest_sha256(root) == hashlib.sha256(raw).hexdigest()
 
 
-def run(dataset: str | Path, out: str | Path, *, fmt: ExportFormat = ExportFormat.SPECULATORS,
+def export(dataset: str | Path, out: str | Path, *, fmt: ExportFormat = ExportFormat.SPECULATORS,
         workers: int | None = None) -> dict:
     """Export ``dataset`` to ``out`` in layout ``fmt``. Returns a result record.
 
@@ -161,7 +157,7 @@ def run(dataset: str | Path, out: str | Path, *, fmt: ExportFormat = ExportForma
         (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=1) + "\n")
         os.sync()  # every file of the export on disk before the rename makes it visible
         os.rename(tmp, out)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -178,14 +174,6 @@ def _prior_export(out: Path) -> dict | None:
         return json.loads((out / EXPORT_RECORD).read_text())
     except (OSError, ValueError):
         return None
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _open_shard(root: Path, rec: ShardRecord) -> MappedShard:
@@ -290,15 +278,33 @@ def _write_arrow(root: Path, man: Manifest, tmp: Path) -> None:
     shutil.rmtree(cache, ignore_errors=True)
 
 
-# --- command line -----------------------------------------------------------------------------
+class Spec(StepSpec):
+    """``datagen export``'s command line."""
 
-def add_arguments(parser) -> None:
-    parser.add_argument("--format", dest="fmt", required=True, choices=[f.value for f in ExportFormat],
-                        help="training-side layout to write")
-    parser.add_argument("dataset", help="dataset directory (holds manifest.json)")
-    parser.add_argument("out", help="output directory (must not exist; written atomically)")
-    parser.add_argument("--workers", type=int, help="shards exported in parallel (default: CPUs, at most 8)")
+    fmt: Annotated[ExportFormat, Arg(flag="--format")] = Field(description="training-side layout to write")
+    dataset: Annotated[str, Arg(positional=True)] = Field(description="dataset directory (holds manifest.json)")
+    out: Annotated[str, Arg(positional=True)] = Field(
+        description="output directory (must not exist; written atomically)")
+    workers: int | None = Field(None, description="shards exported in parallel (default: CPUs, at most 8)")
 
 
-def main(args) -> dict:
-    return run(args.dataset, args.out, fmt=ExportFormat(args.fmt), workers=args.workers)
+class ExportResult(BaseModel):
+    """What `datagen export` wrote: the export's record (``datagen_export.json``, less its rows),
+    where it is, and whether it was there already."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    out: str = Field(description="The export directory (absolute).")
+    cached: bool = Field(description="True when an export of this dataset was already there.")
+    format: str = Field(description="The layout written.")
+    fingerprint: str = Field(description="The dataset's fingerprint.")
+    manifest_sha256: str = Field(description="sha256 of the exported dataset's manifest.json.")
+    validated: bool = Field(description="Whether a passing validation approved that manifest.")
+
+
+Result = ExportResult
+
+
+def run(spec: Spec) -> ExportResult:
+    """``datagen export --format F DATASET OUT`` (``export``)."""
+    return ExportResult.model_validate(export(spec.dataset, spec.out, fmt=spec.fmt, workers=spec.workers))

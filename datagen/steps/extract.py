@@ -19,18 +19,17 @@ from __future__ import annotations
 import datetime as dt
 import errno
 import logging
-import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from filelock import FileLock, Timeout
+from pydantic import BaseModel, ConfigDict, Field
 
 from datagen import settings
 from datagen.data.contract import (
     FORMAT_VERSION,
-    LAYER_NUMBERING,
     MANIFEST_NAME,
     SHARDS_DIR,
     STATE_DIR,
@@ -38,133 +37,19 @@ from datagen.data.contract import (
     ShardRecord,
     shard_name,
 )
-from datagen.data.dataset import PreparedDataset, file_fingerprint, prepare_dataset
-from datagen.data.shards import ShardJob, atomic_write_json, combine_stats
-from datagen.engines.base import Engine
-from datagen.errors import DatasetError, ModelError, OutputConflictError, SpecError, StorageError
-from datagen.models.modelinfo import ModelInfo, check_layer_ids, inspect_model, model_content_hash
-from datagen.data.spec import (
-    DEFAULT_MAX_SEQ_LEN,
-    EngineName,
-    ExtractSpec,
-    canonical_json,
-    default_layer_ids,
-    parse_spec,
-    sha256_hex,
-)
+from datagen.data.dataset import file_fingerprint
+from datagen.data.files import atomic_write_json
+from datagen.data.spec import EngineName, ExtractSpec, StorageName, parse_spec
+from datagen.errors import DatasetError, OutputConflictError, SpecError, StorageError
+from datagen.extraction.plan import Plan, plan
+from datagen.steps._args import StepSpec
+
+if TYPE_CHECKING:
+    from datagen.data.shards import ShardJob
+    from datagen.engines.base import Engine
 
 HELP = "Extract hidden states of a model for a JSONL dataset into packed safetensors shards."
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """A checked spec with everything resolved, before any engine starts."""
-
-    spec: ExtractSpec
-    info: ModelInfo
-    layer_ids: tuple[int, ...]
-    data: PreparedDataset
-    engine_desc: dict
-    resolved_spec: dict  # what the manifest records
-    extraction_fingerprint: str
-    fingerprint: str
-    num_shards: int
-
-    def shard_range(self, k: int) -> tuple[int, int]:
-        s = self.spec.samples_per_shard
-        first = k * s
-        return first, min(s, self.data.rows - first)
-
-    def shard_key(self, k: int) -> str:
-        first, count = self.shard_range(k)
-        return sha256_hex(f"{self.extraction_fingerprint}:{k}:{first}:{count}:{self.data.shard_rows_hash(first, count)}")
-
-
-def describe_engine(spec: ExtractSpec, info: ModelInfo) -> dict:
-    """Engine name, version, patches and attention backend without starting it (part of the
-    fingerprint). The vLLM engine checks, once started, that its worker runs that backend."""
-    if spec.engine.name is EngineName.VLLM:
-        from datagen.engines import patches
-        from datagen.engines.vllm_engine import choose_attention_backend
-
-        return {"name": "vllm", "version": patches.check_vllm_version(), "patches": patches.patch_names(),
-                "attention_backend": choose_attention_backend(info, spec.engine.mla_backend)}
-    import transformers
-
-    return {"name": "hf", "version": transformers.__version__, "patches": []}
-
-
-def resolve_max_seq_len(spec: ExtractSpec, info: ModelInfo) -> int:
-    """The spec's max_seq_len; when it names none, the default, lowered to fit the model.
-
-    Raises:
-        SpecError: an explicit max_seq_len that does not fit the model's positions.
-    """
-    positions = info.max_position_embeddings
-    if spec.max_seq_len is None:
-        # the prompt plus the one sampled token must fit the model's positions
-        return min(DEFAULT_MAX_SEQ_LEN, positions - 1) if positions and positions >= 3 else DEFAULT_MAX_SEQ_LEN
-    if positions and spec.max_seq_len >= positions:
-        raise SpecError(
-            f"max_seq_len {spec.max_seq_len} does not fit the model's {positions} positions",
-            hint=f"use --max-seq-len {positions - 1} or less, or leave it out (the default fits the model)",
-        )
-    return spec.max_seq_len
-
-
-def plan(spec: ExtractSpec) -> Plan:
-    """Check everything that can be checked without loading a weight."""
-    info = inspect_model(spec.model, trust_remote_code=spec.engine.trust_remote_code)
-    layer_ids = spec.layer_ids or default_layer_ids(info.num_hidden_layers)
-    check_layer_ids(layer_ids, info)
-    if spec.engine.name is EngineName.VLLM:  # from the config alone: the text decoder, not the wrapper
-        from datagen.engines import patches
-
-        patches.check_capturable(info.model_type, info.num_hidden_layers, layer_ids, patches.installed_vllm_version(),
-                                 model=spec.model)
-    spec = spec.model_copy(update={"max_seq_len": resolve_max_seq_len(spec, info)})
-    engine_desc = describe_engine(spec, info)
-
-    def load_tokenizer():
-        if not info.has_tokenizer:
-            raise ModelError(
-                f"the dataset has chat rows but model {spec.model} has no tokenizer",
-                hint="add the tokenizer files to the model directory, or pre-tokenize the dataset",
-            )
-        from transformers import AutoTokenizer
-
-        try:  # slow or fast; its own code (Kimi's tokenization_kimi.py) only when the spec allows it
-            tok = AutoTokenizer.from_pretrained(spec.model, trust_remote_code=spec.engine.trust_remote_code)
-        except (OSError, ValueError, ImportError) as e:
-            raise ModelError(f"transformers cannot load the tokenizer of {spec.model}: {e}",
-                             hint="a tokenizer shipped as code needs engine.trust_remote_code=true; "
-                                  "or pre-tokenize the dataset") from e
-        if not getattr(tok, "chat_template", None):
-            raise ModelError(f"the tokenizer of {spec.model} has no chat template",
-                             hint="add chat_template to tokenizer_config.json, or pre-tokenize the dataset")
-        return tok
-
-    data = prepare_dataset(spec.dataset, load_tokenizer=load_tokenizer, vocab_size=info.vocab_size,
-                           max_seq_len=spec.max_seq_len)
-    model_identity = spec.model_revision or f"content:{model_content_hash(info)}"
-    extraction = {
-        "model": {"revision": model_identity, "architecture": info.architecture,
-                  "num_hidden_layers": info.num_hidden_layers, "hidden_size": info.hidden_size},
-        "layer_ids": list(layer_ids),
-        "layer_numbering": LAYER_NUMBERING,
-        "dtype": spec.engine.dtype,
-        "storage_dtype": spec.engine.storage_dtype or spec.engine.dtype,
-        "preprocessing": {"max_seq_len": spec.max_seq_len, "chat_template_sha256": data.chat_template_hash,
-                          "tokenizer_sha256": data.tokenizer_hash, "samples_per_shard": spec.samples_per_shard},
-        "engine": {**engine_desc, **spec.engine.model_dump(mode="json", exclude={"dtype", "storage_dtype"})},
-    }
-    extraction_fp = sha256_hex(canonical_json(extraction))
-    dataset = {"source": str(Path(spec.dataset).resolve()), "sha256": data.fingerprint, "rows": data.rows}
-    fingerprint = sha256_hex(canonical_json({"extraction": extraction_fp, "dataset": data.fingerprint}))
-    resolved = {**extraction, "model": {**extraction["model"], "source": str(Path(spec.model).resolve())}, "dataset": dataset}
-    num_shards = -(-data.rows // spec.samples_per_shard)
-    return Plan(spec, info, tuple(layer_ids), data, engine_desc, resolved, extraction_fp, fingerprint, num_shards)
 
 
 # --- the output directory ---------------------------------------------------------------------
@@ -296,7 +181,8 @@ def recover_record(p: Plan, k: int) -> ShardRecord | None:
 
     from safetensors import safe_open
 
-    from datagen.data.shards import SCALE_TENSOR, file_sha256, fp8_token_stats, layer_stats
+    from datagen.data.checksums import sha256_file
+    from datagen.data.shards import SCALE_TENSOR, fp8_token_stats, layer_stats
 
     f = Path(p.spec.out) / shard_name(k)
     if not f.is_file() or f.is_symlink():
@@ -314,7 +200,7 @@ def recover_record(p: Plan, k: int) -> ShardRecord | None:
     first, count = p.shard_range(k)
     return ShardRecord(
         index=k, path=shard_name(k), first_sample=first, rows=count, samples=samples, tokens=hs.shape[0],
-        bytes=f.stat().st_size, sha256=file_sha256(f), shard_key=p.shard_key(k),
+        bytes=f.stat().st_size, sha256=sha256_file(f), shard_key=p.shard_key(k),
         layer_stats=layer_stats(hs, p.layer_ids, per_token),
     )
 
@@ -333,6 +219,8 @@ def _remove_stale(p: Plan) -> None:
 
 
 def build_job(p: Plan, k: int) -> ShardJob:
+    from datagen.data.shards import ShardJob  # torch: not for those that only read the step's types
+
     first, count = p.shard_range(k)
     rows = [r for r in range(first, first + count) if r in p.data.samples]
     return ShardJob(
@@ -425,6 +313,8 @@ def check_dataset_unchanged(p: Plan) -> None:
 
 def write_manifest(p: Plan, records: dict[int, ShardRecord]) -> Manifest:
     shards = [records[k] for k in range(p.num_shards)]
+    from datagen.data.shards import combine_stats
+
     stats = combine_stats([r.layer_stats for r in shards if r.tokens], p.layer_ids)
     manifest = Manifest(
         format_version=FORMAT_VERSION,
@@ -461,7 +351,7 @@ def existing_manifest(p: Plan) -> Manifest | None:
     return m if m.fingerprint == p.fingerprint else None
 
 
-def run(spec: ExtractSpec, *, shards: tuple[int, int] | None = None) -> dict:
+def extract(spec: ExtractSpec, *, shards: tuple[int, int] | None = None) -> dict:
     """Extract (the shards in ``shards``, or all and then the manifest). Returns a result record."""
     t0 = time.monotonic()
     p = plan(spec)
@@ -509,7 +399,7 @@ def run(spec: ExtractSpec, *, shards: tuple[int, int] | None = None) -> dict:
 
 
 def _run_locked(p: Plan, *, shards: tuple[int, int] | None, lo: int, hi: int, t0: float) -> dict:
-    """The part of ``run`` that writes, under the output's lock."""
+    """The part of ``extract`` that writes, under the output's lock."""
     out = Path(p.spec.out)
     check_output(p)  # refused before the engine starts; claimed (written) only once it has
     done = completed_shards(p)
@@ -609,27 +499,55 @@ def _range(text: str) -> tuple[int, int]:
         raise SpecError(f"--shards {text!r} is not A:B", hint="e.g. --shards 0:4") from None
 
 
-def add_arguments(parser) -> None:
-    parser.add_argument("--spec", help="spec JSON file (options given here override it)")
-    parser.add_argument("--model", help="local Hugging Face model directory")
-    parser.add_argument("--model-revision", help="resolved revision of the model (recorded, part of the fingerprint)")
-    parser.add_argument("--dataset", help="JSONL dataset")
-    parser.add_argument("--out", help="output dataset directory")
-    parser.add_argument("--layers", help="comma-separated layer ids in vLLM numbering (default: EAGLE-3 set)")
-    parser.add_argument("--max-seq-len", type=int)
-    parser.add_argument("--samples-per-shard", type=int)
-    parser.add_argument("--engine", choices=[e.value for e in EngineName])
-    parser.add_argument("--tensor-parallel-size", type=int)
-    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--storage-dtype", choices=["bfloat16", "float16", "float32", "fp8_e4m3"],
-                        help="dtype of the stored states (default: --dtype); fp8_e4m3 halves the bytes")
-    parser.add_argument("--shard-group", type=int,
-                        help="shards streamed through the engine without a drain between them (default 1)")
-    parser.add_argument("--max-num-batched-tokens", type=int)
-    parser.add_argument("--shards", help="extract only shards A:B and write no manifest")
+class Spec(StepSpec):
+    """``datagen extract``'s command line: a spec file, options that override it, and a shard range."""
+
+    spec: str | None = Field(None, description="spec JSON file (options given here override it)")
+    model: str | None = Field(None, description="local Hugging Face model directory")
+    model_revision: str | None = Field(
+        None, description="resolved revision of the model (recorded, part of the fingerprint)")
+    dataset: str | None = Field(None, description="JSONL dataset")
+    out: str | None = Field(None, description="output dataset directory")
+    layers: str | None = Field(None, description="comma-separated layer ids in vLLM numbering (default: EAGLE-3 set)")
+    max_seq_len: int | None = None
+    samples_per_shard: int | None = None
+    engine: EngineName | None = None
+    tensor_parallel_size: int | None = None
+    dtype: Literal["bfloat16", "float16", "float32"] | None = None
+    storage_dtype: StorageName | None = Field(
+        None, description="dtype of the stored states (default: --dtype); fp8_e4m3 halves the bytes")
+    shard_group: int | None = Field(
+        None, description="shards streamed through the engine without a drain between them (default 1)")
+    max_num_batched_tokens: int | None = None
+    shards: str | None = Field(None, description="extract only shards A:B and write no manifest")
 
 
-def spec_from_args(args) -> ExtractSpec:
+class ExtractResult(BaseModel):
+    """What `datagen extract` did: the whole dataset, or the shards of ``--shards A:B``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    dataset: str = Field(description="Dataset directory (absolute).")
+    fingerprint: str = Field(description="sha256 of the full spec: the dataset's identity.")
+    extraction_fingerprint: str = Field(description="The spec without the dataset.")
+    layer_ids: list[int] = Field(description="Captured layers (vLLM numbering).")
+    shards_total: int = Field(description="Shards of the dataset.")
+    shards_extracted: list[int] = Field(description="Shards the engine computed in this run.")
+    shards_cached: list[int] = Field(description="Shards of the range that were already complete.")
+    tokens: int = Field(description="Tokens in the range's shards.")
+    tokens_extracted: int = Field(description="Tokens computed in this run.")
+    seconds: float = Field(description="Wall time of the step.")
+    tokens_per_s: float = Field(description="Extraction throughput (tokens computed / seconds).")
+    engine: dict = Field(description="Engine name, version, patches and attention backend.")
+    bytes: Annotated[int | None, Field(exclude_if=lambda v: v is None)] = Field(
+        None, description="Bytes of the dataset, when this run wrote its manifest (no --shards).")
+
+
+Result = ExtractResult
+
+
+def spec_from_args(args: Spec) -> ExtractSpec:
+    """The extraction spec: the ``--spec`` file's, with the options given on top."""
     import json
 
     raw: dict = {}
@@ -663,9 +581,9 @@ def spec_from_args(args) -> ExtractSpec:
     return parse_spec(raw, source=args.spec or "the command line")
 
 
-def main(args) -> dict:
-    spec = spec_from_args(args)
-    shards = _range(args.shards) if args.shards else None
-    result = run(spec, shards=shards)
-    log.info("dataset: %s", result["dataset"])
+def run(spec: Spec) -> ExtractResult:
+    """``datagen extract``: the spec the command line gives, extracted (``extract``)."""
+    shards = _range(spec.shards) if spec.shards else None
+    result = ExtractResult.model_validate(extract(spec_from_args(spec), shards=shards))
+    log.info("dataset: %s", result.dataset)
     return result

@@ -3,39 +3,81 @@
 Everything ``datagen extract`` checks before loading a weight is checked here
 (spec, model config, every dataset row), and the result names the fingerprints
 and every shard's cache key, so the orchestrator can key its cache on them
-without importing the engine.
+without importing the engine. It also says what the output already holds: the
+manifest's fingerprint and the manifest a passing validation approved, so the
+orchestrator never reads the step's files itself.
 """
 
 from __future__ import annotations
 
-from datagen.steps.extract import add_arguments as _extract_arguments
+from pydantic import BaseModel, ConfigDict, Field
+
+from datagen.data.contract import manifest_fingerprint, validated_manifest_sha256
+from datagen.steps import extract
 from datagen.steps.extract import completed_shards, plan, spec_from_args
 
 HELP = "Check a spec and print its fingerprints and each shard's cache key (loads no weights)."
 
 
-def add_arguments(parser) -> None:
-    _extract_arguments(parser)
+class Spec(extract.Spec):
+    """``datagen plan``'s command line: the same as ``datagen extract``'s (``--shards`` is ignored)."""
 
 
-def main(args) -> dict:
-    spec = spec_from_args(args)
-    p = plan(spec)
+class PlanResult(BaseModel):
+    """What `datagen plan` says about a spec, and what is already in its output."""
+
+    model_config = ConfigDict(frozen=True)
+
+    fingerprint: str = Field(description="sha256 of the full spec: the dataset's identity.")
+    extraction_fingerprint: str = Field(description="The spec without the dataset.")
+    num_shards: int = Field(description="Shards of the dataset.")
+    rows: int = Field(description="Dataset rows.")
+    tokens: int = Field(description="Tokens the dataset will hold.")
+    layer_ids: list[int] = Field(description="Captured layers (vLLM numbering).")
+    hidden_size: int = Field(description="The model's hidden size (H of a stored state).")
+    num_hidden_layers: int = Field(description="The model's decoder layers.")
+    shard_keys: list[str] = Field(description="Cache key of each shard, by index.")
+    shards_complete: list[int] = Field(description="Shards already written for this spec.")
+    spec: dict = Field(description="The resolved spec, as the manifest will record it.")
+    manifest_fingerprint: str | None = Field(
+        None, description="Fingerprint in the output's manifest.json, None when there is none."
+    )
+    validated_manifest_sha256: str | None = Field(
+        None, description="sha256 of the manifest that the output's validation report approves."
+    )
+
+    @property
+    def dataset_complete(self) -> bool:
+        return self.manifest_fingerprint == self.fingerprint
+
+    def range_on_disk(self, shard_range) -> bool:
+        """Whether every shard of ``shard_range`` (anything with ``.shards``) is complete."""
+        done = set(self.shards_complete)
+        return all(k in done for k in shard_range.shards)
+
+
+Result = PlanResult
+
+
+def run(spec: Spec) -> PlanResult:
+    p = plan(spec_from_args(spec))
     done = completed_shards(p) if _claimed_by(p) else {}
     _check_output_space(p, done)
-    return {
-        "fingerprint": p.fingerprint,
-        "extraction_fingerprint": p.extraction_fingerprint,
-        "num_shards": p.num_shards,
-        "rows": p.data.rows,
-        "tokens": p.data.tokens,
-        "layer_ids": list(p.layer_ids),
-        "hidden_size": p.info.hidden_size,
-        "num_hidden_layers": p.info.num_hidden_layers,
-        "shard_keys": [p.shard_key(k) for k in range(p.num_shards)],
-        "shards_complete": sorted(done),
-        "spec": p.resolved_spec,
-    }
+    return PlanResult(
+        fingerprint=p.fingerprint,
+        extraction_fingerprint=p.extraction_fingerprint,
+        num_shards=p.num_shards,
+        rows=p.data.rows,
+        tokens=p.data.tokens,
+        layer_ids=list(p.layer_ids),
+        hidden_size=p.info.hidden_size,
+        num_hidden_layers=p.info.num_hidden_layers,
+        shard_keys=[p.shard_key(k) for k in range(p.num_shards)],
+        shards_complete=sorted(done),
+        spec=p.resolved_spec,
+        manifest_fingerprint=manifest_fingerprint(p.spec.out),
+        validated_manifest_sha256=validated_manifest_sha256(p.spec.out),
+    )
 
 
 def _claimed_by(p) -> bool:

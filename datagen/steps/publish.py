@@ -32,14 +32,15 @@ import json
 import logging
 import time
 from pathlib import Path, PurePosixPath
-from typing import Iterator
+from typing import Annotated, Iterator
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from datagen.data.checksums import sha256_file
-from datagen.data.contract import MANIFEST_NAME, STATE_DIR, Manifest, ShardRecord
+from datagen.data.contract import MANIFEST_NAME, VALIDATION_REPORT, Manifest, ShardRecord
 from datagen.data.spec import sha256_hex
-from datagen.errors import OutputConflictError, StorageError, UnsafePathError, ValidationFailed
+from datagen.errors import OutputConflictError, UnsafePathError, ValidationFailed
+from datagen.steps._args import Arg, StepSpec
 from datagen.storage import s3
 from datagen.storage.sources import S3Source, parse_s3_uri
 
@@ -47,7 +48,6 @@ HELP = "Upload a validated dataset to s3://bucket/prefix: shards in parallel, ma
 
 log = logging.getLogger(__name__)
 
-VALIDATION_REPORT = f"{STATE_DIR}/validation.json"
 
 
 class PublishResult(BaseModel):
@@ -155,20 +155,7 @@ def _items(dataset: Path, dest: S3Source, shards: list[ShardRecord]) -> Iterator
         yield s3.UploadItem(path=path, key=dest.key(shard.path), sha256=shard.sha256)
 
 
-def verify_uploaded(client, dest: S3Source, shards: list[ShardRecord], *,
-                    hint: str = "retry the publish (it re-uploads what does not match)") -> None:
-    """Raise StorageError unless every shard object in ``dest`` has its record's size and sha256."""
-    for shard in shards:
-        head = s3.head_object(client, dest.bucket, dest.key(shard.path))
-        if head is None or head.size != shard.bytes or head.sha256 != shard.sha256:
-            raise StorageError(
-                f"{dest.uri}/{shard.path} does not hold what was uploaded "
-                f"({'missing' if head is None else f'{head.size} bytes, sha256 {head.sha256}'})",
-                hint=hint,
-            )
-
-
-def run(dataset: str | Path, *, to: str, transfer: s3.TransferSettings | None = None) -> PublishResult:
+def publish(dataset: str | Path, *, to: str, transfer: s3.TransferSettings | None = None) -> PublishResult:
     """Publish ``dataset`` to ``to`` (see the module docstring)."""
     start = time.monotonic()
     dataset = Path(dataset)
@@ -190,7 +177,7 @@ def run(dataset: str | Path, *, to: str, transfer: s3.TransferSettings | None = 
     t0 = time.monotonic()
     sent = s3.upload_many(client, dest.bucket, _items(dataset, dest, todo), transfer=transfer) if todo else 0
     upload_s = time.monotonic() - t0
-    verify_uploaded(client, dest, todo)
+    s3.verify_uploaded(client, dest, todo)
 
     manifest_uploaded = not already
     if manifest_uploaded:
@@ -226,10 +213,17 @@ def run(dataset: str | Path, *, to: str, transfer: s3.TransferSettings | None = 
     return result
 
 
-def add_arguments(parser) -> None:
-    parser.add_argument("dataset", help="local dataset directory (validated: see `datagen validate`)")
-    parser.add_argument("--to", required=True, metavar="S3_URI", help="destination s3://bucket/prefix")
+class Spec(StepSpec):
+    """``datagen publish``'s command line."""
+
+    dataset: Annotated[str, Arg(positional=True)] = Field(
+        description="local dataset directory (validated: see `datagen validate`)")
+    to: Annotated[str, Arg(metavar="S3_URI")] = Field(description="destination s3://bucket/prefix")
 
 
-def main(args) -> dict:
-    return run(args.dataset, to=args.to).model_dump(mode="json")
+Result = PublishResult
+
+
+def run(spec: Spec) -> PublishResult:
+    """``datagen publish DATASET --to S3_URI`` (``publish``)."""
+    return publish(spec.dataset, to=spec.to)

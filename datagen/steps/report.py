@@ -15,11 +15,13 @@ import io
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from datagen.data.contract import MANIFEST_NAME, LayerStats, Manifest
 from datagen.errors import DatasetError, SpecError
+from datagen.steps._args import Arg, StepSpec
 from datagen.validation.drift import DEFAULT_THRESHOLD, LayerDrift, layer_drift
 
 HELP = "Plot per-layer statistics and tokens of a dataset next to previous runs, drift marked."
@@ -138,7 +140,7 @@ def markdown_table(runs: list[RunStats], drift: list[LayerDrift], *, threshold: 
     return "\n".join(lines)
 
 
-def run(dataset: str | Path, *, previous: list[str] | None = None, out: str | Path = "report.png",
+def make_report(dataset: str | Path, *, previous: list[str] | None = None, out: str | Path = "report.png",
         threshold: float = DEFAULT_THRESHOLD) -> dict:
     """Write the report of ``dataset`` next to ``previous`` (oldest first) to ``out`` (PNG).
 
@@ -165,16 +167,35 @@ def run(dataset: str | Path, *, previous: list[str] | None = None, out: str | Pa
                        for d in drift}}
 
 
-# --- command line -----------------------------------------------------------------------------
+class Spec(StepSpec):
+    """``datagen report``'s command line."""
 
-def add_arguments(parser) -> None:
-    parser.add_argument("dataset", help="the dataset to report on (a directory or s3://bucket/prefix)")
-    parser.add_argument("--previous", nargs="+", default=[], metavar="DATASET",
-                        help="earlier runs' datasets, oldest first; drift is measured against the last one")
-    parser.add_argument("--out", default="report.png", help="where the plot goes (PNG; default report.png)")
-    parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
-                        help=f"drift threshold (default {DEFAULT_THRESHOLD}, as validation)")
+    dataset: Annotated[str, Arg(positional=True)] = Field(
+        description="the dataset to report on (a directory or s3://bucket/prefix)")
+    previous: Annotated[list[str], Arg(metavar="DATASET")] = Field(
+        default_factory=list,
+        description="earlier runs' datasets, oldest first; drift is measured against the last one")
+    out: str = Field("report.png", description="where the plot goes (PNG; default report.png)")
+    threshold: float = Field(DEFAULT_THRESHOLD, description=f"drift threshold (default {DEFAULT_THRESHOLD}, as validation)")
 
 
-def main(args) -> dict:
-    return run(args.dataset, previous=args.previous, out=args.out, threshold=args.threshold)
+class ReportResult(BaseModel):
+    """What `datagen report` drew."""
+
+    model_config = ConfigDict(frozen=True)
+
+    plot: str = Field(description="The plot (PNG, absolute path).")
+    runs: int = Field(description="Runs drawn: the dataset and the previous ones.")
+    threshold: float = Field(description="The drift threshold used.")
+    drifted_layers: list[int] = Field(description="Layers whose statistics moved beyond the threshold.")
+    layers: dict[str, dict[str, float]] = Field(
+        description="layer id -> mean_shift_in_std and std_ratio against the last previous run.")
+
+
+Result = ReportResult
+
+
+def run(spec: Spec) -> ReportResult:
+    """``datagen report DATASET [--previous ...]`` (``make_report``)."""
+    return ReportResult.model_validate(
+        make_report(spec.dataset, previous=spec.previous, out=spec.out, threshold=spec.threshold))

@@ -30,19 +30,23 @@ import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Annotated
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
-from datagen.data.contract import STATE_DIR
+from datagen.data.contract import validation_path
 from datagen.data.shards import atomic_write_json, combine_stats
 from datagen.errors import SpecError, StorageError, ValidationFailed
+from datagen.steps._args import Arg, StepSpec
 from datagen.validation import drift, golden, manifest, scan, source
+from datagen.validation.golden import DEFAULT_TOLERANCE as GOLDEN_TOLERANCE
+from datagen.validation.golden import GoldenCriterionName, GoldenReference
 from datagen.validation.report import Findings, Problem, ProblemKind
 
 HELP = "Validate a dataset (structure, checksums, tokens, numerics, golden samples); write a JSON report."
 log = logging.getLogger(__name__)
 
-VALIDATION_FILE = "validation.json"  # under STATE_DIR; read by `datagen publish`
 DEFAULT_GOLDEN = 4
 K = ProblemKind
 # check name -> the problem kinds that fail it (the report's "checks" section)
@@ -61,12 +65,7 @@ CHECKS: dict[str, set[ProblemKind]] = {
 }
 
 
-def validation_path(dataset: str | Path) -> Path:
-    """Where a passing validation is recorded for ``datagen publish``."""
-    return Path(dataset) / STATE_DIR / VALIDATION_FILE
-
-
-def run(dataset: str | Path, *, previous: str | Path | None = None, golden_rows: int = DEFAULT_GOLDEN,
+def validate(dataset: str | Path, *, previous: str | Path | None = None, golden_rows: int = DEFAULT_GOLDEN,
         seed: int | None = None, workers: int | None = None, golden_tolerance: float = golden.DEFAULT_TOLERANCE,
         drift_threshold: float = drift.DEFAULT_THRESHOLD, model: str | None = None,
         source_rows: str | None = None, golden_reference: golden.GoldenReference = golden.GoldenReference.AUTO,
@@ -264,40 +263,66 @@ def _remove_stale(marker: Path) -> None:
 
 # --- command line -----------------------------------------------------------------------------
 
-def add_arguments(parser) -> None:
-    parser.add_argument("dataset", help="dataset directory (holds manifest.json)")
-    parser.add_argument("--previous", help="the last good dataset of the same model and layers (drift check)")
-    parser.add_argument("--golden", type=int, default=DEFAULT_GOLDEN,
-                        help=f"rows to re-extract with the reference engine (default {DEFAULT_GOLDEN}; 0: none)")
-    parser.add_argument("--seed", type=int, help="seed of the golden rows' draw (default: random, reported)")
-    parser.add_argument("--golden-tolerance", type=float, default=golden.DEFAULT_TOLERANCE,
-                        help="max-token criterion: largest per-token relative L2 error (default %(default)s)")
-    parser.add_argument("--golden-reference", choices=[r.value for r in golden.GoldenReference],
-                        default=golden.GoldenReference.AUTO.value,
-                        help="engine of the golden re-extraction (default auto: transformers where it has the "
-                             "model's class, else vLLM eager with layer hooks)")
-    parser.add_argument("--golden-criterion", choices=[c.value for c in golden.GoldenCriterionName],
-                        default=golden.GoldenCriterionName.ROBUST.value,
-                        help="robust (default): per-layer median, p90 and right layer against neighbours; "
-                             "max-token: every token within --golden-tolerance")
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="allow the model's own code (tokenizer, engine reference), as the extraction spec did")
-    parser.add_argument("--drift-threshold", type=float, default=drift.DEFAULT_THRESHOLD,
-                        help="largest mean shift (in previous std) and relative std change (default %(default)s)")
-    parser.add_argument("--report", help="also write the JSON report here (written whether or not it passes)")
-    parser.add_argument("--workers", type=int, help="shards scanned in parallel (default: CPUs, at most 8)")
-    parser.add_argument("--model", help="source model directory, if not where the manifest says")
-    parser.add_argument("--source", help="source JSONL dataset, if not where the manifest says")
+class Spec(StepSpec):
+    """``datagen validate``'s command line."""
+
+    dataset: Annotated[str, Arg(positional=True)] = Field(description="dataset directory (holds manifest.json)")
+    previous: str | None = Field(
+        None, description="the last good dataset of the same model and layers (drift check)")
+    golden: int = Field(
+        DEFAULT_GOLDEN, description=f"rows to re-extract with the reference engine (default {DEFAULT_GOLDEN}; 0: none)")
+    seed: int | None = Field(None, description="seed of the golden rows' draw (default: random, reported)")
+    golden_tolerance: float = Field(
+        GOLDEN_TOLERANCE,
+        description=f"max-token criterion: largest per-token relative L2 error (default {GOLDEN_TOLERANCE})")
+    golden_reference: GoldenReference = Field(
+        GoldenReference.AUTO,
+        description="engine of the golden re-extraction (default auto: transformers where it has the "
+                    "model's class, else vLLM eager with layer hooks)")
+    golden_criterion: GoldenCriterionName = Field(
+        GoldenCriterionName.ROBUST,
+        description="robust (default): per-layer median, p90 and right layer against neighbours; "
+                    "max-token: every token within --golden-tolerance")
+    trust_remote_code: bool = Field(
+        False, description="allow the model's own code (tokenizer, engine reference), as the extraction spec did")
+    drift_threshold: float = Field(
+        drift.DEFAULT_THRESHOLD,
+        description=f"largest mean shift (in previous std) and relative std change (default {drift.DEFAULT_THRESHOLD})")
+    report: str | None = Field(None, description="also write the JSON report here (written whether or not it passes)")
+    workers: int | None = Field(None, description="shards scanned in parallel (default: CPUs, at most 8)")
+    model: str | None = Field(None, description="source model directory, if not where the manifest says")
+    source: str | None = Field(None, description="source JSONL dataset, if not where the manifest says")
 
 
-def main(args) -> dict:
+class ValidateResult(BaseModel):
+    """The validation report (also ``<dataset>/.datagen/validation.json`` when it passes): the fields
+    below, and what each check adds (shards, golden, drift)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    ok: bool = Field(description="True when no problem was found.")
+    dataset: str = Field(description="The dataset directory (absolute).")
+    manifest_sha256: str | None = Field(description="sha256 of the manifest validated; None when unreadable.")
+    validated_at: str = Field(description="When (UTC, ISO 8601).")
+    seconds: float = Field(description="Wall time of the step.")
+    checks: dict = Field(description="check name -> its outcome (ok, failed, not run) and problem count.")
+    problem_counts: dict[str, int] = Field(description="problem kind -> how many.")
+    problems: list[dict] = Field(description="Each problem: kind, message, and shard/row/layer where known.")
+
+
+Result = ValidateResult
+
+
+def run(args: Spec) -> ValidateResult:
+    """``datagen validate DATASET``: the report (``validate``); also to ``--report``; an error when
+    the dataset fails."""
     if args.golden < 0 or (args.workers is not None and args.workers < 1):
         raise SpecError("--golden must be >= 0 and --workers >= 1", hint="e.g. --golden 4 --workers 4")
-    report = run(args.dataset, previous=args.previous, golden_rows=args.golden, seed=args.seed,
+    report = validate(args.dataset, previous=args.previous, golden_rows=args.golden, seed=args.seed,
                  workers=args.workers, golden_tolerance=args.golden_tolerance,
                  drift_threshold=args.drift_threshold, model=args.model, source_rows=args.source,
-                 golden_reference=golden.GoldenReference(args.golden_reference),
-                 golden_criterion=golden.GoldenCriterionName(args.golden_criterion),
+                 golden_reference=args.golden_reference,
+                 golden_criterion=args.golden_criterion,
                  trust_remote_code=args.trust_remote_code)
     if args.report:
         atomic_write_json(Path(args.report), report)
@@ -313,7 +338,7 @@ def main(args) -> dict:
                  "and row; re-extract the shards named (datagen extract resumes) and validate again",
         )
     log.info("dataset %s passed validation (%s)", args.dataset, validation_path(args.dataset))
-    return report
+    return ValidateResult.model_validate(report)
 
 
 def _line(p: dict) -> str:

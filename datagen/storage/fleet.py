@@ -33,7 +33,6 @@ from datagen.data.checksums import sha256_file
 from datagen.data.contract import MANIFEST_NAME, STATE_DIR, Manifest, ShardRecord, shard_name
 from datagen.data.spec import sha256_hex
 from datagen.errors import OutputConflictError, ValidationFailed
-from datagen.steps.publish import verify_uploaded
 from datagen.storage import s3
 from datagen.storage.sources import S3Source, parse_s3_uri
 
@@ -144,7 +143,7 @@ def upload_shards(client, spool: Path, records: Iterable[ShardRecord], dest: S3S
         return 0
     sent = s3.upload_many(client, dest.bucket, items, transfer=transfer)
     for rec in records:
-        verify_uploaded(client, dest, [rec], hint="retry (the range uploads what does not match again)")
+        s3.verify_uploaded(client, dest, [rec], hint="retry (the range uploads what does not match again)")
         raw = _json_bytes(rec.model_dump(mode="json"))
         s3.put_bytes(client, dest.bucket, dest.key(record_rel(rec.index)), raw, sha256=sha256_hex(raw),
                      content_type="application/json")

@@ -29,11 +29,14 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 from datagen import settings
 from datagen.errors import CannotRunHereError, SpecError, StorageError
 from datagen.storage.sources import S3Source
+
+if TYPE_CHECKING:
+    from datagen.data.contract import ShardRecord
 
 log = logging.getLogger(__name__)
 
@@ -362,3 +365,16 @@ def upload_many(client, bucket: str, items: Iterable[UploadItem], *, transfer: T
             for fut in futures:
                 fut.result()
     return total
+
+
+def verify_uploaded(client, dest: S3Source, shards: list["ShardRecord"], *,
+                    hint: str = "retry the publish (it re-uploads what does not match)") -> None:
+    """Raise StorageError unless every shard object in ``dest`` has its record's size and sha256."""
+    for shard in shards:
+        head = head_object(client, dest.bucket, dest.key(shard.path))
+        if head is None or head.size != shard.bytes or head.sha256 != shard.sha256:
+            raise StorageError(
+                f"{dest.uri}/{shard.path} does not hold what was uploaded "
+                f"({'missing' if head is None else f'{head.size} bytes, sha256 {head.sha256}'})",
+                hint=hint,
+            )

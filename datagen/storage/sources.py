@@ -26,8 +26,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from datagen.data.spec import EngineSettings
-from datagen.errors import SpecError
+from datagen.data.spec import EngineSettings, LayerIds
+from datagen.errors import SpecError, spec_error
 
 DEFAULT_HUB_REVISION = "main"
 _HUB_RE = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.\-]*/[\w.\-]+)(?:@(?P<rev>[^\s@]+))?$")
@@ -191,7 +191,7 @@ class SourcesSpec(BaseModel):
         description="Engine layout: tensor_parallel_size (GPUs), dtype (bytes per stored value), "
         "trust_remote_code (also decides whether the model's *.py files are downloaded).",
     )
-    layer_ids: tuple[int, ...] | None = Field(
+    layer_ids: LayerIds | None = Field(
         None,
         description="Captured layers in vLLM numbering (0..num_hidden_layers); default: the "
         "EAGLE-3 default [2, N//2, N-3, N].",
@@ -222,13 +222,6 @@ class SourcesSpec(BaseModel):
             raise ValueError(f"output {v!r} has an unknown scheme: use a directory or s3://bucket/prefix")
         return v
 
-    @field_validator("layer_ids")
-    @classmethod
-    def _layers_sorted_unique(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
-        if v is not None and (not v or list(v) != sorted(set(v)) or v[0] < 0):
-            raise ValueError(f"layer_ids {list(v)} must be non-empty, non-negative, sorted and unique")
-        return v
-
     @property
     def source(self) -> ModelSource:
         return parse_model_source(self.model)
@@ -239,11 +232,7 @@ def parse_sources_spec(raw: dict[str, Any], *, origin: str = "spec") -> SourcesS
     try:
         return SourcesSpec.model_validate(raw)
     except ValidationError as e:
-        lines = [f"{'.'.join(str(x) for x in err['loc']) or '(root)'}: {err['msg']}" for err in e.errors()]
-        raise SpecError(
-            f"{origin} is invalid:\n    " + "\n    ".join(lines),
-            hint="fix the fields named above (see docs/sources.md)",
-        ) from None
+        raise spec_error(e, source=origin, hint="fix the fields named above (see docs/sources.md)") from None
 
 
 def load_sources_spec(path: str | Path) -> SourcesSpec:

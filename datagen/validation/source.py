@@ -57,7 +57,7 @@ def read_fresh(lm: LoadedManifest, src: Sources, findings: Findings, *,
     ``trust_remote_code`` is the caller's permission (a tokenizer shipped as code, Kimi's).
     """
     from datagen.data.spec import parse_spec
-    from datagen.steps.extract import plan
+    from datagen.extraction.plan import plan
 
     spec = lm.manifest.spec
     revision = spec["model"].get("revision")

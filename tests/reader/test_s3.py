@@ -26,7 +26,7 @@ def local(tmp_path):
 def published(s3_env, local) -> str:
     bucket = s3_env.create_bucket()
     uri = f"s3://{bucket}/nightly/ds"
-    publish.run(local, to=uri)
+    publish.publish(local, to=uri)
     return uri
 
 

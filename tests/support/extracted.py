@@ -62,7 +62,7 @@ def _build(base: Path) -> Path:
     out = base / "dataset"
     spec = parse_spec({"model": str(model.resolve()), "dataset": str(rows.resolve()), "out": str(out.resolve()),
                        "samples_per_shard": ROWS_PER_SHARD, "engine": {"name": "hf"}})
-    extract.run(spec)
+    extract.extract(spec)
     return out
 
 
@@ -89,7 +89,7 @@ def foreign_shard(tmp_path_factory) -> Path:
     if not shard.exists():
         spec = parse_spec({"model": str(base / "model"), "dataset": str(base / "chat.jsonl"), "out": str(out),
                            "samples_per_shard": ROWS_PER_SHARD, "layer_ids": [0, 2, 4], "engine": {"name": "hf"}})
-        extract.run(spec, shards=(0, 1))
+        extract.extract(spec, shards=(0, 1))
     return shard
 
 

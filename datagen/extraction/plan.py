@@ -1,0 +1,125 @@
+"""The plan of an extraction: a spec checked against the model's config and the tokenized dataset,
+with its fingerprints and shard keys. Everything here is checked without loading a weight, so a bad
+spec is refused before a GPU is touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from datagen.data.contract import LAYER_NUMBERING
+from datagen.data.dataset import PreparedDataset, prepare_dataset
+from datagen.data.spec import DEFAULT_MAX_SEQ_LEN, EngineName, ExtractSpec, canonical_json, default_layer_ids, sha256_hex
+from datagen.errors import ModelError, SpecError
+from datagen.models.modelinfo import ModelInfo, check_layer_ids, inspect_model, model_content_hash
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A checked spec with everything resolved, before any engine starts."""
+
+    spec: ExtractSpec
+    info: ModelInfo
+    layer_ids: tuple[int, ...]
+    data: PreparedDataset
+    engine_desc: dict
+    resolved_spec: dict  # what the manifest records
+    extraction_fingerprint: str
+    fingerprint: str
+    num_shards: int
+
+    def shard_range(self, k: int) -> tuple[int, int]:
+        s = self.spec.samples_per_shard
+        first = k * s
+        return first, min(s, self.data.rows - first)
+
+    def shard_key(self, k: int) -> str:
+        first, count = self.shard_range(k)
+        return sha256_hex(f"{self.extraction_fingerprint}:{k}:{first}:{count}:{self.data.shard_rows_hash(first, count)}")
+
+
+def describe_engine(spec: ExtractSpec, info: ModelInfo) -> dict:
+    """Engine name, version, patches and attention backend without starting it (part of the
+    fingerprint). The vLLM engine checks, once started, that its worker runs that backend."""
+    if spec.engine.name is EngineName.VLLM:
+        from datagen.engines import patches
+        from datagen.engines.vllm_engine import choose_attention_backend
+
+        return {"name": "vllm", "version": patches.check_vllm_version(), "patches": patches.patch_names(),
+                "attention_backend": choose_attention_backend(info, spec.engine.mla_backend)}
+    import transformers
+
+    return {"name": "hf", "version": transformers.__version__, "patches": []}
+
+
+def resolve_max_seq_len(spec: ExtractSpec, info: ModelInfo) -> int:
+    """The spec's max_seq_len; when it names none, the default, lowered to fit the model.
+
+    Raises:
+        SpecError: an explicit max_seq_len that does not fit the model's positions.
+    """
+    positions = info.max_position_embeddings
+    if spec.max_seq_len is None:
+        # the prompt plus the one sampled token must fit the model's positions
+        return min(DEFAULT_MAX_SEQ_LEN, positions - 1) if positions and positions >= 3 else DEFAULT_MAX_SEQ_LEN
+    if positions and spec.max_seq_len >= positions:
+        raise SpecError(
+            f"max_seq_len {spec.max_seq_len} does not fit the model's {positions} positions",
+            hint=f"use --max-seq-len {positions - 1} or less, or leave it out (the default fits the model)",
+        )
+    return spec.max_seq_len
+
+
+def plan(spec: ExtractSpec) -> Plan:
+    """Check everything that can be checked without loading a weight."""
+    info = inspect_model(spec.model, trust_remote_code=spec.engine.trust_remote_code)
+    layer_ids = spec.layer_ids or default_layer_ids(info.num_hidden_layers)
+    check_layer_ids(layer_ids, info)
+    if spec.engine.name is EngineName.VLLM:  # from the config alone: the text decoder, not the wrapper
+        from datagen.engines import patches
+
+        patches.check_capturable(info.model_type, info.num_hidden_layers, layer_ids, patches.installed_vllm_version(),
+                                 model=spec.model)
+    spec = spec.model_copy(update={"max_seq_len": resolve_max_seq_len(spec, info)})
+    engine_desc = describe_engine(spec, info)
+
+    def load_tokenizer():
+        if not info.has_tokenizer:
+            raise ModelError(
+                f"the dataset has chat rows but model {spec.model} has no tokenizer",
+                hint="add the tokenizer files to the model directory, or pre-tokenize the dataset",
+            )
+        from transformers import AutoTokenizer
+
+        try:  # slow or fast; its own code (Kimi's tokenization_kimi.py) only when the spec allows it
+            tok = AutoTokenizer.from_pretrained(spec.model, trust_remote_code=spec.engine.trust_remote_code)
+        except (OSError, ValueError, ImportError) as e:
+            raise ModelError(f"transformers cannot load the tokenizer of {spec.model}: {e}",
+                             hint="a tokenizer shipped as code needs engine.trust_remote_code=true; "
+                                  "or pre-tokenize the dataset") from e
+        if not getattr(tok, "chat_template", None):
+            raise ModelError(f"the tokenizer of {spec.model} has no chat template",
+                             hint="add chat_template to tokenizer_config.json, or pre-tokenize the dataset")
+        return tok
+
+    data = prepare_dataset(spec.dataset, load_tokenizer=load_tokenizer, vocab_size=info.vocab_size,
+                           max_seq_len=spec.max_seq_len)
+    model_identity = spec.model_revision or f"content:{model_content_hash(info)}"
+    extraction = {
+        "model": {"revision": model_identity, "architecture": info.architecture,
+                  "num_hidden_layers": info.num_hidden_layers, "hidden_size": info.hidden_size},
+        "layer_ids": list(layer_ids),
+        "layer_numbering": LAYER_NUMBERING,
+        "dtype": spec.engine.dtype,
+        "storage_dtype": spec.engine.storage_dtype or spec.engine.dtype,
+        "preprocessing": {"max_seq_len": spec.max_seq_len, "chat_template_sha256": data.chat_template_hash,
+                          "tokenizer_sha256": data.tokenizer_hash, "samples_per_shard": spec.samples_per_shard},
+        "engine": {**engine_desc, **spec.engine.model_dump(mode="json", exclude={"dtype", "storage_dtype"})},
+    }
+    extraction_fp = sha256_hex(canonical_json(extraction))
+    dataset = {"source": str(Path(spec.dataset).resolve()), "sha256": data.fingerprint, "rows": data.rows}
+    fingerprint = sha256_hex(canonical_json({"extraction": extraction_fp, "dataset": data.fingerprint}))
+    resolved = {**extraction, "model": {**extraction["model"], "source": str(Path(spec.model).resolve())}, "dataset": dataset}
+    num_shards = -(-data.rows // spec.samples_per_shard)
+    return Plan(spec, info, tuple(layer_ids), data, engine_desc, resolved, extraction_fp, fingerprint, num_shards)
