@@ -245,27 +245,6 @@ def test_a_failed_write_leaves_neither_the_shard_nor_a_temporary(tmp_path, monke
     assert list((tmp_path / "shards").iterdir()) == []
 
 
-def test_atomic_writes_replace_whole_files_and_leave_the_old_one_on_failure(tmp_path, monkeypatch):
-    import errno
-
-    import datagen.data.shards as shards
-    from datagen.data.shards import atomic_write_bytes, atomic_write_json, file_sha256
-
-    p = tmp_path / "sub" / "manifest.json"
-    atomic_write_json(p, {"b": 1, "a": [1, 2]})
-    assert p.read_text() == '{\n "a": [\n  1,\n  2\n ],\n "b": 1\n}\n'  # sorted keys, one trailing newline
-    assert file_sha256(p) == hashlib.sha256(p.read_bytes()).hexdigest()
-
-    def fail(fd):
-        raise OSError(errno.EIO, "I/O error")
-
-    monkeypatch.setattr(shards.os, "fsync", fail)
-    with pytest.raises(OSError, match="I/O error"):
-        atomic_write_bytes(p, b"half")
-    assert json.loads(p.read_text()) == {"a": [1, 2], "b": 1}
-    assert [q.name for q in p.parent.iterdir()] == ["manifest.json"]
-
-
 def test_a_shard_job_survives_the_wire_as_plain_lists():
     j = job(Path("/x/shard-000002.safetensors"), [3, 0, 5], "bfloat16", index=2)
     wire = json.loads(json.dumps(j.to_wire()))  # what msgpack carries: lists, ints, strings
