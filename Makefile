@@ -26,8 +26,14 @@ $(STAMP): requirements/lock.txt pyproject.toml
 demo: setup
 	$(PY) -m flows.demo
 
+# The suite runs in file order. SHUFFLE=1 runs it in a random order (pytest-randomly: the
+# modules, then the tests of each module, shuffled) and prints the seed first and last;
+# SEED=N replays the order of seed N. The tests that mostly wait on Prefect's timeouts run in a
+# second pytest process beside the rest (scripts/test.sh); SERIAL=1 runs everything in one.
+# docs/testing.md says which tests are slow and why.
 test: setup services
-	$(PY) -m pytest -q tests
+	PY=$(PY) SEED="$(SEED)" SHUFFLE="$(SHUFFLE)" SERIAL="$(SERIAL)" scripts/test.sh
+
 
 # Starts what the tests need and the project installs itself (Docker engine). Idempotent.
 services:

@@ -3,13 +3,22 @@ Kimi-K2.5's (remote code, no character offsets) and with a fast one."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import numpy as np
 import pytest
 
-from datagen.data.dataset import _tokenize_by_offsets, prepare_dataset, target_spans, tokenize_chat
-from datagen.errors import DatasetError
+from datagen.data.dataset import (
+    _tokenize_by_offsets,
+    file_fingerprint,
+    prepare_dataset,
+    read_rows,
+    target_spans,
+    tokenize_chat,
+    tokenizer_fingerprint,
+)
+from datagen.errors import DatasetError, ModelError
 from datagen.models.modelinfo import has_tokenizer_files
 from datagen.models.tiny import make_chat_dataset, make_tokenizer
 from datagen.models.tiny_tiktoken import SPECIAL_OFFSETS, write_kimi_tokenizer
@@ -160,3 +169,115 @@ def test_malformed_optional_message_fields_are_refused(tmp_path, message, error)
     path.write_text(json.dumps({"messages": [message]}) + "\n")
     with pytest.raises(DatasetError, match=error.replace("[", r"\[").replace("]", r"\]")):
         prepare_dataset(path, load_tokenizer=lambda: None, vocab_size=VOCAB, max_seq_len=64)
+
+
+# --- reading rows and pre-tokenized rows, without a tokenizer -------------------------------------------
+
+def _no_tokenizer():
+    raise AssertionError("a dataset without chat rows must not load the tokenizer")
+
+
+def prepare(path, *, vocab_size=VOCAB, max_seq_len=64, load_tokenizer=_no_tokenizer):
+    return prepare_dataset(path, load_tokenizer=load_tokenizer, vocab_size=vocab_size, max_seq_len=max_seq_len)
+
+
+@pytest.mark.parametrize("content, line, error", [
+    (b'{"input_ids": [1]}\n\n{"input_ids": [2]}\n', 2, "blank line"),
+    (b'{"input_ids": [1]}\n{"input_ids": [1, 2\n', 2, "malformed JSON"),
+    (b'{"input_ids": [1]}\n\xff\xfe{}\n', 2, r"not valid UTF-8 \(byte 0\)"),
+    (b'[1, 2, 3]\n', 1, "a row must be a JSON object, got list"),
+    (b'{"text": "hello"}\n', 1, r"row has neither 'messages' nor 'input_ids' \(fields: \['text'\]\)"),
+    (b'{"input_ids": [1, 2], "labels": [1, 2]}\n', 1, r"unknown fields \['labels'\] in a pre-tokenized row"),
+    (b'{"input_ids": [1, 2.0]}\n', 1, "input_ids must be a list of integers"),
+    (b'{"input_ids": [1, true]}\n', 1, "input_ids must be a list of integers"),
+    (b'{"input_ids": "1 2"}\n', 1, "input_ids must be a list of integers"),
+    (b'{"input_ids": [1, 1024]}\n', 1, r"token id 1024 is outside the model's vocabulary \[0, 1024\)"),
+    (b'{"input_ids": [-1]}\n', 1, "token id -1 is outside"),
+    (b'{"input_ids": [1, 2], "loss_mask": [1, 2]}\n', 1, "loss_mask must be a list of 0/1 integers"),
+    (b'{"input_ids": [1, 2], "loss_mask": [1]}\n', 1, "loss_mask has 1 entries but input_ids has 2"),
+    (b'{"messages": "hi"}\n', 1, "messages must be a list"),
+    (b'{"messages": [{"role": "user"}]}\n', 1, "message 0 must be an object with exactly 'role' and 'content'"),
+    (b'{"messages": [{"role": "narrator", "content": "x"}]}\n', 1, "message 0 has unknown role 'narrator'"),
+    (b'{"messages": [{"role": "user", "content": ["x"]}]}\n', 1, "message 0 content must be a string, got list"),
+    (b'{"messages": [], "id": 3}\n', 1, r"unknown fields \['id'\] in a chat row"),
+])
+def test_a_bad_row_is_refused_with_its_line_and_a_hint(tmp_path, content, line, error):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(DatasetError, match=error) as e:
+        prepare(path)
+    assert e.value.line == line and e.value.path == str(path) and e.value.hint
+    assert str(e.value).startswith(f"{path}:{line}: ")
+
+
+def test_a_missing_empty_or_directory_dataset_is_refused(tmp_path):
+    with pytest.raises(DatasetError, match="dataset file does not exist"):
+        prepare(tmp_path / "absent.jsonl")
+    with pytest.raises(DatasetError, match="dataset path is not a file"):
+        prepare(tmp_path)
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    with pytest.raises(DatasetError, match="dataset is empty"):
+        prepare(tmp_path / "empty.jsonl")
+
+
+def test_pre_tokenized_rows_are_kept_skipped_or_truncated_and_fingerprinted(tmp_path):
+    rows = [
+        {"input_ids": [5, 6, 7]},  # mask defaults to all 1
+        {"input_ids": [5, 6], "loss_mask": [0, 0]},  # no target
+        {"input_ids": []},  # empty
+        {"input_ids": list(range(10, 20)), "loss_mask": [0] * 8 + [1, 1]},  # truncated to 4: target gone
+        {"input_ids": list(range(10, 20)), "loss_mask": [0, 1] + [0] * 8},  # truncated to 4, keeps a target
+        {"messages": []},  # an empty chat: skipped, and no tokenizer is loaded for it
+    ]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\r\n" for r in rows))  # CRLF line ends
+    ds = prepare(path, max_seq_len=4)
+    assert sorted(ds.samples) == [0, 4] and ds.rows == 6 and ds.kinds == {"tokens", "chat"}
+    s0, s4 = ds.samples[0], ds.samples[4]
+    assert s0.input_ids.dtype == np.int32 and s0.loss_mask.dtype == np.uint8
+    assert s0.input_ids.tolist() == [5, 6, 7] and s0.loss_mask.tolist() == [1, 1, 1]
+    assert s4.input_ids.tolist() == [10, 11, 12, 13] and s4.loss_mask.tolist() == [0, 1, 0, 0]
+    assert [(s.row, s.reason) for s in ds.skipped] == [(1, "no_target"), (2, "empty"), (3, "no_target"), (5, "empty")]
+    assert [(t.row, t.original_tokens, t.kept_tokens) for t in ds.truncated] == [(3, 10, 4), (4, 10, 4)]
+    assert ds.tokens == 7 and ds.chat_template_hash is None and ds.tokenizer_hash is None
+    # the fingerprint is of the file's bytes; row hashes of each row without its line end
+    assert ds.fingerprint == hashlib.sha256(path.read_bytes()).hexdigest() == file_fingerprint(path)
+    lines = path.read_bytes().split(b"\r\n")[:-1]
+    assert ds.line_hashes == [hashlib.sha256(raw).digest() for raw in lines]
+    h = hashlib.sha256()
+    for raw in lines[2:5]:
+        h.update(hashlib.sha256(raw).digest())
+    assert ds.shard_rows_hash(2, 3) == h.hexdigest() != ds.shard_rows_hash(1, 3)
+
+
+def test_a_dataset_whose_every_row_is_skipped_is_refused(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"input_ids": [1, 2], "loss_mask": [0, 0]}) + "\n" + json.dumps({"input_ids": []}) + "\n")
+    with pytest.raises(DatasetError, match=r"no row has a target token: all 2 rows would be skipped \(empty, no_target\)"):
+        prepare(path)
+
+
+def test_the_tokenizer_is_loaded_once_for_chat_rows_and_its_ids_must_fit_the_model(fast_tok, tmp_path):
+    path = make_chat_dataset(tmp_path / "chat.jsonl", rows=4, seed=2)
+    loads = []
+
+    def load():
+        loads.append(1)
+        return fast_tok
+
+    ds = prepare(path, vocab_size=VOCAB, max_seq_len=4096, load_tokenizer=load)
+    assert loads == [1] and ds.kinds == {"chat"} and len(ds.samples) == 4
+    assert ds.chat_template_hash == hashlib.sha256(fast_tok.chat_template.encode()).hexdigest()
+    assert ds.tokenizer_hash == tokenizer_fingerprint(fast_tok)
+    largest = max(int(s.input_ids.max()) for s in ds.samples.values())
+    with pytest.raises(ModelError, match=f"the tokenizer produced id {largest} but the model's vocabulary has {largest} entries"):
+        prepare(path, vocab_size=largest, max_seq_len=4096, load_tokenizer=lambda: fast_tok)
+
+
+def test_the_fingerprint_is_of_the_bytes_parsed(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"input_ids": [1, 2]}) + "\n")
+    digest = hashlib.sha256()
+    rows = read_rows(path, digest=digest)
+    assert [(r, raw) for r, raw, _ in rows] == [(0, b'{"input_ids": [1, 2]}')]
+    assert digest.hexdigest() == hashlib.sha256(path.read_bytes()).hexdigest()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -156,3 +157,119 @@ def test_fp8_keeps_nan_and_inf_visible():
     back = dequantize_fp8(q, s)
     assert back[1, 0].isnan().any() and back[2, 1].isnan().any()
     assert torch.isfinite(back[0]).all() and torch.isfinite(back[3]).all()
+
+
+def test_a_wrong_number_of_state_tensors_is_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(ValueError, match="shard 0: 2 state tensors for 3 samples"):
+        write_shard(job(tmp_path / "s.safetensors", [4, 5, 6], "bfloat16"), states([4, 5]))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_states_already_quantized_by_the_engine_are_stored_as_given(tmp_path):
+    """The vLLM capture quantizes on the GPU and hands over fp8 states with their scales: the file
+    holds exactly those, the same bytes as when the writer quantizes the float states itself."""
+    lengths = [9, 40]
+    xs = states(lengths, seed=3)
+    pairs = [quantize_fp8(x) for x in xs]
+    given = write_shard(job(tmp_path / "a" / "s.safetensors", lengths, FP8), [q for q, _ in pairs],
+                        per_sample_scales=[s for _, s in pairs])
+    quantized_here = write_shard(job(tmp_path / "b" / "s.safetensors", lengths, FP8), xs)
+    t = load_file(str(tmp_path / "a" / "s.safetensors"))
+    assert torch.equal(t["hidden_states"].view(torch.uint8), torch.cat([q for q, _ in pairs]).view(torch.uint8))
+    assert torch.equal(t["hidden_states_scale"], torch.cat([s for _, s in pairs]))
+    assert given.sha256 == quantized_here.sha256 and given.layer_stats == quantized_here.layer_stats
+    # the round trip: within e4m3's rounding of the float states
+    x = torch.cat(xs)
+    assert float(((stored_states(t) - x).norm(dim=-1) / x.norm(dim=-1)).max()) < 0.05
+
+
+def test_the_hash_is_taken_piece_by_piece_while_writing_and_matches_the_file(tmp_path, monkeypatch):
+    import datagen.data.shards as shards
+
+    lengths = [300, 257]  # about 130 kB of bfloat16 states: 11 pieces of 12 kB, the last one short
+    monkeypatch.setattr(shards, "WRITE_PIECE", 3 * shards.ALIGN)
+    seen: list[int] = []
+
+    class CountingSha:
+        def __init__(self):
+            self._h = hashlib.new("sha256")
+
+        def update(self, data):
+            seen.append(len(data))
+            self._h.update(data)
+
+        def hexdigest(self):
+            return self._h.hexdigest()
+
+    monkeypatch.setattr(shards.hashlib, "sha256", CountingSha)
+    for direct in ("1", "0"):
+        monkeypatch.setenv("DATAGEN_DIRECT_IO", direct)
+        seen.clear()
+        rec = write_shard(job(tmp_path / direct / "s.safetensors", lengths, "bfloat16"), states(lengths))
+        data = (tmp_path / direct / "s.safetensors").read_bytes()
+        assert rec.sha256 == hashlib.new("sha256", data).hexdigest() and rec.bytes == len(data)
+        assert len(seen) == -(-len(data) // shards.WRITE_PIECE) and sum(seen) == len(data)
+
+
+def test_a_reused_file_image_leaves_no_bytes_of_the_previous_shard(tmp_path):
+    """The writer reuses its page-aligned image per thread: a small shard written after a large
+    one must be the same bytes as one written from a fresh image."""
+    import threading
+
+    small = [7, 3]
+    fresh: dict = {}
+
+    def in_new_thread():  # a new thread: a new image
+        fresh["rec"] = write_shard(job(tmp_path / "fresh" / "s.safetensors", small, "float32"), states(small, seed=9))
+
+    t = threading.Thread(target=in_new_thread)
+    t.start()
+    t.join()
+    write_shard(job(tmp_path / "big" / "s.safetensors", [900, 900], "float32"), states([900, 900], seed=1))
+    reused = write_shard(job(tmp_path / "reused" / "s.safetensors", small, "float32"), states(small, seed=9))
+    assert reused.sha256 == fresh["rec"].sha256
+    assert (tmp_path / "reused" / "s.safetensors").read_bytes() == (tmp_path / "fresh" / "s.safetensors").read_bytes()
+
+
+def test_a_failed_write_leaves_neither_the_shard_nor_a_temporary(tmp_path, monkeypatch):
+    import errno
+
+    import datagen.data.shards as shards
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shards.os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        write_shard(job(tmp_path / "shards" / "s.safetensors", [5], "bfloat16"), states([5]))
+    assert list((tmp_path / "shards").iterdir()) == []
+
+
+def test_a_shard_job_survives_the_wire_as_plain_lists():
+    j = job(Path("/x/shard-000002.safetensors"), [3, 0, 5], "bfloat16", index=2)
+    wire = json.loads(json.dumps(j.to_wire()))  # what msgpack carries: lists, ints, strings
+    back = ShardJob.from_wire(wire)
+    assert back.sample_rows == j.sample_rows and back.layer_ids == j.layer_ids and back.tokens == j.tokens == 8
+    for a, b in zip(back.input_ids + back.loss_masks, j.input_ids + j.loss_masks):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    assert (back.index, back.path, back.first_row, back.rows, back.dtype, back.hidden_size, back.shard_key) == (
+        j.index, j.path, j.first_row, j.rows, j.dtype, j.hidden_size, j.shard_key)
+
+
+def test_shard_statistics_combine_exactly_into_the_datasets(tmp_path):
+    from datagen.data.shards import combine_stats, layer_stats
+
+    parts = [torch.randn(n, len(LAYERS), H) * 3 + 1 for n in (17, 1, 40)]
+    empty = layer_stats(torch.zeros(0, len(LAYERS), H), LAYERS)
+    assert [s.count for s in empty] == [0, 0, 0] and all(s.mean == s.std == s.absmax == 0.0 for s in empty)
+    combined = combine_stats([layer_stats(p, LAYERS) for p in parts] + [empty], LAYERS)
+    whole = torch.cat(parts)
+    at_once = layer_stats(whole, LAYERS)
+    for j, s in enumerate(combined):
+        v = whole[:, j].double()
+        assert s.layer_id == LAYERS[j] and s.count == v.numel() == at_once[j].count
+        # the float64 sums add: the same as the statistics of all tokens at once, up to summation order
+        assert s.sum == pytest.approx(at_once[j].sum, rel=1e-12) and s.sumsq == pytest.approx(at_once[j].sumsq, rel=1e-12)
+        assert s.mean == pytest.approx(float(v.mean()), rel=1e-5)
+        assert s.std == pytest.approx(float(v.std(unbiased=False)), rel=1e-5)
+        assert s.absmax == at_once[j].absmax == float(v.abs().max())

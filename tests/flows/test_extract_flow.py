@@ -2,63 +2,33 @@
 the transformers engine on a tiny Llama: caching by shard range, incremental re-extraction,
 transient faults retried, permanent ones not, artifacts, log streaming, the dataset event.
 
-The tests of this module are one story on one dataset, in order: a first run, a second run that
-finds everything in the cache, appended rows, a deleted shard, then faults.
+The module's tests share one dataset: ``runs`` (tests/flows/conftest.py) extracts it and runs
+the flow again at once (everything cached), and keeps what those two runs returned; the tests that
+change the dataset or inject faults run after both and leave it complete, so any test passes
+alone and in any order.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import time
-from pathlib import Path
 
 import pytest
 
 from datagen.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT
-from flows.extract import extract
-from tasks import handoff
 from tasks import local_runner
-from tests.flows.builders import append_rows, chat_rows, pipeline_spec
+from tests.flows.builders import append_rows
+from tests.flows.conftest import Story
 from tests.support.step_hooks import hooked_runner, write_faults
 from tests.support.prefect_runs import artifacts_by_key, flow_run_logs, state_names, task_runs
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
 
-class Story:
-    """The dataset the tests of this module share, and what its runs returned."""
-
-    def __init__(self, root: Path, model: Path) -> None:
-        self.root = root
-        self.model = model
-        self.dataset = chat_rows(root / "chat.jsonl", rows=10)  # 4 shards of 3 rows: 2 ranges of 2
-        self.output = root / "out"
-        self.events: list[dict] = []
-        self.runs: dict[str, object] = {}  # test story step -> flow run id
-
-    def spec(self, **overrides):
-        return pipeline_spec(model=self.model, dataset=self.dataset, output=self.output, **overrides)
-
-    def run(self, **overrides):
-        t0 = time.monotonic()
-        state = extract(self.spec(**overrides), return_state=True)
-        return state, state.state_details.flow_run_id, time.monotonic() - t0
-
-
-@pytest.fixture(scope="module")
-def story(tmp_path_factory, tiny_llama):
-    return Story(tmp_path_factory.mktemp("flow"), tiny_llama)
-
-
 @pytest.fixture
-def recorded_events(story, monkeypatch):
-    def record(**kwargs):
-        story.events.append(kwargs)
-
-    story.events.clear()
-    monkeypatch.setattr(handoff, "emit_event", record)
-    return story.events
+def story(runs) -> Story:
+    """The extracted dataset, for a test that runs the flow again (and leaves the dataset complete)."""
+    return runs.story
 
 
 @pytest.fixture
@@ -68,44 +38,42 @@ def faults(tmp_path, monkeypatch):
     return path
 
 
-def test_a_first_run_extracts_every_range_then_validates_and_announces(story, recorded_events):
-    state, run_id, _ = story.run()
-    story.runs["first"] = run_id
+def test_a_first_run_extracts_every_range_then_validates_and_announces(runs):
+    state = runs.first.state
     assert state.is_completed(), state.message
     summary = state.result()
     assert summary["shards_extracted"] == [0, 1, 2, 3]
     assert summary["ranges"] == 2 and summary["ranges_cached"] == 0
-    manifest = json.loads((story.output / "manifest.json").read_text())
-    assert manifest["fingerprint"] == summary["fingerprint"]
-    assert json.loads((story.output / ".datagen" / "validation.json").read_text())["ok"] is True
-    runs = task_runs(run_id)
-    assert state_names(runs["extract-range"]) == ["Completed", "Completed"]
+    assert runs.manifest["fingerprint"] == summary["fingerprint"]
+    assert runs.validation["ok"] is True
+    tasks = task_runs(runs.first.run_id)
+    assert state_names(tasks["extract-range"]) == ["Completed", "Completed"]
     for name in ("env-check", "download", "plan", "finalize", "validate", "announce"):
-        assert state_names(runs[name]) == ["Completed"], name
-    [event] = recorded_events
+        assert state_names(tasks[name]) == ["Completed"], name
+    [event] = runs.first.events
     assert event["event"] == "datagen.dataset.ready"
     assert event["resource"]["prefect.resource.id"] == f"datagen.dataset.{summary['fingerprint']}"
     assert event["resource"]["datagen.dataset.changed"] == "true"
 
 
-def test_a_second_run_serves_every_range_from_the_cache_and_starts_no_engine(story, recorded_events):
-    state, run_id, seconds = story.run()
-    story.runs["cached"] = run_id
+def test_a_second_run_serves_every_range_from_the_cache_and_starts_no_engine(runs):
+    state, run_id = runs.cached.state, runs.cached.run_id
     assert state.is_completed(), state.message
     assert state.result()["shards_extracted"] == []
-    runs = task_runs(run_id)
-    assert state_names(runs["extract-range"]) == ["Cached", "Cached"]
-    assert state_names(runs["finalize"]) == ["Cached"]
-    assert state_names(runs["validate"]) == ["Cached"]
+    tasks = task_runs(run_id)
+    assert state_names(tasks["extract-range"]) == ["Cached", "Cached"]
+    assert state_names(tasks["finalize"]) == ["Cached"]
+    assert state_names(tasks["validate"]) == ["Cached"]
     assert not [m for m in flow_run_logs(run_id) if "Loading weights" in m or " extract INFO " in m]
-    assert recorded_events[0]["resource"]["datagen.dataset.changed"] == "false"
-    print(f"fully cached re-run: {seconds:.1f} s")
+    [event] = runs.cached.events
+    assert event["resource"]["datagen.dataset.changed"] == "false"
+    print(f"fully cached re-run: {runs.cached.seconds:.1f} s")
 
 
-def test_every_run_has_a_summary_a_shard_table_and_a_finished_progress_bar(story):
-    first, cached = artifacts_by_key(story.runs["first"]), artifacts_by_key(story.runs["cached"])
+def test_every_run_has_a_summary_a_shard_table_and_a_finished_progress_bar(runs):
+    first, cached = artifacts_by_key(runs.first.run_id), artifacts_by_key(runs.cached.run_id)
     summary = cached["extract-summary"][-1].data
-    assert "ranges served from the cache | 2 of 2" in summary and str(story.output) in summary
+    assert "ranges served from the cache | 2 of 2" in summary and str(runs.story.output) in summary
     assert "ranges served from the cache | 0 of 2" in first["extract-summary"][-1].data
     for found, this_run in ((first, "extracted"), (cached, "cached")):
         table = found["extract-shards"][-1].data
@@ -113,21 +81,21 @@ def test_every_run_has_a_summary_a_shard_table_and_a_finished_progress_bar(story
         assert [r["shard"] for r in rows] == [0, 1, 2, 3] and {r["this run"] for r in rows} == {this_run}
         assert found["extract-progress"][-1].data == 100.0
     # the layer report: this run's statistics plotted after the runs before it, no drift between them
-    runs = [int(re.search(r"Runs: (\d+);", a["layer-report"][-1].data)[1]) for a in (first, cached)]
-    assert runs[1] == min(runs[0] + 1, 8)  # other tests' runs of the flow may come before (the same history)
+    counts = [int(re.search(r"Runs: (\d+);", a["layer-report"][-1].data)[1]) for a in (first, cached)]
+    assert counts[1] == min(counts[0] + 1, 8)  # other tests' runs of the flow may come before (the same history)
     assert cached["layer-report"][-1].data.startswith("# Layer statistics: no drift")
     assert "data:image/png;base64," in cached["layer-report"][-1].data
 
 
-def test_step_output_reaches_the_run_log_line_by_line(story):
-    logs = flow_run_logs(story.runs["first"])
+def test_step_output_reaches_the_run_log_line_by_line(runs):
+    logs = flow_run_logs(runs.first.run_id)
     assert any(m.startswith("datagen-result: ") for m in logs), logs[:40]
     assert any(" env-check INFO " in m for m in logs), "each line of the step is a log entry of its task"
     assert any(" extract INFO progress " in m for m in logs), "the extraction's progress lines too"
 
 
 def test_appending_rows_re_extracts_only_the_shards_whose_rows_changed(story):
-    append_rows(story.dataset, rows=2)  # 12 rows: shard 3 now holds rows 9..11
+    append_rows(story.dataset, rows=2)  # shard 3 (rows 9..11) gains rows: only its range changes
     state, run_id, _ = story.run()
     assert state.is_completed(), state.message
     assert state.result()["shards_extracted"] == [3]
@@ -138,7 +106,7 @@ def test_appending_rows_re_extracts_only_the_shards_whose_rows_changed(story):
 
 
 def test_a_range_whose_shards_are_gone_is_extracted_again(story):
-    (story.output / "shards" / "shard-000000.safetensors").unlink()
+    (story.output / "shards" / "shard-000000.safetensors").unlink()  # the run puts it back
     state, _, _ = story.run()
     assert state.is_completed(), state.message
     assert state.result()["shards_extracted"] == [0]

@@ -1,9 +1,9 @@
 """The extract flow with the docker runner: every step in its container, on a real Docker engine.
 
-One story (the flow runs take about a minute each on 2 cores): the local runner extracts a tiny
-dataset; the docker runner extracts it again while a test thread `docker kill`s the first
-extract container; the task retries, the run completes, the shards are byte-identical to the
-local runner's, and no container is left behind.
+The docker runner extracts a tiny dataset while a test thread `docker kill`s the first extract
+container; the task retries, the run completes, the shards are byte-identical to the local
+runner's extraction of the same rows (the ``runs`` fixture the extract-flow tests share), and no
+container is left behind.
 """
 
 from __future__ import annotations
@@ -33,12 +33,15 @@ def shard_checksums(output: Path) -> list[tuple[str, str]]:
     return [(shard["path"], shard["sha256"]) for shard in manifest["shards"]]
 
 
-def kill_first_container(client, step: str, killed: list[str], *, timeout_s: float = 600) -> None:
-    """`docker kill` the first running container of ``step`` the runner starts."""
+def kill_first_container(client, step: str, killed: list[str], *, under: Path, timeout_s: float = 600) -> None:
+    """`docker kill` the first running container of ``step`` the runner starts for this test: one
+    that mounts a path under ``under`` (another run on the same Docker engine is left alone)."""
     wanted = [f"{MANAGED_LABEL}=true", f"{LABEL_PREFIX}step={step}"]
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for container in client.containers.list(filters={"label": wanted}):
+            if not any(str(m.get("Source", "")).startswith(f"{under}/") for m in container.attrs.get("Mounts", [])):
+                continue
             container.kill()
             killed.append(container.labels.get(LABEL_PREFIX + "flow-run-id", ""))
             return
@@ -46,26 +49,29 @@ def kill_first_container(client, step: str, killed: list[str], *, timeout_s: flo
 
 
 def test_tiny_flow_in_containers_survives_a_killed_container_and_matches_the_local_runner(
-    tmp_path, tiny_llama
+    tmp_path, tiny_llama, request
 ):
     client = docker_client()
     built_images(*DEFAULT_IMAGES)
-    dataset = chat_rows(tmp_path / "chat.jsonl", rows=10)
+    runs = request.getfixturevalue("runs")  # after the checks that skip without Docker
+    dataset = chat_rows(tmp_path / "chat.jsonl", rows=10)  # the rows of the local runs' dataset
+    assert dataset.read_bytes() == runs.story.original_rows
 
     def spec(runner: str):
         return pipeline_spec(
             model=tiny_llama, dataset=dataset, output=tmp_path / runner, runner=runner
         )
 
-    local = extract(spec("local"), return_state=True)
     killed: list[str] = []
-    killer = threading.Thread(target=kill_first_container, args=(client, "extract", killed))
+    killer = threading.Thread(target=kill_first_container, args=(client, "extract", killed),
+                              kwargs={"under": tmp_path})
     killer.start()
     in_docker = extract(spec("docker"), return_state=True)
     killer.join()
 
-    assert local.is_completed() and in_docker.is_completed(), (local, in_docker)
+    assert in_docker.is_completed(), in_docker
     assert killed == [str(in_docker.state_details.flow_run_id)], "no extract container was killed"
-    assert shard_checksums(tmp_path / "docker") == shard_checksums(tmp_path / "local")
+    local = [(shard["path"], shard["sha256"]) for shard in runs.manifest["shards"]]
+    assert shard_checksums(tmp_path / "docker") == local
     run_label = f"{LABEL_PREFIX}flow-run-id={in_docker.state_details.flow_run_id}"
     assert client.containers.list(all=True, filters={"label": run_label}) == []

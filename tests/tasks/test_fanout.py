@@ -13,12 +13,34 @@ from tasks.fanout import gpu_slots, gpu_slots_name
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
 
-def test_a_host_never_runs_more_engines_than_its_gpus_allow():
+@pytest.fixture
+def host_gpus():
+    """Creates this host's GPU limit on the server (``host_gpus(8)``); removed after the test."""
     from prefect import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.exceptions import ObjectNotFound
+
+    def create(gpus: int) -> None:
+        with get_client(sync_client=True) as client:
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=gpu_slots_name(), limit=gpus))
+
+    yield create
+    with get_client(sync_client=True) as client:
+        try:
+            client.delete_global_concurrency_limit_by_name(gpu_slots_name())
+        except ObjectNotFound:
+            pass
+
+
+def _active_slots() -> int:
+    from prefect import get_client
 
     with get_client(sync_client=True) as client:
-        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=gpu_slots_name(), limit=8))
+        return client.read_global_concurrency_limit_by_name(gpu_slots_name()).active_slots
+
+
+def test_a_host_never_runs_more_engines_than_its_gpus_allow(host_gpus):
+    host_gpus(8)
     spans: list[tuple[float, float]] = []
 
     def engine() -> None:
@@ -36,9 +58,38 @@ def test_a_host_never_runs_more_engines_than_its_gpus_allow():
     assert b0 >= a1, "two TP-8 engines held the host's 8 GPUs at the same time"
 
 
-def test_a_cpu_range_takes_no_slots():
-    with gpu_slots(0):
-        pass
+def test_a_cpu_range_takes_no_slots(host_gpus, caplog):
+    """A CPU range (0 GPUs) enters at once even while every GPU slot of the host is held."""
+    import logging
+
+    host_gpus(1)
+    held, release = threading.Event(), threading.Event()
+
+    def gpu_engine() -> None:
+        with gpu_slots(1):
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=gpu_engine)
+    holder.start()
+    try:
+        assert held.wait(60), "the GPU engine did not get the host's only slot"
+        entered: list[int] = []
+
+        def cpu_range() -> None:
+            with gpu_slots(0, log=logging.getLogger("test-cpu-range")):
+                entered.append(_active_slots())
+
+        with caplog.at_level(logging.INFO, logger="test-cpu-range"):
+            cpu = threading.Thread(target=cpu_range)
+            cpu.start()
+            cpu.join(10)
+        assert entered == [1], "the CPU range waited for a GPU slot (or took one)"
+        assert not caplog.records, "a CPU range takes no slots, so it logs none"
+    finally:
+        release.set()
+        holder.join(60)
+    assert _active_slots() == 0
 
 
 def test_a_range_lease_is_held_by_one_run_at_a_time_and_given_back():
