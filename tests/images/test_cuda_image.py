@@ -59,6 +59,7 @@ def test_the_cuda_image_installs_its_whole_lock_cuda_torch_and_the_verified_vllm
         "VENV_OPTIONS": "",
         "VLLM_VERSION": CUDA_VLLM_RELEASE,
         "CUDA_VERSION": "13.0",
+        "SYSTEM": "extract",  # the Dockerfile's system stage for the extract target
     }
 
 
