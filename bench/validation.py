@@ -2,7 +2,7 @@
 
     python -m bench.validation --mode smoke|full [--results DIR]
 
-Reuses the validation engineer's ``bench/validate_throughput.py``: its synthetic dataset
+Reuses ``bench/validate_throughput.py``: its synthetic dataset
 (written by the real shard writer, a manifest that passes), its plain read (one thread, 8 MiB
 blocks), its sha256-only pass and ``datagen.steps.validate.validate`` with no golden samples (structure,
 checksums, tensors, offsets, rows, NaN/Inf, statistics: every byte). Here each is run several
