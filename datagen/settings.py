@@ -37,6 +37,12 @@ def direct_io() -> bool:
     return os.environ.get("DATAGEN_DIRECT_IO", "1") != "0"
 
 
+def gpu_step_times() -> bool:
+    """DATAGEN_GPU_STEP_TIMES: 1 to time each engine step's forward and capture on the GPU (CUDA
+    events; for profiles, bench/gpu/storage.py --profile). Off by default: it adds events per step."""
+    return os.environ.get("DATAGEN_GPU_STEP_TIMES", "0") == "1"
+
+
 def model_cache() -> Path:
     """DATAGEN_MODEL_CACHE: the shared model cache for downloads."""
     return Path(os.environ.get("DATAGEN_MODEL_CACHE", Path.home() / ".cache" / "datagen" / "models"))

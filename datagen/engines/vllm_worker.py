@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from datagen import settings
 from datagen.data.shards import (
     FP8,
     TORCH_DTYPES,
@@ -240,7 +241,7 @@ def _enable_capture(runner) -> None:
     runner._datagen_capture = capture  # noqa: SLF001
     original = runner.execute_model
 
-    timed = capture.cuda and os.environ.get("DATAGEN_GPU_STEP_TIMES") == "1"  # profiles only (bench/gpu)
+    timed = capture.cuda and settings.gpu_step_times()  # profiles only (bench/gpu)
 
     def event():
         if not timed:
