@@ -58,44 +58,11 @@ for f in "$WHEELS"/*.whl "$TARBALL"; do
   [ "$(stat -c %s "$f")" -le $((55 * 1024 * 1024)) ] || split -b 55M "$f" "$PARTS/$(basename "$f").part"
 done
 LIMIT=$((59000 * 1024))   # 57.6 MiB: a device call carries at most 64 MiB
-python3 - "$PARTS" "$WHEELS" "$LIMIT" "$(basename "$TARBALL")" <<'PY'
-import os, sys, shutil, hashlib, string
-parts, wheels, limit, tarball = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-whole = sorted(w for w in os.listdir(wheels) if w.endswith(".whl") or w == tarball)
-split = {p.rsplit(".part", 1)[0] for p in os.listdir(parts)}
 # The interpreter first (into .amxA: the first call can check that it runs here), then the parts,
 # then the other wheels largest first.
-files = [os.path.join(wheels, tarball)] + [os.path.join(parts, p) for p in sorted(os.listdir(parts))]
-files += sorted((os.path.join(wheels, w) for w in whole if w not in split and w != tarball),
-                key=lambda p: -os.path.getsize(p))
-folders = {}  # letter -> used bytes
-placed = []
-for f in files:
-    size = os.path.getsize(f)
-    for letter in string.ascii_uppercase:
-        used = folders.setdefault(letter, 0)
-        if used + size <= limit:
-            folders[letter] = used + size
-            break
-    os.makedirs(f".amx{letter}", exist_ok=True)
-    shutil.copy(f, f".amx{letter}/")
-    placed.append((f".amx{letter}", size, os.path.basename(f)))
-def sha(p):
-    h = hashlib.sha256()
-    with open(p, "rb") as fh:
-        for b in iter(lambda: fh.read(1 << 20), b""):
-            h.update(b)
-    return h.hexdigest()
-with open(".amxA/SHA256SUMS", "w") as s:       # whole files: a split one is checked once joined
-    for n in whole:
-        s.write(f"{sha(os.path.join(wheels, n))}  {n}\n")
-with open(".amxA/FILES.txt", "w") as m:
-    m.write("# folder size name (bench/amx/wheels.sh)\n")
-    for d, size, n in placed:
-        m.write(f"{d} {size} {n}\n")
-for letter in sorted(folders):
-    print(f".amx{letter}: {folders[letter] / 1e6:.1f} MB")
-PY
+rest=(); for w in "$WHEELS"/*.whl; do [ -e "$PARTS/$(basename "$w").partaa" ] || rest+=("$w"); done
+python3 bench/gpu/pack.py amx "$LIMIT" bench/amx/wheels.sh --first "$TARBALL" "$PARTS"/* --rest "${rest[@]}" \
+  --sums "$WHEELS"/*.whl "$TARBALL"
 rm -rf "$PARTS"
 grep -qx '/.amx\*/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo '/.amx*/' >> .git/info/exclude; }
 echo "wheels: $(ls "$WHEELS" | wc -l) files; folders: $(ls -d .amx*/ | xargs)"

@@ -30,42 +30,8 @@ rm -rf .gpu[A-Z]
 W=$(ls "$WHEELS"/vllm-"$VLLM"-*.whl)
 PARTS=$(mktemp -d); split -b 55M "$W" "$PARTS/$(basename "$W").part"
 LIMIT=$((58500 * 1024))
-python3 - "$PARTS" "$WHEELS" "$LIMIT" "$(basename "$W")" <<'PY'
-import os, sys, shutil, hashlib, string
-parts, wheels, limit, vname = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-files = [(os.path.join(parts, p)) for p in sorted(os.listdir(parts))]
-files += sorted((os.path.join(wheels, w) for w in os.listdir(wheels) if w.endswith(".whl") and w != vname),
-                key=lambda p: -os.path.getsize(p))
-folders = {}  # letter -> used bytes
-placed = []
-for f in files:
-    size = os.path.getsize(f)
-    for letter in string.ascii_uppercase:
-        used = folders.setdefault(letter, 0)
-        if used + size <= limit:
-            folders[letter] = used + size
-            break
-    os.makedirs(f".gpu{letter}", exist_ok=True)
-    shutil.copy(f, f".gpu{letter}/")
-    placed.append((f".gpu{letter}", size, os.path.basename(f)))
-def sha(p):
-    h = hashlib.sha256()
-    with open(p, "rb") as fh:
-        for b in iter(lambda: fh.read(1 << 20), b""):
-            h.update(b)
-    return h.hexdigest()
-with open(".gpuA/SHA256SUMS", "w") as s:
-    s.write(f"{sha(os.path.join(wheels, vname))}  {vname}\n")
-    for d, _, n in placed:
-        if n.endswith(".whl"):
-            s.write(f"{sha(os.path.join(d, n))}  {n}\n")
-with open(".gpuA/FILES.txt", "w") as m:
-    m.write("# folder size name (bench/gpu/wheels.sh)\n")
-    for d, size, n in placed:
-        m.write(f"{d} {size} {n}\n")
-for letter in sorted(folders):
-    print(f".gpu{letter}: {folders[letter] / 1e6:.1f} MB")
-PY
+rest=(); for w in "$WHEELS"/*.whl; do [ "$w" = "$W" ] || rest+=("$w"); done
+python3 bench/gpu/pack.py gpu "$LIMIT" bench/gpu/wheels.sh --first "$PARTS"/* --rest "${rest[@]}" --sums "$WHEELS"/*.whl
 rm -rf "$PARTS"
 grep -qx '/.gpu\*/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo '/.gpu*/' >> .git/info/exclude; }
 echo "wheels: $(ls "$WHEELS" | wc -l) wheels; folders: $(ls -d .gpu*/ | xargs)"
