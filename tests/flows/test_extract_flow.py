@@ -31,13 +31,6 @@ def story(runs) -> Story:
     return runs.story
 
 
-@pytest.fixture
-def faults(tmp_path, monkeypatch):
-    path = tmp_path / "faults.json"
-    monkeypatch.setattr(local_runner, "LocalRunner", hooked_runner(local_runner.LocalRunner, faults=path))
-    return path
-
-
 def test_a_first_run_extracts_every_range_then_validates_and_announces(runs):
     state = runs.first.state
     assert state.is_completed(), state.message
@@ -112,21 +105,36 @@ def test_a_range_whose_shards_are_gone_is_extracted_again(story):
     assert state.result()["shards_extracted"] == [0]
 
 
-def test_a_transient_fault_is_retried_and_the_run_completes(story, faults):
-    write_faults(faults, plan={"exit_code": EXIT_TRANSIENT, "times": 1, "message": "storage hiccup"})
-    state, run_id, _ = story.run()
+@pytest.fixture(scope="module")
+def fault_runs(runs, tmp_path_factory) -> dict:
+    """Two runs on the extracted dataset, with faults injected into the plan step: a permanent one
+    (the run fails at once), then a transient one in the run right after it (retried, and that
+    run completes with nothing left to extract). The fault tests read both."""
+    story = runs.story
+    faults = tmp_path_factory.mktemp("faults") / "faults.json"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(local_runner, "LocalRunner", hooked_runner(local_runner.LocalRunner, faults=faults))
+        write_faults(faults, plan={"exit_code": EXIT_BAD_INPUT, "times": 1, "message": "row 7 is not JSON"})
+        permanent, permanent_id, _ = story.run()
+        write_faults(faults, plan={"exit_code": EXIT_TRANSIENT, "times": 1, "message": "storage hiccup"})
+        transient, transient_id, _ = story.run()
+    return {"permanent": (permanent, permanent_id), "transient": (transient, transient_id)}
+
+
+def test_a_transient_fault_is_retried_and_the_run_completes(fault_runs):
+    state, run_id = fault_runs["transient"]
     assert state.is_completed(), state.message
+    assert state.result()["shards_extracted"] == []
     [plan] = task_runs(run_id)["plan"]
     assert plan.run_count == 2
     assert any("storage hiccup" in m for m in flow_run_logs(run_id))
 
 
-def test_a_permanent_fault_fails_the_run_at_once_with_the_steps_message(story, faults):
-    write_faults(faults, plan={"exit_code": EXIT_BAD_INPUT, "times": 1, "message": "row 7 is not JSON"})
-    state, run_id, _ = story.run()
+def test_a_permanent_fault_fails_the_run_at_once_with_the_steps_message(fault_runs):
+    state, run_id = fault_runs["permanent"]
     assert state.is_failed()
     assert "row 7 is not JSON" in state.message and "bad input" in state.message
     [plan] = task_runs(run_id)["plan"]
     assert plan.run_count == 1, "a permanent fault must not be retried"
-    again, _, _ = story.run()
+    again, _ = fault_runs["transient"]  # the next run, on the same dataset
     assert again.is_completed() and again.result()["shards_extracted"] == []
