@@ -34,7 +34,7 @@ from tasks.extract import (
 )
 from tasks.fanout import assemble, bucket_state, dispatch_range
 from tasks.handoff import announce, publish_cache_key, publish_dataset
-from tasks.validate import ValidationOutcome, validate_cache_key, validate_dataset
+from tasks.validate import validate_cache_key, validate_dataset, validation_summary
 
 
 @flow(name="extract", description="Extract a model's hidden states for a dataset into a validated dataset.")
@@ -64,10 +64,10 @@ def extract(spec: PipelineSpec) -> dict:
     ranges = _extract_ranges(spec, xspec, planned, identity)
 
     if spec.fans_out:
-        dataset, verdict, published_to = _assemble(spec, xspec, planned, identity)
+        dataset, validation, published_to = _assemble(spec, xspec, planned, identity)
         artifacts.layer_report(dataset.dataset)
     else:
-        dataset, verdict, published_to = _finalize_validate_publish(spec, xspec, planned, identity)
+        dataset, validation, published_to = _finalize_validate_publish(spec, xspec, planned, identity)
     changed = any(r.shards_extracted for r, _ in ranges) or not planned.dataset_complete
     uri = published_to or dataset.dataset
     announce(
@@ -79,7 +79,7 @@ def extract(spec: PipelineSpec) -> dict:
         dataset=dataset.model_dump(mode="json"),
         ranges=[r.record() | {"task_cached": cached} for r, cached in ranges],
         published_to=published_to,
-        validation=verdict.summary,
+        validation=validation,
     )
     logger.info("dataset: %s (fingerprint %s)", uri, dataset.fingerprint)
     return {
@@ -97,18 +97,21 @@ def extract(spec: PipelineSpec) -> dict:
 def _assemble(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, identity: str):
     """A fanned-out dataset: every shard object in the bucket checked, the manifest written there
     last. Its shards were checked against their records when they were uploaded and again here
-    (size, sha256); the validate step reads a local dataset and is not run on it."""
+    (size, sha256); the validate step reads a local dataset and is not run on it. Returns the
+    assemble step's result, the validation line of the summary, and where the dataset is."""
     dest = spec.publish_to
     dataset = assemble.with_options(refresh_cache=not planned.dataset_complete, **_storage(spec))(
         spec, xspec, planned, cache_key=finalize_cache_key(planned, identity=identity, out=dest),
     )
-    verdict = ValidationOutcome(ran=False, summary="shard objects checked in the bucket (size, sha256); "
-                                                   "the validate step is not run on a fanned-out dataset")
-    return dataset, verdict, dest
+    validation = ("shard objects checked in the bucket (size, sha256); "
+                  "the validate step is not run on a fanned-out dataset")
+    return dataset, validation, dest
 
 
 def _finalize_validate_publish(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, identity: str):
-    """A dataset written on this host: the manifest, validation, then the publish to S3."""
+    """A dataset written on this host: the manifest, validation, then the publish to S3. Returns the
+    extract step's result (with the manifest), the validation line of the summary, and where the
+    dataset was published (None: not)."""
     dataset = finalize.with_options(refresh_cache=not planned.dataset_complete, **_storage(spec))(
         finalize_call(xspec), cache_key=finalize_cache_key(planned, identity=identity, out=xspec.out),
         runner=spec.runner,
@@ -118,9 +121,8 @@ def _finalize_validate_publish(spec: PipelineSpec, xspec: ExtractSpec, planned: 
                                  dataset.shards_extracted)
     # before validation: a drift that fails the run is on the plot of that run
     artifacts.layer_report(dataset.dataset, previous=spec.validation.previous)
-    verdict = validate_dataset(
+    validated = validate_dataset(
         dataset.dataset,
-        manifest_sha256=dataset.manifest_sha256,
         cache_key=validate_cache_key(
             fingerprint=dataset.fingerprint, manifest_sha256=dataset.manifest_sha256, identity=identity,
             settings=spec.validation,
@@ -143,7 +145,7 @@ def _finalize_validate_publish(spec: PipelineSpec, xspec: ExtractSpec, planned: 
             runner=spec.runner,
             task_options=_storage(spec),
         )
-    return dataset, verdict, published.destination if published is not None else None
+    return dataset, validation_summary(validated), published.destination if published is not None else None
 
 
 def _storage(spec: PipelineSpec) -> dict:
