@@ -40,15 +40,16 @@ from uuid import UUID
 from prefect import get_client, get_run_logger, task
 from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
+from pydantic import ValidationError
 
 from datagen import settings
 from datagen.data.contract import MANIFEST_NAME, ShardRecord
 from datagen.data.spec import ExtractSpec, sha256_hex
 from datagen.errors import StorageError, TransientError
-from datagen.storage import fleet, s3
-from tasks import artifacts
 from datagen.steps.assemble import AssembleResult
 from datagen.steps.extract import ExtractResult
+from datagen.storage import fleet, s3
+from tasks import artifacts
 from tasks._common import (
     STEP_RETRY_DELAYS_S, STEP_RETRY_POLICY, make_runner, mounts_for, parse_result, run_step, scratch_dir, spec_file,
 )
@@ -138,11 +139,11 @@ def dispatch_range(
         outcome = _watch(child.id, shard_range, spec, logger)
         if outcome == "completed":
             receipt = _retrying(lambda: fleet.read_receipt(client, dest, cache_key), "reading the range's receipt", logger)
-            outcome = _outcome(shard_range, receipt)
+            done = _outcome(shard_range, receipt)
             if board is not None:
                 board.set(shard_range.arg, 1.0, force=True)
             _delete_limit(limit)
-            return outcome
+            return done
         logger.warning("range %s: flow run %s was lost (%s); submitting the range again", shard_range, child.name, outcome)
     raise RangeRunFailed(
         f"range {shard_range}: its flow run was lost {fan.max_resubmits + 1} times; giving up "
@@ -166,8 +167,6 @@ def _retrying(call, what: str, log):
 def _outcome(shard_range: ShardRange, receipt: dict | None) -> RangeOutcome:
     """The range's outcome as its receipt records it; without a (readable) receipt, a range whose
     every shard is in the bucket, nothing known of how they got there."""
-    from pydantic import ValidationError
-
     try:
         outcome = RangeOutcome.model_validate(receipt) if receipt is not None else None
     except ValidationError:
