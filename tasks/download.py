@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 from prefect import get_run_logger
 
 from datagen.errors import CannotRunHereError, ModelNotFoundError
-from datagen.steps import result_type
 from datagen.storage.sources import LocalSource, parse_model_source
 from tasks._common import HUB_AND_AWS_CREDENTIAL_ENV, mounts_for, step_available
 from tasks.pipeline_spec import PipelineSpec
@@ -48,7 +47,6 @@ def download(spec: PipelineSpec) -> DownloadResult | None:
     local = (str(source.path),) if isinstance(source, LocalSource) else ()
     call = StepCall(
         step=STEP,
-        result=result_type(STEP),
         spec={**spec.sources_spec(), "model_cache": str(cache)},
         mounts=mounts_for(cache, read_only=local),
         env=s3_step_env(),  # an S3 mirror's endpoint and region (credentials are secret_env_names)

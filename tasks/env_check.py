@@ -16,7 +16,6 @@ from prefect import get_run_logger
 from prefect.artifacts import create_table_artifact
 from prefect.futures import PrefectFuture
 
-from datagen.steps import result_type
 from tasks._common import HUB_AND_AWS_CREDENTIAL_ENV, mounts_for, step_available
 from tasks.pipeline_spec import PipelineSpec
 from tasks.settings import s3_step_env
@@ -43,7 +42,6 @@ def start_env_check(spec: PipelineSpec) -> PrefectFuture | None:
         Path(spec.model_cache).mkdir(parents=True, exist_ok=True)
     call = StepCall(
         step=STEP,
-        result=result_type(STEP),
         spec=spec.sources_spec(),
         mounts=mounts_for(read_only=tuple(local_paths)),
         env=s3_step_env(),  # an S3 mirror's endpoint and region (credentials are secret_env_names)

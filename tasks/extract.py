@@ -82,7 +82,7 @@ def _mounts(spec: ExtractSpec) -> tuple[Mount, ...]:
 def plan_call(spec: ExtractSpec) -> StepCall:
     """`datagen plan`: fingerprints, shard keys, and what is on disk (the manifest, its validation).
     Loads no weights."""
-    return StepCall(step="plan", result=PlanResult, spec=spec.model_dump(mode="json"), mounts=_mounts(spec))
+    return StepCall(step="plan", spec=spec.model_dump(mode="json"), mounts=_mounts(spec))
 
 
 def range_call(spec: ExtractSpec, shard_range: ShardRange, *, gpus: int = 0, progress: UUID | None = None) -> StepCall:
@@ -90,7 +90,6 @@ def range_call(spec: ExtractSpec, shard_range: ShardRange, *, gpus: int = 0, pro
     range's item of the progress bar ``progress``. Its result: the step's ``ExtractResult``."""
     return StepCall(
         step="extract",
-        result=ExtractResult,
         spec=spec.model_dump(mode="json"),
         args=("--shards", shard_range.arg),
         mounts=_mounts(spec),
@@ -107,7 +106,6 @@ def finalize_call(spec: ExtractSpec) -> StepCall:
     ``ExtractResult``, with the manifest's sha256, totals and shards."""
     return StepCall(
         step="extract",
-        result=ExtractResult,
         spec=spec.model_dump(mode="json"),
         mounts=_mounts(spec),
         known={"dataset": str(Path(spec.out).absolute())},

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 from prefect import get_run_logger, task
 from prefect.events import emit_event
 
-from datagen.steps import result_type
 from tasks._common import AWS_CREDENTIAL_ENV, cache_key, mounts_for, step_available
 from tasks.pipeline_spec import Runner
 from tasks.settings import s3_step_env
@@ -50,7 +49,6 @@ def publish_dataset(
         return None
     call = StepCall(
         step="publish",
-        result=result_type("publish"),
         args=(dataset, "--to", destination),
         mounts=mounts_for(read_only=(dataset,)),
         env=s3_step_env(),

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 from prefect import get_run_logger
 
-from datagen.steps import result_type
 from tasks._common import cache_key, mounts_for, step_available
 from tasks.pipeline_spec import Runner
 from tasks.step import STEP_CACHE, StepCall, step_task
@@ -41,7 +40,6 @@ def export_speculators(dataset: str, out: str, *, cache_key: str, runner: Runner
         return None
     call = StepCall(
         step=STEP,
-        result=result_type(STEP),
         args=("--format", "speculators", dataset, out),
         mounts=mounts_for(Path(out).parent, read_only=(dataset,)),
         known={"out": out},

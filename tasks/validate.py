@@ -81,7 +81,6 @@ def validate_dataset(
         report = scratch / REPORT_NAME
         call = StepCall(
             step=STEP,
-            result=ValidateResult,
             args=(dataset, "--report", str(report), "--model", model, "--source", source, *settings.args(),
                   *(["--trust-remote-code"] if trust_remote_code else [])),
             mounts=mounts_for(dataset, scratch, read_only=(model, source, *filter(None, [settings.previous]))),
