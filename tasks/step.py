@@ -9,13 +9,18 @@ onto the run's progress bar), and returns the step's own result type (``datagen.
 
 Retries: transient faults only (``tasks/_common.py``). Caching: one policy, ``STEP_CACHE``: the
 cache key is the task's ``cache_key`` argument, which the flow computes from what decides the
-step's output (each ``*_cache_key`` function says what its key holds; docs/orchestration.md). A
+step's output (each ``*_cache_key`` function says what its key holds; docs/orchestration.md), with
+a digest of the result type's schema after it (a record of another shape is never read back). A
 call without a key is not cached. What is cached is the typed result.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import json
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +30,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE, CacheKeyFnPolicy, CachePolicy
 from prefect.context import TaskRunContext
 from prefect.runtime import flow_run
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 
 from datagen.steps import result_type
 from tasks import artifacts
@@ -54,10 +59,39 @@ class StepCall:
 
 
 def _cache_key_argument(context, parameters: dict[str, Any]) -> str | None:
-    return parameters.get("cache_key")
+    """The ``cache_key`` argument, and the shape of the result a record under it holds.
+
+    A record stores its value as JSON of the task's result type. When that type changes (a field,
+    a name), an older record of the same key could not be read back as the new type: the key then
+    changes with it, so such a record is simply not found and the step runs again.
+    """
+    key = parameters.get("cache_key")
+    if key is None:
+        return None
+    call = parameters.get("call")
+    if isinstance(call, StepCall):
+        shape: Any = result_type(call.step)
+    else:  # a fan-out task: its declared return type
+        shape = typing.get_type_hints(context.task.fn).get("return", Any)
+    return f"{key}-r{_result_schema_digest(shape)}"
 
 
-# The one cache policy of the step tasks (and of the fan-out's tasks): the `cache_key` argument.
+@functools.cache
+def _result_schema_digest(shape: Any) -> str:
+    # The import path (a record names its type by it) and the JSON schema (fields, types, names).
+    schema = TypeAdapter(shape).json_schema(mode="serialization")
+    payload = json.dumps([_type_path(shape), schema], sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def _type_path(shape: Any) -> str:
+    if isinstance(shape, type):
+        return f"{shape.__module__}.{shape.__qualname__}"
+    return repr(shape)  # a union or other typing form: its repr names its members' import paths
+
+
+# The one cache policy of the step tasks (and of the fan-out's tasks): the `cache_key` argument,
+# and the shape of the result (above).
 STEP_CACHE = CacheKeyFnPolicy(cache_key_fn=_cache_key_argument)
 
 
