@@ -492,8 +492,13 @@ def _manifest_result(out: Path, manifest: Manifest) -> dict:
         "bytes": manifest.totals["bytes"],
         "manifest_sha256": sha256_hex((out / MANIFEST_NAME).read_bytes()),
         "totals": manifest.totals,
-        "shards": [s.model_dump(mode="json", include=set(RESULT_SHARD_FIELDS)) for s in manifest.shards],
+        "shards": result_shards(manifest),
     }
+
+
+def result_shards(manifest: Manifest) -> list[dict]:
+    """The manifest's shards as a result lists them (``RESULT_SHARD_FIELDS`` of each)."""
+    return [s.model_dump(mode="json", include=set(RESULT_SHARD_FIELDS)) for s in manifest.shards]
 
 
 # --- command line -----------------------------------------------------------------------------
