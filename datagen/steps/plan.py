@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.data.contract import manifest_fingerprint, validated_manifest_sha256
 from datagen.steps import extract
-from datagen.steps.extract import completed_shards, plan, spec_from_args
+from datagen.extraction import stored
+from datagen.steps.extract import completed_shards, spec_from_args
 
 HELP = "Check a spec and print its fingerprints and each shard's cache key (loads no weights)."
 
@@ -60,8 +61,12 @@ Result = PlanResult
 
 
 def run(spec: Spec) -> PlanResult:
-    p = plan(spec_from_args(spec))
-    done = completed_shards(p) if _claimed_by(p) else {}
+    # The plan a run stored in its output, when it is this spec's: every row was checked then.
+    p, from_store = stored.plan_shards(spec_from_args(spec), (0, 0))
+    claimed = _claimed_by(p)
+    if claimed and not from_store:  # an output of ours: keep the plan for the ranges that follow
+        stored.store_plan(p)
+    done = completed_shards(p) if claimed else {}
     _check_output_space(p, done)
     return PlanResult(
         fingerprint=p.fingerprint,
