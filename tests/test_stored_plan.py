@@ -188,3 +188,26 @@ def _plan_tokens(model, data, out) -> int:
     from datagen.extraction.plan import plan
 
     return plan(_spec(model, data, out)).data.tokens
+
+
+def test_datagen_plan_reads_the_stored_plan_and_says_the_same(capsys, tmp_path, tiny_llama, rows, tokenized):
+    out = tmp_path / "ds"
+    _extract(capsys, tiny_llama, rows, out, "--shards", "0:1")
+
+    def plan_result() -> dict:
+        code = datagen_main(["plan", "--model", str(tiny_llama), "--dataset", str(rows), "--out", str(out),
+                             "--engine", "hf", "--samples-per-shard", str(PER_SHARD)])
+        captured = capsys.readouterr()
+        assert code == 0, captured.err[-3000:]
+        return json.loads(captured.out.strip().splitlines()[-1].split(RESULT_PREFIX, 1)[1])
+
+    tokenized.clear()
+    from_store = plan_result()
+    assert tokenized == [], "datagen plan reads the stored plan"
+    shutil.rmtree(out / ".datagen" / "plan")
+    computed = plan_result()
+    assert len(tokenized) == ROWS
+    assert from_store == computed and computed["shards_complete"] == [0]
+    # the output is this extraction's: the plan computed there is stored again
+    tokenized.clear()
+    assert plan_result() == computed and tokenized == []

@@ -3,7 +3,10 @@
 Everything ``datagen extract`` checks before loading a weight is checked here
 (spec, model config, every dataset row), and the result names the fingerprints
 and every shard's cache key, so the orchestrator can key its cache on them
-without importing the engine. It also says what the output already holds: the
+without importing the engine. In an output where a run stored this spec's plan
+(``datagen.extraction.stored``) the rows are not read again: they were checked
+when it was stored; in an output this extraction has claimed, a plan computed
+here is stored for the ranges that follow. It also says what the output already holds: the
 manifest's fingerprint and the manifest a passing validation approved, so the
 orchestrator never reads the step's files itself.
 """
