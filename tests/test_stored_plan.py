@@ -211,3 +211,14 @@ def test_datagen_plan_reads_the_stored_plan_and_says_the_same(capsys, tmp_path, 
     # the output is this extraction's: the plan computed there is stored again
     tokenized.clear()
     assert plan_result() == computed and tokenized == []
+
+
+def test_a_plan_write_cut_by_a_crash_leaves_no_temporary_file(capsys, tmp_path, tiny_llama, rows):
+    out = tmp_path / "ds"
+    _extract(capsys, tiny_llama, rows, out, "--shards", "0:1")
+    d = stored.plan_dir(out, _fingerprint(tiny_llama, rows, out))
+    (d / stored.INDEX).unlink()  # as a kill before the index was renamed into place
+    leftover = d / f".{stored.INDEX}.tmp-99999"
+    leftover.write_text("{")
+    _extract(capsys, tiny_llama, rows, out, "--shards", "1:2")
+    assert not leftover.exists() and (d / stored.INDEX).is_file()

@@ -210,7 +210,7 @@ def recover_record(p: Plan, k: int) -> ShardRecord | None:
 def _remove_stale(p: Plan) -> None:
     """Temporary files of a crashed run, and shards beyond the dataset's end."""
     out = Path(p.spec.out)
-    for d in (out / SHARDS_DIR, _state(out) / "shards", _state(out), out):
+    for d in (out / SHARDS_DIR, _state(out) / "shards", _state(out), out, *(out / stored.PLAN_DIR).glob("*")):
         for f in d.glob(".*.tmp-*"):
             f.unlink(missing_ok=True)
     for f in (out / SHARDS_DIR).glob("shard-*.safetensors"):
