@@ -111,12 +111,17 @@ def store_plan(p: Plan) -> Path | None:
     from safetensors.numpy import save
 
     d = plan_dir(p.spec.out, p.fingerprint)
+    digests: dict[str, str] = {}
+
+    def write(name: str, b: bytes) -> None:  # one file in memory at a time
+        atomic_write_bytes(d / name, b)
+        digests[name] = hashlib.sha256(b).hexdigest()
+
     try:
-        files = {}
         S = p.spec.samples_per_shard
         data = p.data
         line = np.frombuffer(b"".join(data.line_hashes), dtype=np.uint8).reshape(data.rows, 32)
-        files[ROWS_FILE] = save({"line_sha256": line})
+        write(ROWS_FILE, save({"line_sha256": line}))
         shards = []
         for k in range(p.num_shards):
             rows = [r for r in range(k * S, min((k + 1) * S, data.rows)) if r in data.samples]
@@ -129,7 +134,7 @@ def store_plan(p: Plan) -> Path | None:
                 "loss_mask": (np.concatenate([data.samples[r].loss_mask for r in rows]) if rows
                               else np.zeros(0, np.uint8)).astype(np.uint8),
             }
-            files[_shard_file(k)] = save(tensors)
+            write(_shard_file(k), save(tensors))
             shards.append({"file": _shard_file(k), "samples": len(rows), "tokens": int(sum(lens))})
         index = {
             "format": FORMAT,
@@ -144,11 +149,9 @@ def store_plan(p: Plan) -> Path | None:
             "skipped": [s.model_dump(mode="json") for s in data.skipped],
             "truncated": [t.model_dump(mode="json") for t in data.truncated],
             "shards": shards,
-            "sha256": {name: hashlib.sha256(b).hexdigest() for name, b in files.items()},
+            "sha256": digests,
         }
         index["index_sha256"] = _index_digest(index)
-        for name, b in files.items():
-            atomic_write_bytes(d / name, b)
         atomic_write_bytes(d / INDEX, (json.dumps(index, indent=1, sort_keys=True) + "\n").encode())
     except OSError as e:
         log.warning("plan: could not store the plan in %s (%s); ranges will tokenize the dataset", d, e)
