@@ -7,6 +7,9 @@
 #          CPU_MLA and bf16 on AMX_MLA (skipped, with the reason, where the CPU has no AMX)
 #   kimi   tests/test_kimi_engine.py (the tiny Kimi-K2.5 wrapper on the CPU engine; default backend)
 #   all    mla and kimi in one pytest run
+#   rest   the other tests of tests/test_extract_vllm.py, test_validate_golden.py, test_env_check.py
+#          (not those marked s3, docker, prefect_server or gpu)
+#   demo   python -m flows.demo (`make demo` without its setup step): its summary and `dataset:` line
 # Writes $OUT/amx-WHAT.txt (summary) and $OUT/amx-WHAT.log (full output) as it goes; pytest is
 # stopped after AMX_BUDGET_S (default 540) seconds so the files come back inside a 600 s call.
 set -euo pipefail
@@ -46,13 +49,37 @@ say "env: $(env | grep -E '^(VLLM_|OMP_|KMP_|DATAGEN_|LD_PRELOAD)' | sort | xarg
 say "versions: $("$PY" -c 'import torch, vllm; print("torch", torch.__version__, "| vllm", vllm.__version__, "| cpu capability", torch.backends.cpu.get_cpu_capability())' 2>&1 | tail -1)"
 say "amx (datagen): $("$PY" -c 'from datagen.engines.vllm_engine import cpu_amx_flags, cpu_has_amx; print(cpu_has_amx(), cpu_amx_flags())' 2>&1 | tail -1)"
 
+# The embedded default end to end (`make demo` without its setup step): python -m flows.demo, i.e.
+# the tiny DeepSeek-V3 through the extract/tiny flow in Prefect's ephemeral mode, local runner.
+if [ "$WHAT" = demo ]; then
+  start=$(date +%s.%N)
+  set +e
+  timeout -k 10 "${AMX_BUDGET_S:-540}" "$PY" -m flows.demo > "$LOG" 2>&1
+  rc=$?
+  set -e
+  say "demo: exit $rc after $(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }') s$([ $rc = 124 ] && echo ' (stopped by AMX_BUDGET_S)')"
+  grep -E '^  (fingerprint|shards|samples, tokens|bytes|wall time) ' "$LOG" | tee -a "$RES" || true
+  ds=$(tail -1 "$LOG" | sed -n 's/^dataset: //p')
+  if [ -f "$ds/manifest.json" ]; then      # the manifest's engine block: the backend that ran
+    say "manifest engine: $("$PY" -c 'import json, sys
+e = json.load(open(sys.argv[1]))["spec"]["engine"]
+print(e["name"], e["version"], "| attention_backend", e["attention_backend"], "| mla_backend", e["mla_backend"])' "$ds/manifest.json" 2>&1 | tail -1)"
+  fi
+  tail -1 "$LOG" | tee -a "$RES"
+  exit $rc
+fi
+
 MLA=(tests/test_extract_vllm.py::test_deepseek_v3_states_equal_the_reference_for_every_layer_and_token
      tests/test_extract_vllm.py::test_deepseek_v3_bf16_states_match_the_reference_on_each_cpu_mla_backend)
 case "$WHAT" in
   mla)  SEL=("${MLA[@]}") ;;
   kimi) SEL=(tests/test_kimi_engine.py) ;;
   all)  SEL=("${MLA[@]}" tests/test_kimi_engine.py) ;;
-  *)    echo "run: unknown WHAT $WHAT (probe, mla, kimi, all)" >&2; exit 2 ;;
+  # The other CPU-engine tests of these files; not those needing an S3 server, Docker, a Prefect
+  # server or a GPU (none of those runs on the lent machine).
+  rest) SEL=(tests/test_extract_vllm.py tests/test_validate_golden.py tests/test_env_check.py
+             -m "not (s3 or docker or prefect_server or gpu)" --deselect "${MLA[0]}" --deselect "${MLA[1]}") ;;
+  *)    echo "run: unknown WHAT $WHAT (probe, mla, kimi, all, rest, demo)" >&2; exit 2 ;;
 esac
 start=$(date +%s)
 set +e

