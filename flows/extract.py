@@ -25,16 +25,16 @@ from datagen.data.spec import ExtractSpec
 from datagen.storage.sources import LocalSource, parse_model_source
 from tasks import artifacts
 from tasks._common import runner_identity
-from tasks.download import download
+from tasks.download import download, model_location
 from tasks.env_check import env_checked, start_env_check
 from tasks.pipeline_spec import PipelineSpec, ShardRange
 from tasks.extract import (
-    PlanResult, RangeResult, extract_range, finalize, finalize_call, finalize_cache_key, plan, plan_call,
+    PlanResult, RangeOutcome, extract_range, finalize, finalize_call, finalize_cache_key, plan, plan_call,
     range_cache_key, range_call,
 )
 from tasks.fanout import assemble, bucket_state, dispatch_range
-from tasks.handoff import PublishOutcome, announce, publish_cache_key, publish_dataset
-from tasks.validate import ValidationOutcome, validate_cache_key, validate_dataset
+from tasks.handoff import announce, publish_cache_key, publish_dataset
+from tasks.validate import validate_cache_key, validate_dataset, validation_summary
 
 
 @flow(name="extract", description="Extract a model's hidden states for a dataset into a validated dataset.")
@@ -48,8 +48,8 @@ def extract(spec: PipelineSpec) -> dict:
     local_model = isinstance(parse_model_source(spec.model), LocalSource)
     if not local_model:
         env_checked(checks)
-    model = download(spec)
-    xspec = spec.extract_spec(model_dir=model.model_dir, model_revision=model.resolved_revision)
+    model_dir, model_revision = model_location(spec, download(spec))
+    xspec = spec.extract_spec(model_dir=model_dir, model_revision=model_revision)
     planned = plan(plan_call(xspec), runner=spec.runner)
     logger.info(
         "plan: %d rows, %d tokens, %d shards (%d already complete), fingerprint %s",
@@ -64,12 +64,12 @@ def extract(spec: PipelineSpec) -> dict:
     ranges = _extract_ranges(spec, xspec, planned, identity)
 
     if spec.fans_out:
-        dataset, verdict, published = _assemble(spec, xspec, planned, identity)
+        dataset, validation, published_to = _assemble(spec, xspec, planned, identity)
         artifacts.layer_report(dataset.dataset)
     else:
-        dataset, verdict, published = _finalize_validate_publish(spec, xspec, planned, identity)
+        dataset, validation, published_to = _finalize_validate_publish(spec, xspec, planned, identity)
     changed = any(r.shards_extracted for r, _ in ranges) or not planned.dataset_complete
-    uri = published.destination or dataset.dataset
+    uri = published_to or dataset.dataset
     announce(
         fingerprint=dataset.fingerprint, dataset=dataset.dataset, uri=uri, changed=changed,
         tokens=dataset.totals.get("tokens", 0), shards=dataset.totals.get("shards", 0),
@@ -77,9 +77,9 @@ def extract(spec: PipelineSpec) -> dict:
     artifacts.report(
         spec=spec.model_dump(mode="json"),
         dataset=dataset.model_dump(mode="json"),
-        ranges=[r.model_dump(mode="json") | {"task_cached": cached} for r, cached in ranges],
-        published_to=published.destination,
-        validation=verdict.summary,
+        ranges=[r.record() | {"task_cached": cached} for r, cached in ranges],
+        published_to=published_to,
+        validation=validation,
     )
     logger.info("dataset: %s (fingerprint %s)", uri, dataset.fingerprint)
     return {
@@ -97,18 +97,21 @@ def extract(spec: PipelineSpec) -> dict:
 def _assemble(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, identity: str):
     """A fanned-out dataset: every shard object in the bucket checked, the manifest written there
     last. Its shards were checked against their records when they were uploaded and again here
-    (size, sha256); the validate step reads a local dataset and is not run on it."""
+    (size, sha256); the validate step reads a local dataset and is not run on it. Returns the
+    assemble step's result, the validation line of the summary, and where the dataset is."""
     dest = spec.publish_to
     dataset = assemble.with_options(refresh_cache=not planned.dataset_complete, **_storage(spec))(
         spec, xspec, planned, cache_key=finalize_cache_key(planned, identity=identity, out=dest),
     )
-    verdict = ValidationOutcome(ran=False, summary="shard objects checked in the bucket (size, sha256); "
-                                                   "the validate step is not run on a fanned-out dataset")
-    return dataset, verdict, PublishOutcome(destination=dest)
+    validation = ("shard objects checked in the bucket (size, sha256); "
+                  "the validate step is not run on a fanned-out dataset")
+    return dataset, validation, dest
 
 
 def _finalize_validate_publish(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, identity: str):
-    """A dataset written on this host: the manifest, validation, then the publish to S3."""
+    """A dataset written on this host: the manifest, validation, then the publish to S3. Returns the
+    extract step's result (with the manifest), the validation line of the summary, and where the
+    dataset was published (None: not)."""
     dataset = finalize.with_options(refresh_cache=not planned.dataset_complete, **_storage(spec))(
         finalize_call(xspec), cache_key=finalize_cache_key(planned, identity=identity, out=xspec.out),
         runner=spec.runner,
@@ -118,9 +121,8 @@ def _finalize_validate_publish(spec: PipelineSpec, xspec: ExtractSpec, planned: 
                                  dataset.shards_extracted)
     # before validation: a drift that fails the run is on the plot of that run
     artifacts.layer_report(dataset.dataset, previous=spec.validation.previous)
-    verdict = validate_dataset(
+    validated = validate_dataset(
         dataset.dataset,
-        manifest_sha256=dataset.manifest_sha256,
         cache_key=validate_cache_key(
             fingerprint=dataset.fingerprint, manifest_sha256=dataset.manifest_sha256, identity=identity,
             settings=spec.validation,
@@ -134,7 +136,7 @@ def _finalize_validate_publish(spec: PipelineSpec, xspec: ExtractSpec, planned: 
         task_options=dict(refresh_cache=planned.validated_manifest_sha256 != dataset.manifest_sha256,
                           **_storage(spec)),
     )
-    published = PublishOutcome()
+    published = None  # PublishResult, when published
     if spec.publish_to:
         published = publish_dataset(
             dataset.dataset,
@@ -143,7 +145,7 @@ def _finalize_validate_publish(spec: PipelineSpec, xspec: ExtractSpec, planned: 
             runner=spec.runner,
             task_options=_storage(spec),
         )
-    return dataset, verdict, published
+    return dataset, validation_summary(validated), published.destination if published is not None else None
 
 
 def _storage(spec: PipelineSpec) -> dict:
@@ -153,7 +155,7 @@ def _storage(spec: PipelineSpec) -> dict:
 
 def _extract_ranges(
     spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, identity: str
-) -> list[tuple[RangeResult, bool]]:
+) -> list[tuple[RangeOutcome, bool]]:
     """Every range, at most ``ranges_in_flight`` at a time. Returns (result, served from cache)."""
     ranges = spec.ranges(planned.num_shards)
     progress = artifacts.start_progress(
@@ -182,12 +184,12 @@ def _extract_ranges(
 
 def _windowed(
     ranges: list[ShardRange], submit: Callable[[ShardRange], PrefectFuture], *, limit: int
-) -> list[tuple[RangeResult, bool]]:
+) -> list[tuple[RangeOutcome, bool]]:
     """Keep ``limit`` ranges in flight. After a failure nothing new is submitted, the ranges in
     flight finish (their work is cached for the re-run), then the first failure is raised."""
     pending = list(ranges)
     running: dict[PrefectFuture, ShardRange] = {}
-    done: dict[str, tuple[RangeResult, bool]] = {}
+    done: dict[str, tuple[RangeOutcome, bool]] = {}
     failed: PrefectFuture | None = None
     while pending or running:
         while pending and failed is None and len(running) < limit:
@@ -201,8 +203,9 @@ def _windowed(
         state = future.state
         if state.is_completed():
             cached = state.name == "Cached"
-            result = future.result()
-            done[r.arg] = (result.served_from_cache() if cached else result, cached)
+            result = future.result()  # a fanned-out range's outcome, or the extract step's result
+            outcome = result if isinstance(result, RangeOutcome) else RangeOutcome(range=r, result=result)
+            done[r.arg] = (outcome.served_from_cache() if cached else outcome, cached)
         elif failed is None:
             failed = future
     if failed is not None:

@@ -18,8 +18,8 @@ from prefect.runtime import flow_run
 
 from datagen.errors import SpecError
 from datagen.storage.sources import LocalSource, parse_model_source
-from tasks.download import download
-from tasks.extract import RangeResult
+from tasks.download import download, model_location
+from tasks.extract import RangeOutcome
 from tasks.fanout import extract_to_bucket, gpu_slots, range_lease, spool_dir, write_receipt
 from tasks.pipeline_spec import PipelineSpec, ShardRange
 
@@ -28,7 +28,7 @@ from tasks.pipeline_spec import PipelineSpec, ShardRange
 def extract_shards(
     spec: PipelineSpec, shard_range: ShardRange, cache_key: str, fingerprint: str, shard_keys: list[str],
     model_revision: str | None = None,
-) -> RangeResult:
+) -> RangeOutcome:
     """Extract shards ``shard_range`` of ``spec`` into the bucket at ``spec.publish_to``.
     ``cache_key``, ``fingerprint``, ``shard_keys`` (the range's, in order) and ``model_revision``
     come from the parent's plan."""
@@ -41,21 +41,20 @@ def extract_shards(
         if isinstance(parse_model_source(spec.model), LocalSource) and model_revision is not None:
             model_dir = spec.model  # a local model: at the same path on every host
         else:
-            model = download(spec)  # this host's model cache
-            model_dir, model_revision = model.model_dir, model.resolved_revision
+            model_dir, model_revision = model_location(spec, download(spec))  # this host's model cache
         spool = spool_dir(spec)
         xspec = spec.model_copy(update={"output": str(spool)}).extract_spec(model_dir=model_dir,
                                                                             model_revision=model_revision)
         with gpu_slots(spec.gpus, log=logger):
             result = extract_to_bucket(spec, xspec, shard_range, shard_keys=shard_keys, cache_key=cache_key, log=logger)
-        if result.fingerprint and result.fingerprint != fingerprint:
+        if result is not None and result.fingerprint != fingerprint:
             raise SpecError(
                 f"this host extracted range {shard_range} for dataset {result.fingerprint[:12]}, the run "
                 f"asked for {fingerprint[:12]}: the model, dataset or engine differ between hosts",
                 hint="give every worker host the same image (or environment), model revision and dataset",
             )
-        worker = str(flow_run.get_id() or "")
-        write_receipt(spec, cache_key, result, worker, log=logger)
+        outcome = RangeOutcome(range=shard_range, worker=str(flow_run.get_id() or ""), result=result)
+        write_receipt(spec, cache_key, outcome, log=logger)
     logger.info("range %s done on this worker: %d shards extracted, %d were in the bucket", shard_range,
-                len(result.shards_extracted), len(result.shards_cached))
-    return result.model_copy(update={"worker": worker})
+                len(outcome.shards_extracted), len(outcome.shards_cached))
+    return outcome

@@ -3,16 +3,17 @@ The step task (``tasks/step.py``) under the name ``download``.
 
 Not cached by Prefect: the model cache is per host (every GPU host downloads once), and the step
 itself is idempotent: a model already in the cache costs a check of its files, not a transfer.
-When this version has no download step, a local model directory is used in place and a remote
-source fails with what to do.
+The task's result is the step's own, ``DownloadResult``. When this version has no download step,
+it is None: a local model directory is used in place (``model_location``) and a remote source fails
+with what to do.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prefect import get_run_logger
-from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.errors import CannotRunHereError, ModelNotFoundError
 from datagen.storage.sources import LocalSource, parse_model_source
@@ -21,32 +22,23 @@ from tasks.pipeline_spec import PipelineSpec
 from tasks.settings import s3_step_env
 from tasks.step import StepCall, step_task
 
+if TYPE_CHECKING:
+    from datagen.steps.download import DownloadResult
+
 STEP = "download"
 SECRET_ENV = HUB_AND_AWS_CREDENTIAL_ENV
-
-
-class ModelLocation(BaseModel):
-    """Where the model is on this host, and which revision it is."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    model_dir: str = Field(description="Local model directory (absolute).")
-    resolved_revision: str | None = Field(
-        None, description="Hub: the commit sha; S3: hash of the mirror's listing; local: content hash."
-    )
-    fingerprint: str | None = Field(None, description="Content fingerprint of the model files.")
-    bytes: int = Field(0, description="Size of the model files.")
-    cached: bool = Field(True, description="Nothing had to be fetched.")
 
 
 _download = step_task(STEP)  # not cached: the model cache is per host, and the step is idempotent
 
 
-def download(spec: PipelineSpec) -> ModelLocation:
-    """`datagen download --spec SPEC`: resolve the revision, fetch what is missing, verify."""
+def download(spec: PipelineSpec) -> DownloadResult | None:
+    """`datagen download --spec SPEC`: resolve the revision, fetch what is missing, verify.
+    None when this version has no download step (the spec's local model is used in place)."""
     logger = get_run_logger()
     if not step_available(STEP):
-        return _without_download_step(spec, logger)
+        _without_download_step(spec, logger)
+        return None
     from datagen.storage.model_cache import cache_root  # the host path the step writes to
 
     cache = cache_root(spec.model_cache)
@@ -55,18 +47,25 @@ def download(spec: PipelineSpec) -> ModelLocation:
     local = (str(source.path),) if isinstance(source, LocalSource) else ()
     call = StepCall(
         step=STEP,
-        result=ModelLocation,
         spec={**spec.sources_spec(), "model_cache": str(cache)},
         mounts=mounts_for(cache, read_only=local),
         env=s3_step_env(),  # an S3 mirror's endpoint and region (credentials are secret_env_names)
         secret_env_names=SECRET_ENV,
     )
-    location = _download(call, runner=spec.runner)
-    logger.info("model %s is at %s (revision %s)", spec.model, location.model_dir, location.resolved_revision)
-    return location
+    downloaded = _download(call, runner=spec.runner)
+    logger.info("model %s is at %s (revision %s)", spec.model, downloaded.model_dir, downloaded.resolved_revision)
+    return downloaded
 
 
-def _without_download_step(spec: PipelineSpec, logger) -> ModelLocation:
+def model_location(spec: PipelineSpec, downloaded: DownloadResult | None) -> tuple[str, str | None]:
+    """The model directory the extraction reads and its revision: the download's, or, when this
+    version has no download step, the spec's local directory (revision unknown)."""
+    if downloaded is not None:
+        return downloaded.model_dir, downloaded.resolved_revision
+    return str(parse_model_source(spec.model).path), None
+
+
+def _without_download_step(spec: PipelineSpec, logger) -> None:
     source = parse_model_source(spec.model)
     if not isinstance(source, LocalSource):
         raise CannotRunHereError(
@@ -79,4 +78,3 @@ def _without_download_step(spec: PipelineSpec, logger) -> ModelLocation:
             hint="for the tiny demo model run `python -m flows.demo --prepare`; else fix the spec's model",
         )
     logger.info("download: this version has no `datagen download` step; using %s in place", source.path)
-    return ModelLocation(model_dir=str(source.path))

@@ -1,5 +1,7 @@
 """The extraction tasks: plan, extract one shard range, finalize (write the manifest). Each is the
-step task (``tasks/step.py``) under its name; this module says what each call of it runs.
+step task (``tasks/step.py``) under its name; this module says what each call of it runs, and each
+returns its step's own result (``PlanResult``, ``ExtractResult``). ``RangeOutcome`` is a range's
+result with what the orchestration adds: which range, and which worker's flow run did it.
 
 Caching. A range's cache key is built from the cache keys of its shards (each: the extraction
 fingerprint -- model + resolved revision + layer ids + preprocessing + engine and its version --
@@ -19,6 +21,7 @@ from uuid import UUID
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.data.spec import ExtractSpec
+from datagen.steps.extract import ExtractResult
 from datagen.steps.plan import PlanResult
 from tasks._common import cache_key, mounts_for
 from tasks.pipeline_spec import ShardRange
@@ -26,60 +29,39 @@ from tasks.runners import Mount
 from tasks.step import STEP_CACHE, StepCall, step_task
 
 
-class RangeResult(BaseModel):
-    """What one shard range's extraction did."""
+class RangeOutcome(BaseModel):
+    """One shard range of a run: the range, the worker's flow run that did it (fan-out; None when
+    this process did), and the extract step's result for it."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(frozen=True)
 
-    range: str = Field(description="Shards A:B.")
-    fingerprint: str = Field("", description="Fingerprint of the dataset the shards belong to.")
-    shards_extracted: list[int] = Field(description="Shards the engine computed in this task run.")
-    shards_cached: list[int] = Field(description="Shards of the range that were already complete.")
-    tokens: int = Field(description="Tokens in the range's shards.")
-    tokens_extracted: int = Field(0, description="Tokens computed in this task run.")
-    seconds: float = Field(description="Wall time of the step.")
-    tokens_per_s: float = Field(0.0, description="Extraction throughput of the step.")
-    engine: dict = Field(default_factory=dict, description="Engine name, version and patches.")
+    range: ShardRange
     worker: str | None = Field(None, description="Flow run that extracted it (fan-out), if any.")
+    result: ExtractResult | None = Field(
+        description="`datagen extract --shards A:B` of the range; None when no step had to run (a fanned-out "
+                    "range whose every shard was in the bucket already).")
 
-    def served_from_cache(self) -> "RangeResult":
+    @property
+    def shards_extracted(self) -> list[int]:
+        return list(self.result.shards_extracted) if self.result is not None else []
+
+    @property
+    def shards_cached(self) -> list[int]:
+        return list(self.result.shards_cached) if self.result is not None else list(self.range.shards)
+
+    def served_from_cache(self) -> RangeOutcome:
         """The same range as a run that found it in the cache sees it: nothing extracted now."""
-        every = sorted({*self.shards_extracted, *self.shards_cached})
-        return self.model_copy(
-            update={"shards_extracted": [], "shards_cached": every, "tokens_extracted": 0, "tokens_per_s": 0.0}
-        )
+        if self.result is None:
+            return self
+        every = sorted({*self.result.shards_extracted, *self.result.shards_cached})
+        return self.model_copy(update={"result": self.result.model_copy(
+            update={"shards_extracted": [], "shards_cached": every, "tokens_extracted": 0, "tokens_per_s": 0.0})})
 
-
-class ShardRow(BaseModel):
-    """One shard as the manifest lists it (without its statistics)."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    index: int
-    path: str
-    first_sample: int
-    rows: int
-    samples: int
-    tokens: int
-    bytes: int
-    sha256: str
-
-
-class DatasetResult(BaseModel):
-    """A complete dataset: its manifest's identity, totals and shards."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    dataset: str = Field(description="Dataset directory (absolute).")
-    fingerprint: str = Field(description="The manifest's fingerprint.")
-    manifest_sha256: str = Field(description="sha256 of manifest.json: the cache key of validation.")
-    layer_ids: list[int]
-    engine: dict = Field(default_factory=dict)
-    totals: dict = Field(description="rows, samples, tokens, bytes, shards, skipped, truncated.")
-    shards: list[ShardRow]
-    shards_extracted: list[int] = Field(
-        default_factory=list, description="Shards the finalize step had to extract (normally none)."
-    )
+    def record(self) -> dict:
+        """The range as the run's report lists it: the step's result with the range and its worker."""
+        result = self.result.model_dump(mode="json") if self.result is not None else {}
+        return {**result, "range": self.range.arg, "worker": self.worker,
+                "shards_extracted": self.shards_extracted, "shards_cached": self.shards_cached}
 
 
 plan = step_task("plan")  # not cached: it is what notices that the dataset or the model changed
@@ -100,21 +82,19 @@ def _mounts(spec: ExtractSpec) -> tuple[Mount, ...]:
 def plan_call(spec: ExtractSpec) -> StepCall:
     """`datagen plan`: fingerprints, shard keys, and what is on disk (the manifest, its validation).
     Loads no weights."""
-    return StepCall(step="plan", result=PlanResult, spec=spec.model_dump(mode="json"), mounts=_mounts(spec))
+    return StepCall(step="plan", spec=spec.model_dump(mode="json"), mounts=_mounts(spec))
 
 
 def range_call(spec: ExtractSpec, shard_range: ShardRange, *, gpus: int = 0, progress: UUID | None = None) -> StepCall:
     """`datagen extract --shards A:B`: extract the range's missing shards (no manifest), advancing the
-    range's item of the progress bar ``progress``."""
+    range's item of the progress bar ``progress``. Its result: the step's ``ExtractResult``."""
     return StepCall(
         step="extract",
-        result=RangeResult,
         spec=spec.model_dump(mode="json"),
         args=("--shards", shard_range.arg),
         mounts=_mounts(spec),
         env={"DATAGEN_PROGRESS_INTERVAL": "2"},
         gpus=gpus,
-        known={"range": shard_range.arg},
         label=shard_range.arg,
         progress=progress,
     )
@@ -122,10 +102,10 @@ def range_call(spec: ExtractSpec, shard_range: ShardRange, *, gpus: int = 0, pro
 
 def finalize_call(spec: ExtractSpec) -> StepCall:
     """`datagen extract` without --shards after every range: checks every shard, writes the manifest
-    last. Every shard is complete by now, so no engine starts."""
+    last. Every shard is complete by now, so no engine starts. Its result: the step's
+    ``ExtractResult``, with the manifest's sha256, totals and shards."""
     return StepCall(
         step="extract",
-        result=DatasetResult,
         spec=spec.model_dump(mode="json"),
         mounts=_mounts(spec),
         known={"dataset": str(Path(spec.out).absolute())},

@@ -40,15 +40,20 @@ from uuid import UUID
 from prefect import get_client, get_run_logger, task
 from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
+from pydantic import ValidationError
 
 from datagen import settings
 from datagen.data.contract import MANIFEST_NAME, ShardRecord
-from datagen.data.spec import ExtractSpec
+from datagen.data.spec import ExtractSpec, sha256_hex
 from datagen.errors import StorageError, TransientError
+from datagen.steps.assemble import AssembleResult
+from datagen.steps.extract import ExtractResult
 from datagen.storage import fleet, s3
 from tasks import artifacts
-from tasks._common import STEP_RETRY_DELAYS_S, STEP_RETRY_POLICY, make_runner, mounts_for, run_step, scratch_dir, spec_file
-from tasks.extract import DatasetResult, PlanResult, RangeResult, ShardRow, extract_range, range_call
+from tasks._common import (
+    STEP_RETRY_DELAYS_S, STEP_RETRY_POLICY, make_runner, mounts_for, parse_result, run_step, scratch_dir, spec_file,
+)
+from tasks.extract import PlanResult, RangeOutcome, extract_range, range_call
 from tasks.pipeline_spec import PipelineSpec, ShardRange
 from tasks.runners import StepInvocation
 from tasks.step import RESULT_SERIALIZER, STEP_CACHE
@@ -108,7 +113,7 @@ def dispatch_range(
     model_revision: str | None = None,
     in_bucket: bool = False,
     progress: UUID | None = None,
-) -> RangeResult:
+) -> RangeOutcome:
     """Run the range on the pool; submit it again when its run is lost. See the module docstring.
     ``in_bucket``: every shard of the range is in the bucket already; nothing is submitted."""
     logger = get_run_logger()
@@ -118,7 +123,7 @@ def dispatch_range(
     if in_bucket:
         logger.info("range %s: every shard is in %s already; nothing to submit", shard_range, dest.uri)
         receipt = _retrying(lambda: fleet.read_receipt(client, dest, cache_key), "reading the range's receipt", logger)
-        return _result(shard_range, fingerprint, receipt).served_from_cache()
+        return _outcome(shard_range, receipt).served_from_cache()
     limit = range_limit_name(fingerprint, shard_range)
     _ensure_limit(limit)
     for attempt in range(fan.max_resubmits + 1):
@@ -134,11 +139,11 @@ def dispatch_range(
         outcome = _watch(child.id, shard_range, spec, logger)
         if outcome == "completed":
             receipt = _retrying(lambda: fleet.read_receipt(client, dest, cache_key), "reading the range's receipt", logger)
-            result = _result(shard_range, fingerprint, receipt)
+            done = _outcome(shard_range, receipt)
             if board is not None:
                 board.set(shard_range.arg, 1.0, force=True)
             _delete_limit(limit)
-            return result
+            return done
         logger.warning("range %s: flow run %s was lost (%s); submitting the range again", shard_range, child.name, outcome)
     raise RangeRunFailed(
         f"range {shard_range}: its flow run was lost {fan.max_resubmits + 1} times; giving up "
@@ -159,10 +164,16 @@ def _retrying(call, what: str, log):
             time.sleep(delay)
 
 
-def _result(shard_range: ShardRange, fingerprint: str, receipt: dict | None) -> RangeResult:
-    base = {"range": shard_range.arg, "fingerprint": fingerprint, "shards_extracted": [],
-            "shards_cached": list(shard_range.shards), "tokens": 0, "seconds": 0.0}
-    return RangeResult.model_validate({**base, **(receipt or {}), "range": shard_range.arg})
+def _outcome(shard_range: ShardRange, receipt: dict | None) -> RangeOutcome:
+    """The range's outcome as its receipt records it; without a (readable) receipt, a range whose
+    every shard is in the bucket, nothing known of how they got there."""
+    try:
+        outcome = RangeOutcome.model_validate(receipt) if receipt is not None else None
+    except ValidationError:
+        outcome = None  # a receipt of another version: it only said what the bucket now shows
+    if outcome is None or outcome.range != shard_range:
+        return RangeOutcome(range=shard_range, result=None)
+    return outcome
 
 
 def _ensure_limit(name: str) -> None:
@@ -217,15 +228,16 @@ def _watch(run_id: UUID, shard_range: ShardRange, spec: PipelineSpec, logger) ->
     result_serializer=RESULT_SERIALIZER,
     **STEP_RETRY_POLICY,
 )
-def assemble(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, *, cache_key: str) -> DatasetResult:
+def assemble(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, *, cache_key: str) -> AssembleResult:
     """Check every shard object in the bucket, write the manifest (`datagen assemble`), upload it
-    last. A bucket that already holds this dataset's manifest keeps it."""
+    last. A bucket that already holds this dataset's manifest keeps it. Returns the step's result,
+    whose ``dataset`` is the bucket location."""
     logger = get_run_logger()
     client, _, dest = _client(spec)
     existing = fleet.manifest_in_bucket(client, dest)
     if existing is not None and existing[1].fingerprint == planned.fingerprint:
         logger.info("%s already holds this dataset's manifest", dest.uri)
-        return _dataset(dest, existing[0])
+        return AssembleResult.of_manifest(existing[0], dataset=dest.uri)
     fleet.check_destination(client, dest, planned.fingerprint)
     records = fleet.shards_in_bucket(client, dest, dict(enumerate(planned.shard_keys)))
     logger.info("%s: %d of %d shard objects checked (size, sha256)", dest.uri, len(records), planned.num_shards)
@@ -237,30 +249,17 @@ def assemble(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, *, cac
             mounts=mounts_for(out.parent, read_only=(xspec.model, xspec.dataset, path.parent, scratch)),
             labels={"task": "assemble"},
         )
-        run_step(invocation, make_runner(spec.runner), log=logger.info)
+        result = parse_result(run_step(invocation, make_runner(spec.runner), log=logger.info), AssembleResult)
     raw = (out / MANIFEST_NAME).read_bytes()
+    if sha256_hex(raw) != result.manifest_sha256:
+        raise StorageError(f"{out / MANIFEST_NAME} is not the manifest `datagen assemble` reported writing",
+                           hint="another run writes the same output directory; run one at a time")
     # Every range is done: multipart uploads still open were left by killed runs (they hold storage).
     if aborted := s3.abort_stale_uploads(client, dest):
         logger.info("aborted %d unfinished multipart uploads of lost range runs", aborted)
     fleet.put_manifest(client, dest, raw)
     logger.info("manifest written: %s/%s", dest.uri, MANIFEST_NAME)
-    return _dataset(dest, raw)
-
-
-def _dataset(dest, raw: bytes) -> DatasetResult:
-    import hashlib
-    import json
-
-    manifest = json.loads(raw)
-    return DatasetResult(
-        dataset=dest.uri,
-        fingerprint=manifest["fingerprint"],
-        manifest_sha256=hashlib.sha256(raw).hexdigest(),
-        layer_ids=manifest["spec"].get("layer_ids", []),
-        engine=manifest["spec"].get("engine", {}),
-        totals=manifest["totals"],
-        shards=[ShardRow.model_validate(s) for s in manifest["shards"]],
-    )
+    return result.model_copy(update={"dataset": dest.uri})
 
 
 # --- child side ---------------------------------------------------------------------------------
@@ -293,9 +292,11 @@ def spool_dir(spec: PipelineSpec) -> Path:
 
 
 def extract_to_bucket(spec: PipelineSpec, xspec: ExtractSpec, shard_range: ShardRange, *, shard_keys: list[str],
-                      cache_key: str, log) -> RangeResult:
+                      cache_key: str, log) -> ExtractResult | None:
     """Extract the range's shards that the bucket lacks into the spool (``xspec.out``), uploading
-    each as soon as it is written; returns what was done. The parent's plan gives the shard keys."""
+    each as soon as it is written. Returns the extract step's result for the whole range (its runs,
+    one per run of consecutive missing shards, taken together); None when the bucket held every
+    shard and no step ran. The parent's plan gives the shard keys."""
     client, transfer, dest = _client(spec)
     expected = {k: shard_keys[k - shard_range.first] for k in shard_range.shards}
     t0 = time.monotonic()
@@ -304,7 +305,7 @@ def extract_to_bucket(spec: PipelineSpec, xspec: ExtractSpec, shard_range: Shard
     log.info("range %s: %d shards in %s already, %d to extract", shard_range, len(held), dest.uri, len(todo))
     storage = {"result_storage": spec.result_storage} if spec.result_storage else {}
     spool = Path(xspec.out)
-    extracted: list[RangeResult] = []
+    extracted: list[ExtractResult] = []
     for run in _runs(todo):
         sub = ShardRange(first=run[0], stop=run[-1] + 1)
         with _Uploader(client, spool, dest, {k: expected[k] for k in sub.shards}, transfer, log):
@@ -317,24 +318,24 @@ def extract_to_bucket(spec: PipelineSpec, xspec: ExtractSpec, shard_range: Shard
     if missing:
         raise StorageError(f"range {shard_range}: shards {missing} are not in {dest.uri} after the range ran",
                            hint="retry: the range extracts and uploads what is missing")
+    if not extracted:
+        return None
     seconds = time.monotonic() - t0
     tokens_extracted = sum(r.tokens_extracted for r in extracted)
-    return RangeResult(
-        range=shard_range.arg,
-        fingerprint=extracted[0].fingerprint if extracted else "",
-        shards_extracted=todo,
-        shards_cached=sorted(held),
-        tokens=sum(final[k].tokens for k in shard_range.shards),
-        tokens_extracted=tokens_extracted,
-        seconds=round(seconds, 3),
-        tokens_per_s=round(tokens_extracted / seconds, 1) if tokens_extracted and seconds > 0 else 0.0,
-        engine=extracted[0].engine if extracted else {},
-    )
+    return extracted[0].model_copy(update={  # the runs share the dataset's identity, layers and engine
+        "shards_extracted": todo,
+        "shards_cached": sorted(held),
+        "tokens": sum(final[k].tokens for k in shard_range.shards),
+        "tokens_extracted": tokens_extracted,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens_extracted / seconds, 1) if tokens_extracted and seconds > 0 else 0.0,
+    })
 
 
-def write_receipt(spec: PipelineSpec, cache_key: str, result: RangeResult, worker: str, *, log) -> None:
+def write_receipt(spec: PipelineSpec, cache_key: str, outcome: RangeOutcome, *, log) -> None:
+    """The range's receipt in the bucket: its outcome (what the parent's ``dispatch_range`` returns)."""
     client, _, dest = _client(spec)
-    receipt = {**result.model_dump(mode="json"), "worker": worker}
+    receipt = outcome.model_dump(mode="json")
     _retrying(lambda: fleet.write_receipt(client, dest, cache_key, receipt), "writing the range's receipt", log)
 
 

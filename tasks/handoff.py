@@ -2,7 +2,8 @@
 
 ``publish`` (the step task under that name, ``tasks/step.py``) runs `datagen publish DATASET --to
 s3://...` when the spec names a destination (cached on the manifest's bytes and the destination:
-re-publishing an unchanged dataset costs nothing).
+re-publishing an unchanged dataset costs nothing); its result is the step's own, ``PublishResult``,
+None when the dataset was not published.
 ``announce`` emits the event ``datagen.dataset.ready`` whose resource is the dataset's fingerprint,
 so a training deployment can trigger on it (prefect.yaml: deployment ``train``). The label
 ``datagen.dataset.changed`` says whether this run wrote anything: the training trigger matches
@@ -11,30 +12,22 @@ only changed datasets, so a nightly run with nothing new does not start a traini
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import get_run_logger, task
 from prefect.events import emit_event
-from pydantic import BaseModel, ConfigDict, Field
 
 from tasks._common import AWS_CREDENTIAL_ENV, cache_key, mounts_for, step_available
 from tasks.pipeline_spec import Runner
 from tasks.settings import s3_step_env
 from tasks.step import STEP_CACHE, StepCall, step_task
 
+if TYPE_CHECKING:
+    from datagen.steps.publish import PublishResult
+
 EVENT_READY = "datagen.dataset.ready"
 RESOURCE_PREFIX = "datagen.dataset."
 SECRET_ENV = AWS_CREDENTIAL_ENV
-
-
-class PublishOutcome(BaseModel):
-    """Where the dataset was published (None when not)."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    destination: str | None = Field(None, description="s3://bucket/prefix, or None when not published.")
-    manifest_uri: str | None = Field(None, description="s3:// URI of the published manifest.json.")
-    bytes_uploaded: int = Field(0, description="Bytes uploaded by this run.")
 
 
 def publish_cache_key(*, manifest_sha256: str, destination: str) -> str:
@@ -46,16 +39,16 @@ publish = step_task("publish", cache_policy=STEP_CACHE)
 
 def publish_dataset(
     dataset: str, *, destination: str, cache_key: str, runner: Runner, task_options: dict[str, Any] | None = None
-) -> PublishOutcome:
+) -> PublishResult | None:
     """`datagen publish DATASET --to s3://...`: shards first, manifest last, only if validated.
-    ``task_options``: options of this run of the task (``result_storage``)."""
+    ``task_options``: options of this run of the task (``result_storage``). None when this version
+    has no publish step (the dataset is not published)."""
     if not step_available("publish"):
         get_run_logger().warning("publish: this version has no `datagen publish` step; %s stays in %s",
                                  destination, dataset)
-        return PublishOutcome()
+        return None
     call = StepCall(
         step="publish",
-        result=PublishOutcome,
         args=(dataset, "--to", destination),
         mounts=mounts_for(read_only=(dataset,)),
         env=s3_step_env(),

@@ -4,17 +4,23 @@
 one shard range, and so on. The task writes the call's spec to a file of its own, runs
 ``datagen <step> [--spec FILE] <args>`` through the runner the pipeline spec names (a local
 subprocess or a container, ``tasks/runners.py``), streams every output line into the run log (and
-onto the run's progress bar), and returns the step's result line as the caller's typed result.
+onto the run's progress bar), and returns the step's own result type (``datagen.steps.result_type``:
+``PlanResult``, ``ExtractResult``, ...), parsed from its result line.
 
 Retries: transient faults only (``tasks/_common.py``). Caching: one policy, ``STEP_CACHE``: the
 cache key is the task's ``cache_key`` argument, which the flow computes from what decides the
-step's output (each ``*_cache_key`` function says what its key holds; docs/orchestration.md). A
+step's output (each ``*_cache_key`` function says what its key holds; docs/orchestration.md), with
+a digest of the result type's schema after it (a record of another shape is never read back). A
 call without a key is not cached. What is cached is the typed result.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import json
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,8 +30,9 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE, CacheKeyFnPolicy, CachePolicy
 from prefect.context import TaskRunContext
 from prefect.runtime import flow_run
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 
+from datagen.steps import result_type
 from tasks import artifacts
 from tasks._common import STEP_RETRY_POLICY, make_runner, mounts_for, parse_result, run_step, spec_file
 from tasks.pipeline_spec import Runner
@@ -39,30 +46,58 @@ RESULT_SERIALIZER = "json"
 class StepCall:
     """One run of a step program, as the step task receives it."""
 
-    step: str  # the datagen command: "plan", "extract", "validate", ...
-    result: type[BaseModel]  # the type of its result line (unknown keys are dropped)
+    step: str  # the datagen command: "plan", "extract", "validate", ...; its Result is the task's result
     args: tuple[str, ...] = ()  # its arguments (after `--spec FILE` when there is a spec)
     spec: dict[str, Any] | None = None  # the step's spec file, as JSON; the task writes it and mounts it
     mounts: tuple[Mount, ...] = ()  # host paths the step reads or writes
     env: dict[str, str] = field(default_factory=dict)  # plain settings, may be logged
     secret_env_names: tuple[str, ...] = ()  # env vars passed through by name, never logged
     gpus: int = 0  # GPUs the step needs; > 0 picks the CUDA image of the docker runner
-    known: dict[str, Any] = field(default_factory=dict)  # result fields the caller knows, the step does not print
+    known: dict[str, Any] = field(default_factory=dict)  # result fields the caller sets (a host path as given)
     label: str = ""  # what tells this call from the step's others (a shard range "A:B"): run name, progress item
     progress: UUID | None = None  # the run's progress bar (tasks/artifacts.py) whose item ``label`` it advances
 
 
 def _cache_key_argument(context, parameters: dict[str, Any]) -> str | None:
-    return parameters.get("cache_key")
+    """The ``cache_key`` argument, and the shape of the result a record under it holds.
+
+    A record stores its value as JSON of the task's result type. When that type changes (a field,
+    a name), an older record of the same key could not be read back as the new type: the key then
+    changes with it, so such a record is simply not found and the step runs again.
+    """
+    key = parameters.get("cache_key")
+    if key is None:
+        return None
+    call = parameters.get("call")
+    if isinstance(call, StepCall):
+        shape: Any = result_type(call.step)
+    else:  # a fan-out task: its declared return type
+        shape = typing.get_type_hints(context.task.fn).get("return", Any)
+    return f"{key}-r{_result_schema_digest(shape)}"
 
 
-# The one cache policy of the step tasks (and of the fan-out's tasks): the `cache_key` argument.
+@functools.cache
+def _result_schema_digest(shape: Any) -> str:
+    # The import path (a record names its type by it) and the JSON schema (fields, types, names).
+    schema = TypeAdapter(shape).json_schema(mode="serialization")
+    payload = json.dumps([_type_path(shape), schema], sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def _type_path(shape: Any) -> str:
+    if isinstance(shape, type):
+        return f"{shape.__module__}.{shape.__qualname__}"
+    return repr(shape)  # a union or other typing form: its repr names its members' import paths
+
+
+# The one cache policy of the step tasks (and of the fan-out's tasks): the `cache_key` argument,
+# and the shape of the result (above).
 STEP_CACHE = CacheKeyFnPolicy(cache_key_fn=_cache_key_argument)
 
 
 @task(name="step", cache_policy=NO_CACHE, **STEP_RETRY_POLICY)
 def _step(call: StepCall, *, runner: Runner, cache_key: str | None = None) -> BaseModel:
-    """`datagen <step>` through ``runner``; its result line as ``call.result``.
+    """`datagen <step>` through ``runner``; its result line as the step's ``Result``.
 
     Raises:
         tasks._common.StepFailed: a non-zero exit (retried when transient).
@@ -90,7 +125,7 @@ def _step(call: StepCall, *, runner: Runner, cache_key: str | None = None) -> Ba
         result = run_step(invocation, make_runner(runner, gpu=call.gpus > 0), log=log)
     if board is not None:
         board.set(call.label, 1.0, force=True)
-    return parse_result({**result, **call.known}, call.result)
+    return parse_result({**result, **call.known}, result_type(call.step))
 
 
 def step_task(name: str, *, cache_policy: CachePolicy = NO_CACHE, task_run_name: str | None = None):

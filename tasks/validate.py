@@ -5,8 +5,9 @@ Cached on the manifest's bytes (they name every shard's sha256), the dataset's f
 step's code, so a nightly run with nothing changed does not re-read terabytes; the flow refreshes
 the cache when `datagen plan` reports that the dataset's validation no longer approves this
 manifest. Problems are permanent (exit 4): the task fails at once with the step's list of
-problems, which also becomes the run's `validation-problems` artifact. When this version has no
-validate step, validation is skipped (and says so).
+problems, which also becomes the run's `validation-problems` artifact. The task's result is the
+step's own, ``ValidateResult``; None when this version has no validate step: validation is skipped
+(and says so). ``validation_summary`` is its line in the run summary.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import Any
 
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.steps.validate import ValidateResult
 from tasks._common import StepFailed, cache_key, mounts_for, scratch_dir, step_available
@@ -26,37 +26,21 @@ from tasks.step import STEP_CACHE, StepCall, step_task
 
 STEP = "validate"
 REPORT_NAME = "validation-report.json"
+NOT_RUN = "not run (no validate step in this version)"
 
 
-class ValidationOutcome(BaseModel):
-    """The verdict on one dataset."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    ran: bool = Field(description="False when this version has no validate step.")
-    ok: bool = Field(True, description="No problems.")
-    manifest_sha256: str | None = Field(None, description="The manifest that was validated.")
-    summary: str = Field("", description="One line for the run summary.")
-    golden_reference: str | None = Field(
-        None, description="The engine that re-extracted golden rows (transformers, engine), None when none ran."
-    )
-
-    @classmethod
-    def of(cls, result: ValidateResult, *, manifest_sha256: str) -> "ValidationOutcome":
-        extra = result.model_extra or {}
-        reference = (extra.get("golden") or {}).get("reference") or {}
-        golden = (f"; golden: {reference['kind']} reference, {reference.get('tokens', 0)} tokens in "
-                  f"{reference.get('seconds', 0):.1f} s + {reference.get('start_seconds', 0):.1f} s start"
-                  ) if reference else ""
-        shards = extra.get("shards", "?")
-        return cls(
-            ran=True,
-            ok=not result.problems,
-            manifest_sha256=result.manifest_sha256 or manifest_sha256,
-            golden_reference=reference.get("kind"),
-            summary=(f"passed ({shards} shards checked{golden})" if not result.problems
-                     else f"{len(result.problems)} problems"),
-        )
+def validation_summary(result: ValidateResult | None) -> str:
+    """One line for the run summary: what the validate step found (None: it did not run)."""
+    if result is None:
+        return NOT_RUN
+    if result.problems:
+        return f"{len(result.problems)} problems"
+    extra = result.model_extra or {}
+    reference = (extra.get("golden") or {}).get("reference") or {}
+    golden = (f"; golden: {reference['kind']} reference, {reference.get('tokens', 0)} tokens in "
+              f"{reference.get('seconds', 0):.1f} s + {reference.get('start_seconds', 0):.1f} s start"
+              ) if reference else ""
+    return f"passed ({extra.get('shards', '?')} shards checked{golden})"
 
 
 def validate_cache_key(
@@ -71,7 +55,6 @@ validate = step_task(STEP, cache_policy=STEP_CACHE)
 def validate_dataset(
     dataset: str,
     *,
-    manifest_sha256: str,
     cache_key: str,
     runner: Runner,
     settings: ValidationSettings,
@@ -80,7 +63,7 @@ def validate_dataset(
     trust_remote_code: bool = False,
     gpus: int = 0,
     task_options: dict[str, Any] | None = None,
-) -> ValidationOutcome:
+) -> ValidateResult | None:
     """`datagen validate DATASET --report FILE`: every shard, every row, against the manifest.
 
     ``model`` (directory) and ``source`` (the dataset's JSONL) are read by the step: it
@@ -89,15 +72,15 @@ def validate_dataset(
     runs in the extract image with the spec's GPUs: where transformers cannot load the model, the
     golden reference is the engine itself (vLLM eager with layer hooks), on the host that holds it.
     ``task_options``: options of this run of the task (``refresh_cache``, ``result_storage``).
+    Returns the step's report; None when this version has no validate step.
     """
     if not step_available(STEP):
         get_run_logger().info("validate: this version has no `datagen validate` step; skipped")
-        return ValidationOutcome(ran=False, summary="not run (no validate step in this version)")
+        return None
     with scratch_dir() as scratch:
         report = scratch / REPORT_NAME
         call = StepCall(
             step=STEP,
-            result=ValidateResult,
             args=(dataset, "--report", str(report), "--model", model, "--source", source, *settings.args(),
                   *(["--trust-remote-code"] if trust_remote_code else [])),
             mounts=mounts_for(dataset, scratch, read_only=(model, source, *filter(None, [settings.previous]))),
@@ -108,7 +91,7 @@ def validate_dataset(
         except StepFailed as e:
             _problems_artifact(report, e)
             raise
-    return ValidationOutcome.of(result, manifest_sha256=manifest_sha256)
+    return result
 
 
 def _problems_artifact(report: Path, error: StepFailed) -> None:

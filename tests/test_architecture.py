@@ -1,9 +1,14 @@
 """The import picture (docs/architecture.md): inside datagen/ no import runs back up a floor, and
-datagen/ imports neither the orchestration (tasks, flows) nor Prefect."""
+datagen/ imports neither the orchestration (tasks, flows) nor Prefect. A step's result is declared
+once, by the step: the orchestration declares none of its own."""
 
+import importlib
 import importlib.util
 import sys
+import typing
 from pathlib import Path
+
+from pydantic import BaseModel
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,3 +43,30 @@ def test_every_datagen_folder_is_on_a_floor():
     folders = {f"datagen.{p.name}" for p in (ROOT / "datagen").iterdir() if (p / "__init__.py").exists()}
     placed = {part for floor in picture.FLOORS for part in floor}
     assert folders <= placed
+
+
+RESULT_WORDS = ("Result", "Outcome", "Report", "Location", "Verdict")
+
+
+def _types_in(annotation) -> set:
+    return {annotation, *(t for arg in typing.get_args(annotation) for t in _types_in(arg))}
+
+
+def test_the_orchestration_declares_no_result_of_its_own():
+    """A task returns its step's own Result type; a model of tasks/ or flows/ named as a result
+    holds a step's Result (as RangeOutcome holds ExtractResult) instead of re-declaring its fields."""
+    from datagen.steps import STEPS, result_type
+
+    results = {result_type(step) for step in STEPS}
+    own, wrappers = [], []
+    for package in ("tasks", "flows"):
+        for path in sorted((ROOT / package).glob("*.py")):
+            module = importlib.import_module(f"{package}.{path.stem}")
+            for name, cls in vars(module).items():
+                if not (isinstance(cls, type) and issubclass(cls, BaseModel) and cls.__module__ == module.__name__
+                        and name.endswith(RESULT_WORDS)):
+                    continue
+                held = {t for f in cls.model_fields.values() for t in _types_in(f.annotation)} & results
+                (wrappers if held else own).append(f"{module.__name__}.{name}")
+    assert own == [], "result models declared by the orchestration instead of the steps"
+    assert "tasks.extract.RangeOutcome" in wrappers  # the check sees the models it is about

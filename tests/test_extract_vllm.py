@@ -191,6 +191,27 @@ def test_resume_after_kill_gives_byte_identical_shards(tiny_llama, llama_rows, l
     shutil.rmtree(out)
 
 
+def test_a_range_from_the_stored_plan_writes_the_same_bytes(tiny_llama, llama_rows, llama_vllm, tmp_path):
+    """--shards 1:3 in an output whose whole run stored its plan: the range reads its rows (skipped,
+    truncated, chunked) from .datagen/plan/ and writes the shards the whole run wrote."""
+    ref, _ = llama_vllm
+    out = tmp_path / "ranges"
+    out.mkdir()
+    shutil.copytree(ref / ".datagen", out / ".datagen")  # the claim, the records, the stored plan
+    assert list((out / ".datagen" / "plan").glob("*/index.json")), "the whole run stored its plan"
+    proc = run_datagen(
+        "extract", "--model", str(tiny_llama), "--dataset", str(llama_rows), "--out", str(out), "--engine", "vllm",
+        "--max-seq-len", str(MAX_SEQ_LEN), "--samples-per-shard", str(PER_SHARD),
+        "--max-num-batched-tokens", str(BUDGET), "--shards", "1:3",
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "plan: loaded from .datagen/plan/" in proc.stderr, proc.stderr[-4000:]
+    assert result_of(proc)["shards_extracted"] == [1, 2]
+    for k in (1, 2):
+        name = f"shard-{k:06d}.safetensors"
+        assert (out / "shards" / name).read_bytes() == (ref / "shards" / name).read_bytes(), name
+
+
 def test_streamed_groups_resume_by_recomputing_the_group_byte_identical(tiny_llama, llama_rows, tmp_path):
     """shard_group 2: a kill after the first shard of a group; the resume recomputes the whole
     group and the shards equal an uninterrupted run's with the same groups."""

@@ -266,12 +266,31 @@ def _samples(shards):
 
 @pytest.mark.engine
 def test_kimi_wrapper_equals_plain_deepseek_v3_with_the_same_weights_layer_n_included(kimi_cpu):
+    """The wrapper's states are its DeepseekV3 twin's, layer by layer, layer N included.
+
+    Not bit for bit: the two are separate engine runs, and on some CPUs (AMX: oneDNN's bf16 GEMMs)
+    the kernels' accumulation order depends on how the step's tokens are batched, so a near-tied
+    routing decision of the bf16 MoE can flip for a few tokens. Flip-robust instead, as every
+    MoE comparison here: per layer the median token error against the twin's same layer is tiny,
+    and the twin's other layers are far; a wrapper that captured a neighbouring layer fails.
+    """
+    from datagen.validation.compare import token_rel_err
+
     _, wrapper, twin = kimi_cpu
     assert len(wrapper) == len(twin)
+    errs = {(c, d): [] for c in range(len(KIMI_LAYERS)) for d in range(len(KIMI_LAYERS))}
     for a, b in zip(wrapper, twin):
         assert a["hidden_states"].shape[1:] == (len(KIMI_LAYERS), 256)
         assert torch.equal(a["input_ids"], b["input_ids"])
-        assert torch.equal(a["hidden_states"], b["hidden_states"])  # same engine, same weights: bit for bit
+        assert torch.equal(a["sample_offsets"], b["sample_offsets"])
+        for c, d in errs:
+            errs[(c, d)].append(token_rel_err(a["hidden_states"][:, c], b["hidden_states"][:, d]))
+    median = {key: float(torch.cat(v).median()) for key, v in errs.items()}
+    for c, k in enumerate(KIMI_LAYERS):
+        right = median[(c, c)]
+        nearest = min(median[(c, d)] for d in range(len(KIMI_LAYERS)) if d != c)
+        assert right < 0.01, f"layer {k}: median token error against the twin {right:.4f}"
+        assert nearest > 0.25 and nearest > 25 * max(right, 1e-3), f"layer {k}: right {right:.4f}, nearest wrong {nearest:.3f}"
 
 
 @pytest.mark.engine

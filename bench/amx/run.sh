@@ -83,13 +83,18 @@ case "$WHAT" in
 esac
 start=$(date +%s)
 set +e
-timeout -k 10 "${AMX_BUDGET_S:-540}" "$PY" -m pytest -p no:cacheprovider -rA --durations=0 --durations-min=1 \
+timeout -k 10 "${AMX_BUDGET_S:-540}" "$PY" -m pytest -p no:cacheprovider -v -rA --durations=0 --durations-min=1 \
   -o console_output_style=classic "${SEL[@]}" "$@" > "$LOG" 2>&1
 rc=$?
 set -e
 say "pytest: exit $rc after $(( $(date +%s) - start )) s$([ $rc = 124 ] && echo ' (stopped by AMX_BUDGET_S)')"
-# The verdict of each test (and a skip's reason), then the slowest steps.
-grep -E '^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) ' "$LOG" | tee -a "$RES" || true
+# The verdict of each test (and a skip's reason), then the slowest steps. A run stopped by
+# AMX_BUDGET_S has no summary: the verdicts are the -v lines of the tests that finished.
+if [ $rc = 124 ]; then
+  grep -E '^tests/.*::.* (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)' "$LOG" | tee -a "$RES" || true
+else
+  grep -E '^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) ' "$LOG" | tee -a "$RES" || true
+fi
 sed -n '/slowest durations/,/^=/p' "$LOG" | head -25 | tee -a "$RES" || true
 tail -1 "$LOG" | tee -a "$RES"
 exit $rc

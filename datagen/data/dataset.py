@@ -51,6 +51,8 @@ class PreparedDataset:
     chat_template_hash: str | None  # sha256 of the chat template when chat rows exist
     tokenizer_hash: str | None  # tokenizer_fingerprint() when chat rows exist
     kinds: set[str] = field(default_factory=set)  # {"chat", "tokens"}
+    # the tokens of every sample, when ``samples`` holds only some rows (a stored plan's shards)
+    total_tokens: int | None = None
 
     def shard_rows_hash(self, first: int, count: int) -> str:
         """sha256 over the raw bytes' hashes of rows [first, first+count)."""
@@ -61,6 +63,8 @@ class PreparedDataset:
 
     @property
     def tokens(self) -> int:
+        if self.total_tokens is not None:
+            return self.total_tokens
         return sum(len(s.input_ids) for s in self.samples.values())
 
 
@@ -309,6 +313,11 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(state, ensure_ascii=False).encode()).hexdigest()
 
 
+def tokenizer_hashes(tokenizer) -> tuple[str, str]:
+    """(sha256 of the chat template, ``tokenizer_fingerprint``): what a plan records of a tokenizer."""
+    return hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest(), tokenizer_fingerprint(tokenizer)
+
+
 def file_fingerprint(path: str | Path) -> str:
     """sha256 of a dataset file as it is now (``PreparedDataset.fingerprint`` is this at read time)."""
     from datagen.data.checksums import sha256_file
@@ -378,10 +387,7 @@ def prepare_dataset(
             path=str(p),
             hint="give chat rows an assistant turn, or pre-tokenized rows a loss_mask with 1s",
         )
-    template_hash = tok_hash = None
-    if tokenizer is not None:
-        template_hash = hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()
-        tok_hash = tokenizer_fingerprint(tokenizer)
+    template_hash, tok_hash = tokenizer_hashes(tokenizer) if tokenizer is not None else (None, None)
     return PreparedDataset(
         path=str(p),
         rows=len(rows),

@@ -71,20 +71,18 @@ def resolve_max_seq_len(spec: ExtractSpec, info: ModelInfo) -> int:
     return spec.max_seq_len
 
 
-def plan(spec: ExtractSpec) -> Plan:
-    """Check everything that can be checked without loading a weight."""
-    info = inspect_model(spec.model, trust_remote_code=spec.engine.trust_remote_code)
-    layer_ids = spec.layer_ids or default_layer_ids(info.num_hidden_layers)
-    check_layer_ids(layer_ids, info)
-    if spec.engine.name is EngineName.VLLM:  # from the config alone: the text decoder, not the wrapper
-        from datagen.engines import patches
+@dataclass(frozen=True)
+class Header:
+    """What a plan knows before it reads the dataset: the spec (max_seq_len resolved), the
+    model's config, the layers and the engine, and how to load the tokenizer."""
 
-        patches.check_capturable(info.model_type, info.num_hidden_layers, layer_ids, patches.installed_vllm_version(),
-                                 model=spec.model)
-    spec = spec.model_copy(update={"max_seq_len": resolve_max_seq_len(spec, info)})
-    engine_desc = describe_engine(spec, info)
+    spec: ExtractSpec
+    info: ModelInfo
+    layer_ids: tuple[int, ...]
+    engine_desc: dict
 
-    def load_tokenizer():
+    def load_tokenizer(self):
+        spec, info = self.spec, self.info
         if not info.has_tokenizer:
             raise ModelError(
                 f"the dataset has chat rows but model {spec.model} has no tokenizer",
@@ -103,8 +101,35 @@ def plan(spec: ExtractSpec) -> Plan:
                              hint="add chat_template to tokenizer_config.json, or pre-tokenize the dataset")
         return tok
 
-    data = prepare_dataset(spec.dataset, load_tokenizer=load_tokenizer, vocab_size=info.vocab_size,
-                           max_seq_len=spec.max_seq_len)
+
+def plan_header(spec: ExtractSpec) -> Header:
+    """Everything of a plan that does not read the dataset (the model's config, the layers, the
+    engine): checked here, as ``plan`` checks it."""
+    info = inspect_model(spec.model, trust_remote_code=spec.engine.trust_remote_code)
+    layer_ids = spec.layer_ids or default_layer_ids(info.num_hidden_layers)
+    check_layer_ids(layer_ids, info)
+    if spec.engine.name is EngineName.VLLM:  # from the config alone: the text decoder, not the wrapper
+        from datagen.engines import patches
+
+        patches.check_capturable(info.model_type, info.num_hidden_layers, layer_ids, patches.installed_vllm_version(),
+                                 model=spec.model)
+    spec = spec.model_copy(update={"max_seq_len": resolve_max_seq_len(spec, info)})
+    return Header(spec, info, tuple(layer_ids), describe_engine(spec, info))
+
+
+def plan(spec: ExtractSpec) -> Plan:
+    """Check everything that can be checked without loading a weight."""
+    h = plan_header(spec)
+    data = prepare_dataset(h.spec.dataset, load_tokenizer=h.load_tokenizer, vocab_size=h.info.vocab_size,
+                           max_seq_len=h.spec.max_seq_len)
+    return plan_from(h, data)
+
+
+def plan_from(h: Header, data: PreparedDataset) -> Plan:
+    """The plan of a header and its dataset: fingerprints, shard count, the spec the manifest records.
+    The fingerprint covers everything that shapes the tokens (the dataset's bytes, the tokenizer and
+    its chat template, max_seq_len), the model, the layers, the engine and the shard size."""
+    spec, info, layer_ids, engine_desc = h.spec, h.info, h.layer_ids, h.engine_desc
     model_identity = spec.model_revision or f"content:{model_content_hash(info)}"
     extraction = {
         "model": {"revision": model_identity, "architecture": info.architecture,

@@ -15,11 +15,13 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from datagen.data.contract import MANIFEST_NAME, ShardRecord
+from datagen.data.contract import MANIFEST_NAME, Manifest, ShardRecord
 from datagen.data.spec import sha256_hex
 from datagen.errors import SpecError, ValidationFailed
 from datagen.steps import extract
-from datagen.steps.extract import check_dataset_unchanged, plan, spec_from_args, write_manifest
+from datagen.steps.extract import (
+    RESULT_SHARD_FIELDS, check_dataset_unchanged, plan, result_shards, spec_from_args, write_manifest,
+)
 
 HELP = "Write the manifest of a dataset whose shards are in object storage, from their checked records."
 
@@ -42,6 +44,23 @@ class AssembleResult(BaseModel):
     engine: dict = Field(description="Engine name, version, patches and attention backend.")
     totals: dict = Field(description="rows, samples, tokens, bytes, shards, skipped, truncated.")
     shards_total: int = Field(description="Shards of the dataset.")
+    shards: list[dict] = Field(description="The manifest's shards: " + ", ".join(RESULT_SHARD_FIELDS) + " of each.")
+
+    @classmethod
+    def of_manifest(cls, raw: bytes, *, dataset: str) -> "AssembleResult":
+        """The account of a manifest already written (``raw``, its bytes) where ``dataset`` says:
+        what the orchestration reports when the dataset's bucket holds its manifest already."""
+        manifest = Manifest.model_validate_json(raw)
+        return cls(
+            dataset=dataset,
+            fingerprint=manifest.fingerprint,
+            manifest_sha256=sha256_hex(raw),
+            layer_ids=manifest.spec.get("layer_ids", []),
+            engine=manifest.spec.get("engine", {}),
+            totals=manifest.totals,
+            shards_total=len(manifest.shards),
+            shards=result_shards(manifest),
+        )
 
 
 Result = AssembleResult
@@ -98,4 +117,5 @@ def run(args: Spec) -> AssembleResult:
         engine=p.engine_desc,
         totals=manifest.totals,
         shards_total=p.num_shards,
+        shards=result_shards(manifest),
     )

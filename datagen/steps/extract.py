@@ -1,7 +1,8 @@
 """The extraction step: ``datagen extract``.
 
 Order of work, so that bad input never costs a model load or leaves output:
-check the spec -> read the model's config -> read and tokenize every row ->
+check the spec -> read the model's config -> read and tokenize every row (or load
+the range's rows from the plan an earlier run stored, ``datagen.extraction.stored``) ->
 check the output directory -> start the engine -> claim the output directory ->
 write shards -> manifest. Nothing is written into the output before the engine
 has started, so every refusal (exit 2 or 3) leaves it as it was found.
@@ -42,6 +43,7 @@ from datagen.data.files import atomic_write_json
 from datagen.data.spec import EngineName, ExtractSpec, StorageName, parse_spec, sha256_hex
 from datagen.errors import DatasetError, OutputConflictError, SpecError, StorageError
 from datagen.extraction.plan import Plan, plan
+from datagen.extraction import stored
 from datagen.steps._args import StepSpec
 
 if TYPE_CHECKING:
@@ -208,7 +210,7 @@ def recover_record(p: Plan, k: int) -> ShardRecord | None:
 def _remove_stale(p: Plan) -> None:
     """Temporary files of a crashed run, and shards beyond the dataset's end."""
     out = Path(p.spec.out)
-    for d in (out / SHARDS_DIR, _state(out) / "shards", _state(out), out):
+    for d in (out / SHARDS_DIR, _state(out) / "shards", _state(out), out, *(out / stored.PLAN_DIR).glob("*")):
         for f in d.glob(".*.tmp-*"):
             f.unlink(missing_ok=True)
     for f in (out / SHARDS_DIR).glob("shard-*.safetensors"):
@@ -354,7 +356,7 @@ def existing_manifest(p: Plan) -> Manifest | None:
 def extract(spec: ExtractSpec, *, shards: tuple[int, int] | None = None) -> dict:
     """Extract (the shards in ``shards``, or all and then the manifest). Returns a result record."""
     t0 = time.monotonic()
-    p = plan(spec)
+    p, from_store = stored.plan_shards(spec, shards)
     out = Path(spec.out)
     lo, hi = shards if shards is not None else (0, p.num_shards)
     if not (0 <= lo <= hi <= p.num_shards):
@@ -384,7 +386,7 @@ def extract(spec: ExtractSpec, *, shards: tuple[int, int] | None = None) -> dict
             raise OutputConflictError(f"cannot create the output directory {out}: {e.strerror}",
                                       hint="choose an --out whose parent is a writable directory") from e
     try:
-        return _run_locked(p, shards=shards, lo=lo, hi=hi, t0=t0)
+        return _run_locked(p, shards=shards, lo=lo, hi=hi, t0=t0, store_plan=not from_store)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise StorageError(
@@ -399,8 +401,10 @@ def extract(spec: ExtractSpec, *, shards: tuple[int, int] | None = None) -> dict
         _remove_empty_dirs(created)  # a no-op once the output is in them
 
 
-def _run_locked(p: Plan, *, shards: tuple[int, int] | None, lo: int, hi: int, t0: float) -> dict:
-    """The part of ``extract`` that writes, under the output's lock."""
+def _run_locked(p: Plan, *, shards: tuple[int, int] | None, lo: int, hi: int, t0: float,
+                store_plan: bool) -> dict:
+    """The part of ``extract`` that writes, under the output's lock. ``store_plan``: keep the
+    (computed) plan in the output for the ranges that follow."""
     out = Path(p.spec.out)
     check_output(p)  # refused before the engine starts; claimed (written) only once it has
     done = completed_shards(p)
@@ -414,12 +418,12 @@ def _run_locked(p: Plan, *, shards: tuple[int, int] | None, lo: int, hi: int, t0
     records = dict(done)
     tokens_todo = sum(build_job(p, k).tokens for k in todo)
     if not todo:
-        _commit(p, done)
+        _commit(p, done, store_plan=store_plan)
     else:
         progress = Progress(tokens_todo, 0)
         with make_engine(p) as engine:
             engine.start()
-            _commit(p, done)
+            _commit(p, done, store_plan=store_plan)
             for k in todo:
                 job = build_job(p, k)
                 engine.submit(job)
@@ -443,9 +447,10 @@ def _run_locked(p: Plan, *, shards: tuple[int, int] | None, lo: int, hi: int, t0
     return result
 
 
-def _commit(p: Plan, done: dict[int, ShardRecord]) -> None:
+def _commit(p: Plan, done: dict[int, ShardRecord], *, store_plan: bool = False) -> None:
     """The run's first writes, once nothing can refuse it any more: claim the output, drop a
-    manifest of other rows and what a crashed run left, record shards rebuilt from their files."""
+    manifest of other rows and what a crashed run left, record shards rebuilt from their files,
+    and keep a computed plan for the ranges that follow (``datagen.extraction.stored``)."""
     out = Path(p.spec.out)
     claim_output(p)
     manifest_path = out / MANIFEST_NAME
@@ -455,6 +460,8 @@ def _commit(p: Plan, done: dict[int, ShardRecord]) -> None:
     for k, rec in done.items():
         if not _record_path(out, k).exists():
             atomic_write_json(_record_path(out, k), rec.model_dump(mode="json"))
+    if store_plan:
+        stored.store_plan(p)
 
 
 def _save_records(out: Path, new: list[ShardRecord], records: dict[int, ShardRecord]) -> None:
@@ -492,8 +499,13 @@ def _manifest_result(out: Path, manifest: Manifest) -> dict:
         "bytes": manifest.totals["bytes"],
         "manifest_sha256": sha256_hex((out / MANIFEST_NAME).read_bytes()),
         "totals": manifest.totals,
-        "shards": [s.model_dump(mode="json", include=set(RESULT_SHARD_FIELDS)) for s in manifest.shards],
+        "shards": result_shards(manifest),
     }
+
+
+def result_shards(manifest: Manifest) -> list[dict]:
+    """The manifest's shards as a result lists them (``RESULT_SHARD_FIELDS`` of each)."""
+    return [s.model_dump(mode="json", include=set(RESULT_SHARD_FIELDS)) for s in manifest.shards]
 
 
 # --- command line -----------------------------------------------------------------------------

@@ -3,7 +3,10 @@
 Everything ``datagen extract`` checks before loading a weight is checked here
 (spec, model config, every dataset row), and the result names the fingerprints
 and every shard's cache key, so the orchestrator can key its cache on them
-without importing the engine. It also says what the output already holds: the
+without importing the engine. In an output where a run stored this spec's plan
+(``datagen.extraction.stored``) the rows are not read again: they were checked
+when it was stored; in an output this extraction has claimed, a plan computed
+here is stored for the ranges that follow. It also says what the output already holds: the
 manifest's fingerprint and the manifest a passing validation approved, so the
 orchestrator never reads the step's files itself.
 """
@@ -14,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.data.contract import manifest_fingerprint, validated_manifest_sha256
 from datagen.steps import extract
-from datagen.steps.extract import completed_shards, plan, spec_from_args
+from datagen.extraction import stored
+from datagen.steps.extract import completed_shards, spec_from_args
 
 HELP = "Check a spec and print its fingerprints and each shard's cache key (loads no weights)."
 
@@ -60,8 +64,12 @@ Result = PlanResult
 
 
 def run(spec: Spec) -> PlanResult:
-    p = plan(spec_from_args(spec))
-    done = completed_shards(p) if _claimed_by(p) else {}
+    # The plan a run stored in its output, when it is this spec's: every row was checked then.
+    p, from_store = stored.plan_shards(spec_from_args(spec), (0, 0))
+    claimed = _claimed_by(p)
+    if claimed and not from_store:  # an output of ours: keep the plan for the ranges that follow
+        stored.store_plan(p)
+    done = completed_shards(p) if claimed else {}
     _check_output_space(p, done)
     return PlanResult(
         fingerprint=p.fingerprint,

@@ -1,0 +1,294 @@
+"""The stored plan: a tokenized plan kept in the output's private state, so that a shard range
+(``datagen extract --shards A:B``) reads its own shards' samples instead of tokenizing the whole
+dataset again.
+
+Layout, under ``<out>/.datagen/plan/<fingerprint>/``::
+
+    rows.safetensors             line_sha256 uint8 [rows, 32]: sha256 of each dataset row's bytes
+    shard-000000.safetensors     the samples of shard 0: sample_index int64 [S] (dataset rows),
+                                 sample_offsets int64 [S+1], input_ids int32 [T], loss_mask uint8 [T]
+    ...
+    index.json                   written last: what the plan was made of, skipped and truncated
+                                 rows, and the sha256 of every file above and of itself
+
+A stored plan is used only when the fingerprint this run computes without reading the dataset's
+rows (the model's config, the layers, the engine, max_seq_len, the shard size, the sha256 of the
+dataset file, the tokenizer and its chat template: ``plan_from``, the code that fingerprints a
+computed plan) is the one it was stored under, when it was written by the same libraries that
+tokenize (transformers, tokenizers, jinja2) and the same stored-plan format, and when every file it
+reads has the sha256 the index records. Anything else (missing, torn, tampered, another
+fingerprint) and the run tokenizes the whole dataset as before, and says why in its log. Files are
+written atomically, the index last, so a reader never takes a half-written plan for a whole one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import numpy as np
+
+from datagen.data.contract import STATE_DIR, SkippedRow, TruncatedRow
+from datagen.data.dataset import PreparedDataset, Sample, file_fingerprint, tokenizer_hashes
+from datagen.data.files import atomic_write_bytes
+from datagen.data.spec import ExtractSpec, canonical_json, sha256_hex
+from datagen.errors import DatagenError
+from datagen.extraction.plan import Header, Plan, plan, plan_from, plan_header
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+PLAN_DIR = f"{STATE_DIR}/plan"
+INDEX = "index.json"
+ROWS_FILE = "rows.safetensors"
+
+
+def plan_dir(out: str | Path, fingerprint: str) -> Path:
+    return Path(out) / PLAN_DIR / fingerprint
+
+
+def _shard_file(k: int) -> str:
+    return f"shard-{k:06d}.safetensors"
+
+
+def library_versions() -> dict:
+    """Versions of what turns a row into tokens (a chat template renders with jinja2)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("transformers", "tokenizers", "jinja2", "tiktoken"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+class StoredPlanError(Exception):
+    """Why a stored plan cannot be used (the run plans instead)."""
+
+
+class RangeSamples(Mapping):
+    """The samples of some shards of a stored plan. A row outside them is an error, not a skipped
+    row: a job built from rows that were never loaded must not look like a shard of skipped rows."""
+
+    def __init__(self, samples: dict[int, Sample], rows: range):
+        self._samples, self._rows = samples, rows
+
+    def _check(self, row: int) -> None:
+        if row not in self._rows:
+            raise RuntimeError(f"row {row} is outside the stored plan's loaded rows {self._rows.start}:{self._rows.stop}")
+
+    def __contains__(self, row) -> bool:
+        self._check(row)
+        return row in self._samples
+
+    def __getitem__(self, row: int) -> Sample:
+        self._check(row)
+        return self._samples[row]
+
+    def __iter__(self) -> Iterator[int]:
+        raise RuntimeError("a stored plan's samples are loaded for some shards only: iterate over shard rows")
+
+    def __len__(self) -> int:
+        raise RuntimeError("a stored plan's samples are loaded for some shards only")
+
+
+# --- writing ------------------------------------------------------------------------------------
+
+def _index_digest(index: dict) -> str:
+    return sha256_hex(canonical_json({k: v for k, v in index.items() if k != "index_sha256"}))
+
+
+def store_plan(p: Plan) -> Path | None:
+    """Write a computed plan's tokenized samples into its output's private state (over a stored
+    plan of the same fingerprint, which was not usable), and remove the stored plans of other
+    fingerprints. A failure is logged, never raised: the stored plan only saves time."""
+    from safetensors.numpy import save
+
+    d = plan_dir(p.spec.out, p.fingerprint)
+    digests: dict[str, str] = {}
+
+    def write(name: str, b: bytes) -> None:  # one file in memory at a time
+        atomic_write_bytes(d / name, b)
+        digests[name] = hashlib.sha256(b).hexdigest()
+
+    try:
+        S = p.spec.samples_per_shard
+        data = p.data
+        line = np.frombuffer(b"".join(data.line_hashes), dtype=np.uint8).reshape(data.rows, 32)
+        write(ROWS_FILE, save({"line_sha256": line}))
+        shards = []
+        for k in range(p.num_shards):
+            rows = [r for r in range(k * S, min((k + 1) * S, data.rows)) if r in data.samples]
+            lens = [len(data.samples[r].input_ids) for r in rows]
+            tensors = {
+                "sample_index": np.asarray(rows, dtype=np.int64),
+                "sample_offsets": np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
+                "input_ids": (np.concatenate([data.samples[r].input_ids for r in rows]) if rows
+                              else np.zeros(0, np.int32)).astype(np.int32),
+                "loss_mask": (np.concatenate([data.samples[r].loss_mask for r in rows]) if rows
+                              else np.zeros(0, np.uint8)).astype(np.uint8),
+            }
+            write(_shard_file(k), save(tensors))
+            shards.append({"file": _shard_file(k), "samples": len(rows), "tokens": int(sum(lens))})
+        index = {
+            "format": FORMAT,
+            "fingerprint": p.fingerprint,
+            "libraries": library_versions(),
+            "dataset_sha256": data.fingerprint,
+            "rows": data.rows,
+            "tokens": data.tokens,
+            "kinds": sorted(data.kinds),
+            "tokenizer": data.tokenizer_hash is not None,  # a chat row was tokenized
+            "samples_per_shard": S,
+            "skipped": [s.model_dump(mode="json") for s in data.skipped],
+            "truncated": [t.model_dump(mode="json") for t in data.truncated],
+            "shards": shards,
+            "sha256": digests,
+        }
+        index["index_sha256"] = _index_digest(index)
+        atomic_write_bytes(d / INDEX, (json.dumps(index, indent=1, sort_keys=True) + "\n").encode())
+    except OSError as e:
+        log.warning("plan: could not store the plan in %s (%s); ranges will tokenize the dataset", d, e)
+        return None
+    for other in (Path(p.spec.out) / PLAN_DIR).iterdir():
+        if other.name != p.fingerprint and other.is_dir():
+            shutil.rmtree(other, ignore_errors=True)
+    log.info("plan: stored in %s", d.relative_to(Path(p.spec.out)))
+    return d
+
+
+# --- reading ------------------------------------------------------------------------------------
+
+def _read_index(d: Path, fingerprint: str) -> dict | None:
+    """The index of ``d`` when it is whole, for ``fingerprint``, this format and these libraries."""
+    try:
+        index = json.loads((d / INDEX).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(index, dict) or index.get("index_sha256") != _index_digest(index):
+        return None
+    if (index.get("format") != FORMAT or index.get("fingerprint") != fingerprint
+            or index.get("libraries") != library_versions()):
+        return None
+    return index
+
+
+def _read_verified(d: Path, name: str, index: dict) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load
+
+    want = index["sha256"].get(name)
+    try:
+        raw = (d / name).read_bytes()
+    except OSError as e:
+        raise StoredPlanError(f"{name} cannot be read ({e.strerror})") from None
+    if want is None or hashlib.sha256(raw).hexdigest() != want:
+        raise StoredPlanError(f"{name} does not have the sha256 its index records")
+    try:
+        return load(raw)
+    except Exception as e:  # a verified file that does not parse: written by another format
+        raise StoredPlanError(f"{name} is not a safetensors file ({e})") from None
+
+
+def _load_shard(d: Path, index: dict, k: int, first: int, stop: int) -> dict[int, Sample]:
+    t = _read_verified(d, _shard_file(k), index)
+    rows, off, ids, mask = t["sample_index"], t["sample_offsets"], t["input_ids"], t["loss_mask"]
+    ok = (rows.dtype == np.int64 and off.dtype == np.int64 and ids.dtype == np.int32 and mask.dtype == np.uint8
+          and off.shape == (len(rows) + 1,) and ids.shape == mask.shape and off[0] == 0 and off[-1] == len(ids)
+          and bool(np.all(np.diff(off) > 0)) and bool(np.all(np.diff(rows) > 0))
+          and (len(rows) == 0 or (rows[0] >= first and rows[-1] < stop)))
+    if not ok:
+        raise StoredPlanError(f"{_shard_file(k)} does not hold shard {k}'s samples")
+    return {int(r): Sample(row=int(r), input_ids=ids[a:b].copy(), loss_mask=mask[a:b].copy())
+            for r, a, b in zip(rows, off[:-1], off[1:])}
+
+
+def _stored_dataset(h: Header, d: Path, index: dict, dataset_sha256: str, shards: tuple[int, int]) -> PreparedDataset:
+    """The dataset as the stored plan holds it, with the samples of ``shards`` only."""
+    rows = index["rows"]
+    S = index["samples_per_shard"]
+    if S != h.spec.samples_per_shard:
+        raise StoredPlanError("stored for another samples_per_shard")
+    line = _read_verified(d, ROWS_FILE, index)["line_sha256"]
+    if line.shape != (rows, 32) or line.dtype != np.uint8:
+        raise StoredPlanError(f"{ROWS_FILE} does not hold {rows} row hashes")
+    lo, hi = shards
+    samples: dict[int, Sample] = {}
+    for k in range(lo, hi):
+        samples.update(_load_shard(d, index, k, k * S, min((k + 1) * S, rows)))
+    template_hash = tok_hash = None
+    if index["tokenizer"]:
+        template_hash, tok_hash = tokenizer_hashes(h.load_tokenizer())
+    return PreparedDataset(
+        path=str(Path(h.spec.dataset)),
+        rows=rows,
+        fingerprint=dataset_sha256,
+        samples=RangeSamples(samples, range(lo * S, min(hi * S, rows))),
+        skipped=[SkippedRow.model_validate(s) for s in index["skipped"]],
+        truncated=[TruncatedRow.model_validate(t) for t in index["truncated"]],
+        line_hashes=[bytes(x) for x in line],
+        chat_template_hash=template_hash,
+        tokenizer_hash=tok_hash,
+        kinds=set(index["kinds"]),
+        total_tokens=index["tokens"],
+    )
+
+
+def load_plan(spec: ExtractSpec, shards: tuple[int, int] | None) -> tuple[Plan | None, str]:
+    """The plan of ``spec`` from its output's stored plan, with the samples of ``shards`` (all
+    shards when None), or (None, why not). Reads the dataset file once to hash it; tokenizes nothing."""
+    root = Path(spec.out) / PLAN_DIR
+    try:
+        candidates = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    except OSError:
+        candidates = []
+    if not candidates:
+        return None, f"no stored plan in {PLAN_DIR}"
+    h = plan_header(spec)
+    dataset_sha256 = file_fingerprint(spec.dataset)
+    why = "stored for another dataset, tokenizer or spec"
+    for d in candidates:
+        index = _read_index(d, d.name)
+        if index is None:
+            why = f"{PLAN_DIR}/{d.name[:12]} is incomplete, damaged or of other library versions"
+            continue
+        if index["dataset_sha256"] != dataset_sha256:
+            continue
+        try:
+            num_shards = -(-index["rows"] // max(index["samples_per_shard"], 1))
+            lo, hi = shards if shards is not None else (0, num_shards)
+            if not (0 <= lo <= hi <= num_shards):
+                return None, f"--shards {lo}:{hi} is outside the stored plan's 0:{num_shards}"
+            data = _stored_dataset(h, d, index, dataset_sha256, (lo, hi))
+        except StoredPlanError as e:
+            why = f"{PLAN_DIR}/{d.name[:12]}: {e}"
+            continue
+        except (KeyError, TypeError, ValueError) as e:
+            why = f"{PLAN_DIR}/{d.name[:12]}: unreadable index ({e!r})"
+            continue
+        p = plan_from(h, data)
+        if p.fingerprint != d.name:  # the tokenizer, template or settings differ from the stored plan's
+            continue
+        return p, f"loaded from {PLAN_DIR}/{d.name[:12]} (shards {lo}:{hi})"
+    return None, why
+
+
+def plan_shards(spec: ExtractSpec, shards: tuple[int, int] | None = None) -> tuple[Plan, bool]:
+    """The plan of ``spec`` for ``shards``, and whether it came from the stored plan: stored when
+    it is this spec's, else computed (every row read and tokenized). Logs which."""
+    try:
+        p, how = load_plan(spec, shards)
+    except DatagenError:  # a spec, model or dataset the plan refuses: plan() says why
+        p, how = None, "the spec, model or dataset is refused"
+    except Exception as e:  # noqa: BLE001 - anything else in a stored plan: computing it is always right
+        p, how = None, f"the stored plan cannot be read ({e!r})"
+    if p is not None:
+        log.info("plan: %s", how)
+        return p, True
+    log.info("plan: %s; tokenizing the whole dataset", how)
+    return plan(spec), False
