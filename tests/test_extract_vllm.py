@@ -38,12 +38,12 @@ PER_SHARD = 4
 # tiny DeepSeek-V3, over the 352 tokens of deepseek_rows: medians 0.7-2.4%, 90th percentiles
 # 0.9-16% (flips pile up towards the last layer); every neighbouring layer 47% or more at the median.
 BF16_MOE = GoldenCriterion()
-# The Llama dataset every read-only test shares, its rerun and the killed run with its resume
-# (byte-identical to it) run the engine as users do, with torch.compile: the every-layer
-# comparison and the off-by-one checks are made on the compiled engine's capture. Every other
-# engine start here runs eager (no torch.compile warm-up: about half the start time), as the
-# other engine tests do; a test comparing bytes never mixes the two (their kernels round
-# differently).
+# The Llama dataset every read-only test shares, its rerun, and the runs compared with it byte for
+# byte (the killed run and its resume, the range from the stored plan) run the engine as users do,
+# with torch.compile: the every-layer comparison and the off-by-one checks are made on the compiled
+# engine's capture. Every other engine start here runs eager (no torch.compile warm-up: about half
+# the start time), as the other engine tests do; a test comparing bytes never mixes the two (their
+# kernels round differently).
 EAGER = {"DATAGEN_ENFORCE_EAGER": "1"}
 COMPILED = {"DATAGEN_ENFORCE_EAGER": "0"}
 
@@ -202,7 +202,7 @@ def test_a_range_from_the_stored_plan_writes_the_same_bytes(tiny_llama, llama_ro
     proc = run_datagen(
         "extract", "--model", str(tiny_llama), "--dataset", str(llama_rows), "--out", str(out), "--engine", "vllm",
         "--max-seq-len", str(MAX_SEQ_LEN), "--samples-per-shard", str(PER_SHARD),
-        "--max-num-batched-tokens", str(BUDGET), "--shards", "1:3",
+        "--max-num-batched-tokens", str(BUDGET), "--shards", "1:3", env=COMPILED,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "plan: loaded from .datagen/plan/" in proc.stderr, proc.stderr[-4000:]
