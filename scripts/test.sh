@@ -5,7 +5,8 @@
 # most of their time waiting on Prefect's minimum timeouts (heartbeats every 30 s, a 60 s lost-host
 # window, 60 s range leases: about ten minutes) and use little CPU; the crash campaign is one long
 # test of its own (a vLLM extraction killed and resumed again and again) that shares nothing with
-# the rest. Run one after the other, the waiting is added to the suite's time; run beside each
+# the rest; the server end-to-end tests and the Kimi engine tests keep their own server, models and
+# engines (module fixtures) and fill the rest of the second process's time. Run one after the other, the waiting is added to the suite's time; run beside each
 # other, it is hidden. Each process starts its own S3 and Prefect servers on free ports and builds
 # its own models under its own pytest temp dir, so they share nothing but the Docker engine (the
 # tests in BESIDE use none).
@@ -24,7 +25,8 @@
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-BESIDE=(tests/flows/test_scale_out.py tests/faults/test_crash_anywhere.py)
+BESIDE=(tests/flows/test_scale_out.py tests/faults/test_crash_anywhere.py tests/flows/test_server_e2e.py
+        tests/test_kimi_engine.py)
 
 seed=${SEED:-}
 if [ -z "$seed" ] && [ -n "${SHUFFLE:-}" ]; then seed=$(od -An -N4 -tu4 /dev/urandom | tr -d ' '); fi
