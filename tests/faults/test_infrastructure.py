@@ -178,7 +178,9 @@ def _outage(server: S3Server, kind: str, down_s: float) -> float:
 @pytest.mark.parametrize("outage", OUTAGE_PARAMS)
 def test_s3_down_during_publish_ends_in_a_complete_publication(s3, tmp_path, case, outage):
     kind, down_s = OUTAGES[outage]
-    ds = make_dataset(tmp_path / "ds", shards=8, samples_per_shard=32, tokens_per_sample=64, hidden=512)
+    # 16 shards of 16 MiB: after the outage's trigger (1-4 shards up) at least 190 MiB are still to
+    # go, so the publish is still running when the server goes down, however fast this machine is
+    ds = make_dataset(tmp_path / "ds", shards=16, samples_per_shard=32, tokens_per_sample=64, hidden=1024)
     manifest = json.loads((ds / MANIFEST_NAME).read_text())
     shards = {s["path"]: s["bytes"] for s in manifest["shards"]}
     bucket = s3.create_bucket()

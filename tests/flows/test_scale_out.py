@@ -249,7 +249,9 @@ def test_two_workers_share_the_ranges_the_bucket_holds_the_single_process_datase
     assert {worker_of(workers, r.id) for r in runs} == {"w1", "w2"}, [(r.name, r.state.name) for r in runs]
     assert len(runs) == RANGES and all(r.state.name == "Completed" for r in runs)
     for name in workers:  # the spool is only a spool: every uploaded shard left it (the stored plan stays)
-        assert not [p for p in (hosts / name / "spool").rglob("*.safetensors") if ".datagen" not in p.parts], name
+        spool = hosts / name / "spool" / "fleet"  # $DATAGEN_SPOOL/<output name>: this run's (a killed
+        assert spool.is_dir(), name               # worker of another test may have left its own beside it)
+        assert not [p for p in spool.rglob("*.safetensors") if ".datagen" not in p.parts], name
     print(f"\ntwo workers, {RANGES} ranges: {wall:.1f} s")
 
     # A second run of the same spec submits no range at all.
