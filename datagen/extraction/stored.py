@@ -23,7 +23,6 @@ written atomically, the index last, so a reader never takes a half-written plan 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -115,7 +114,7 @@ def store_plan(p: Plan) -> Path | None:
 
     def write(name: str, b: bytes) -> None:  # one file in memory at a time
         atomic_write_bytes(d / name, b)
-        digests[name] = hashlib.sha256(b).hexdigest()
+        digests[name] = sha256_hex(b)
 
     try:
         S = p.spec.samples_per_shard
@@ -187,7 +186,7 @@ def _read_verified(d: Path, name: str, index: dict) -> dict[str, np.ndarray]:
         raw = (d / name).read_bytes()
     except OSError as e:
         raise StoredPlanError(f"{name} cannot be read ({e.strerror})") from None
-    if want is None or hashlib.sha256(raw).hexdigest() != want:
+    if want is None or sha256_hex(raw) != want:
         raise StoredPlanError(f"{name} does not have the sha256 its index records")
     try:
         return load(raw)
