@@ -125,6 +125,8 @@ def add_spec_arguments(parser: argparse.ArgumentParser, spec_type: type[BaseMode
             if arg.metavar or "choices" not in kwargs:
                 kwargs["metavar"] = arg.metavar or opt.path.split(".")[-1].upper()
         if arg.positional:
+            if from_file:  # the file may give it
+                kwargs.update(nargs="?", default=None, metavar=opt.dest.upper())
             parser.add_argument(opt.dest, **kwargs)
             continue
         if from_file:  # the file may give it: an option left out sets nothing
@@ -159,7 +161,8 @@ def spec_from_namespace(step: str, spec_type: type[BaseModel], args: argparse.Na
             target = target[parent]
         target[leaf] = value
     if from_file:
-        flags = {o.path: o.arg.flag or "--" + o.path.replace("_", "-") for o in _options(spec_type)}
+        flags = {o.path: o.dest.upper() if o.arg.positional else o.arg.flag or "--" + o.path.replace("_", "-")
+                 for o in _options(spec_type)}
         missing = [flags.get(n, n) for n, f in spec_type.model_fields.items() if f.is_required() and raw.get(n) in (None, "")]
         if missing:
             raise SpecError(f"missing {', '.join(missing)}", hint=f"see `datagen {step} --help`")

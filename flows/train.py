@@ -30,7 +30,7 @@ def train(dataset: str, fingerprint: str, runner: Runner = Runner.LOCAL) -> dict
     exported = export_speculators(
         dataset, out, cache_key=export_cache_key(fingerprint=fingerprint, out=out), runner=runner
     )
-    # None: no export step in this version (nothing exported), or an earlier export kept
+    # None: an earlier export kept
     speculators = exported.out if exported is not None else (out if Path(out).exists() else None)
     logger.info("training data for %s: %s", fingerprint[:12], speculators or dataset)
     return {"dataset": dataset, "fingerprint": fingerprint, "speculators": speculators}

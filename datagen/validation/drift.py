@@ -15,8 +15,9 @@ from pydantic import ValidationError
 
 from datagen.data.contract import MANIFEST_NAME, LayerStats, Manifest
 from datagen.validation.report import Findings, Problem, ProblemKind
+from datagen.validation.settings import DEFAULT_DRIFT_THRESHOLD
 
-DEFAULT_THRESHOLD = 0.25
+DEFAULT_THRESHOLD = DEFAULT_DRIFT_THRESHOLD
 
 
 def _identity(m: Manifest) -> dict:
