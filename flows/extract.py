@@ -37,6 +37,7 @@ from tasks.fanout import (
     assemble, assemble_call, bucket_dataset, bucket_state, dispatch_range, fetch_shards, publish_manifest,
 )
 from tasks.handoff import announce, publish_cache_key, publish_dataset
+from tasks.report import layer_report
 from tasks.validate import validate_cache_key, validate_dataset, validation_summary
 
 
@@ -108,7 +109,7 @@ def _assemble(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, ident
         return bucket_dataset(spec), "passed (before its manifest was written to the bucket)", dest
     records = fetch_shards(spec, xspec, planned)
     assembled = assemble(assemble_call(xspec, records), runner=spec.runner)
-    artifacts.layer_report(assembled.dataset, previous=spec.validation.previous)
+    layer_report(assembled.dataset, previous=spec.validation.previous, runner=spec.runner)
     validated = _validate(spec, xspec, planned, assembled, identity)
     return publish_manifest(spec, assembled), validation_summary(validated), dest
 
@@ -125,7 +126,7 @@ def _finalize_validate_publish(spec: PipelineSpec, xspec: ExtractSpec, planned: 
         get_run_logger().warning("finalize had to extract shards %s: a range did not complete them",
                                  dataset.shards_extracted)
     # before validation: a drift that fails the run is on the plot of that run
-    artifacts.layer_report(dataset.dataset, previous=spec.validation.previous)
+    layer_report(dataset.dataset, previous=spec.validation.previous, runner=spec.runner)
     validated = _validate(spec, xspec, planned, dataset, identity)
     published = None  # PublishResult, when published
     if spec.publish_to:

@@ -41,9 +41,11 @@ def publish_dataset(
 ) -> PublishResult:
     """`datagen publish DATASET --to s3://...`: shards first, manifest last, only if validated.
     ``task_options``: options of this run of the task (``result_storage``)."""
+    from datagen.steps.publish import Spec  # boto3: imported where a run publishes
+
     call = StepCall(
         step="publish",
-        args=(dataset, "--to", destination),
+        spec=Spec(dataset=dataset, to=destination).model_dump(mode="json"),
         mounts=mounts_for(read_only=(dataset,)),
         env=s3_step_env(),
         secret_env_names=SECRET_ENV,

@@ -35,9 +35,11 @@ def export_speculators(dataset: str, out: str, *, cache_key: str, runner: Runner
     if Path(out).exists():
         logger.info("export: %s exists already; kept", out)
         return None
+    from datagen.steps.export import ExportFormat, Spec  # torch: imported where a run exports
+
     call = StepCall(
         step=STEP,
-        args=("--format", "speculators", dataset, out),
+        spec=Spec(fmt=ExportFormat.SPECULATORS, dataset=dataset, out=out).model_dump(mode="json"),
         mounts=mounts_for(Path(out).parent, read_only=(dataset,)),
         known={"out": out},
     )

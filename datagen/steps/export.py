@@ -36,7 +36,7 @@ import shutil
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 import numpy as np
 import torch
@@ -275,7 +275,9 @@ def _write_arrow(root: Path, man: Manifest, tmp: Path) -> None:
 
 
 class Spec(StepSpec):
-    """``datagen export``'s command line."""
+    """``datagen export``'s input: the layout, the dataset and where to."""
+
+    SPEC_FILE: ClassVar[bool] = True
 
     fmt: Annotated[ExportFormat, Arg(flag="--format")] = Field(description="training-side layout to write")
     dataset: Annotated[str, Arg(positional=True)] = Field(description="dataset directory (holds manifest.json)")
