@@ -137,11 +137,12 @@ def check_corpus(slow) -> list[str]:
     return texts
 
 
-def convert_and_check(src: str | Path, out: str | Path, *, corpus: Iterable[str] = ()) -> tuple[Path, int]:
+def convert_and_check(src: str | Path, out: str | Path, *, corpus: Iterable[str] = (), slow=None) -> tuple[Path, int]:
     """Convert the Kimi tokenizer of ``src`` to a fast one, check it id for id against the slow
     tokenizer (the project's code over the same files) on ``check_corpus`` and ``corpus``, and
     save it into ``out`` (``tokenizer.json``, ``tokenizer_config.json``, the chat template) only
-    when every text agreed. Returns (``out``, tokens compared).
+    when every text agreed. ``slow``: that slow tokenizer, already loaded. Returns (``out``,
+    tokens compared).
 
     Raises:
         ConversionMismatch: a text tokenized differently; nothing is written.
@@ -153,8 +154,9 @@ def convert_and_check(src: str | Path, out: str | Path, *, corpus: Iterable[str]
     s = Path(src)
     fast = convert(s)
     with tempfile.TemporaryDirectory() as tmp:
-        template = (s / TEMPLATE_FILE).read_text() if (s / TEMPLATE_FILE).is_file() else None
-        slow = AutoTokenizer.from_pretrained(write_slow_tokenizer(s, tmp, chat_template=template), trust_remote_code=True)
+        if slow is None:
+            template = (s / TEMPLATE_FILE).read_text() if (s / TEMPLATE_FILE).is_file() else None
+            slow = AutoTokenizer.from_pretrained(write_slow_tokenizer(s, tmp, chat_template=template), trust_remote_code=True)
         n = check_same_ids(slow, fast, [*check_corpus(slow), *corpus])
     d = Path(out)
     fast.save_pretrained(d)
