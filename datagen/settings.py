@@ -112,3 +112,10 @@ def real_kimi_dir() -> Path:
     the project's Kimi tokenizer against; default ``shared/real-kimi`` beside the repository."""
     raw = os.environ.get("DATAGEN_REAL_KIMI")
     return Path(raw) if raw else Path(__file__).resolve().parents[2] / "shared" / "real-kimi"
+
+
+def planning_workers() -> int | None:
+    """DATAGEN_PLANNING_WORKERS: processes that plan a dataset (tokenize its rows); unset: every core
+    this process may run on."""
+    raw = os.environ.get("DATAGEN_PLANNING_WORKERS")
+    return int(raw) if raw else None
