@@ -15,6 +15,7 @@ its tokens come from the stored plan, after the same checks as every row.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import multiprocessing
@@ -52,7 +53,9 @@ class Reuse(Protocol):
     """Outcomes of rows whose bytes an earlier plan tokenized (``datagen.extraction.stored``)."""
 
     def known(self, first: int, line_hashes: list[bytes]) -> dict[int, Known]:
-        """The known outcomes among rows ``first, first+1, ...`` of these sha256 digests."""
+        """The known outcomes among rows ``first, first+1, ...`` of these sha256 digests (called in
+        the worker that plans them: it reads only what its batch needs). Never raises: a row it
+        cannot give is tokenized."""
         ...
 
 
@@ -85,6 +88,8 @@ class _Job:
     vocab_size: int
     max_seq_len: int
     split_tokens: ds.SplitTokens | None
+    line_hashes: list[bytes]
+    reuse: Reuse | None
 
 
 _JOB: _Job | None = None
@@ -143,9 +148,10 @@ def _finish(job: _Job, row: int, outcome, tokenizer_used: bool, batch: _Batch, s
     samples.append((row, ids, mask))
 
 
-def _plan_batch(first: int, stop: int, known: dict[int, Known] | None = None) -> _Batch:
+def _plan_batch(first: int, stop: int) -> _Batch:
     """Rows [first, stop) of the job. Stops at the first row that raises and names it."""
     job = _JOB
+    known = job.reuse.known(first, job.line_hashes[first:stop]) if job.reuse is not None else {}
     batch = _Batch(first, stop, *_pack([]))
     state = {"kinds": batch.kinds, "tokenized": False, "reused": 0}
     how = ds.Boundaries.TRUST_SPECIAL_TOKENS if job.split_tokens else ds.Boundaries.COMPARE_WHOLE
@@ -159,7 +165,7 @@ def _plan_batch(first: int, stop: int, known: dict[int, Known] | None = None) ->
     samples: list = []
     for row, _raw, obj in job.rows[first:stop]:
         try:
-            outcome = _row(job, obj, row, (known or {}).get(row), tokenize, state)
+            outcome = _row(job, obj, row, known.get(row), tokenize, state)
             _finish(job, row, outcome, state["tokenized"], batch, samples)
         except Exception:  # noqa: BLE001 - the caller raises it again from this row alone
             batch.error_row = row
@@ -225,35 +231,50 @@ def prepare(path: str | Path, *, load_tokenizer: ds.TokenizerLoader, vocab_size:
         except Exception:  # noqa: BLE001 - raised again at the first row that needs it, as before
             load_error = True
     split = ds.SplitTokens(tokenizer) if tokenizer is not None else None
-    job = _Job(str(p), rows, tokenizer, load_error, vocab_size, max_seq_len, split)
+    job = _Job(str(p), rows, tokenizer, load_error, vocab_size, max_seq_len, split, line_hashes, reuse)
     parallel = workers is not None or len(rows) >= PARALLEL_MIN_ROWS  # asked for, or worth it
     workers = workers or default_workers()
     ranges = _batches(len(rows), workers)
-    known = [reuse.known(a, line_hashes[a:b]) if reuse is not None else None for a, b in ranges]
     _JOB = job
     try:
-        if workers <= 1 or not parallel or "fork" not in multiprocessing.get_all_start_methods():
-            batches = [_plan_batch(a, b, k) for (a, b), k in zip(ranges, known)]
-        else:
-            batches = _in_workers(ranges, known, workers)
+        with _one_thread_per_process():
+            if workers <= 1 or not parallel or "fork" not in multiprocessing.get_all_start_methods():
+                batches = [_plan_batch(a, b) for a, b in ranges]
+                hashes = _hashes(tokenizer)
+            else:  # the tokenizer's hashes (a serialization of it) while the workers plan
+                batches, hashes = _in_workers(ranges, workers, lambda: _hashes(tokenizer))
     finally:
         _JOB = None
-    return _assemble(job, batches, load_tokenizer, fingerprint, line_hashes, tokenizer)
+    return _assemble(job, batches, load_tokenizer, fingerprint, line_hashes, hashes)
 
 
-def _in_workers(ranges, known, workers: int) -> list[_Batch]:
-    ctx = multiprocessing.get_context("fork")
-    # one thread per worker: the Rust tokenizer would otherwise start a pool per process (and warn)
+def _hashes(tokenizer) -> tuple[str | None, str | None]:
+    return ds.tokenizer_hashes(tokenizer) if tokenizer is not None else (None, None)
+
+
+@contextlib.contextmanager
+def _one_thread_per_process():
+    """The Rust tokenizer without its thread pool while planning: a few short texts per call cost
+    more to hand to threads than to tokenize, and each worker process is one core already (a pool
+    started before the workers fork would also be disabled in them, with a warning)."""
     before = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        with ProcessPoolExecutor(max_workers=min(workers, len(ranges)), mp_context=ctx) as ex:
-            return list(ex.map(_plan_batch, [a for a, _ in ranges], [b for _, b in ranges], known))
+        yield
     finally:
         if before is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = before
+
+
+def _in_workers(ranges, workers: int, meanwhile):
+    """The batches planned by ``workers`` forked processes, and ``meanwhile()`` run here meanwhile."""
+    ctx = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(max_workers=min(workers, len(ranges)), mp_context=ctx) as ex:
+        results = ex.map(_plan_batch, [a for a, _ in ranges], [b for _, b in ranges])
+        other = meanwhile()
+        return list(results), other
 
 
 def _raise_row_error(job: _Job, row: int, load_tokenizer) -> None:
@@ -271,7 +292,7 @@ def _raise_row_error(job: _Job, row: int, load_tokenizer) -> None:
 
 
 def _assemble(job: _Job, batches: list[_Batch], load_tokenizer, fingerprint: str, line_hashes: list[bytes],
-              tokenizer) -> ds.PreparedDataset:
+              hashes: tuple[str | None, str | None]) -> ds.PreparedDataset:
     errors = [b.error_row for b in batches if b.error_row is not None]
     if errors:
         _raise_row_error(job, min(errors), load_tokenizer)
@@ -297,7 +318,7 @@ def _assemble(job: _Job, batches: list[_Batch], load_tokenizer, fingerprint: str
             hint="give chat rows an assistant turn, or pre-tokenized rows a loss_mask with 1s",
         )
     used = any(b.tokenized for b in batches)
-    template_hash, tok_hash = ds.tokenizer_hashes(tokenizer) if used else (None, None)
+    template_hash, tok_hash = hashes if used else (None, None)
     return ds.PreparedDataset(
         path=job.path,
         rows=len(job.rows),
