@@ -32,13 +32,13 @@ def rows(tmp_path_factory):
 def tokenized(monkeypatch):
     """Counts the chat rows tokenized in this process (the hook is here, in the tests)."""
     calls = []
-    real = dataset_module.tokenize_chat
+    real = dataset_module.tokenize_chats
 
-    def counting(*args, **kwargs):
-        calls.append(kwargs.get("line"))
-        return real(*args, **kwargs)
+    def counting(tokenizer, chats, **kwargs):
+        calls.extend(line for _, line in chats)
+        return real(tokenizer, chats, **kwargs)
 
-    monkeypatch.setattr(dataset_module, "tokenize_chat", counting)
+    monkeypatch.setattr(dataset_module, "tokenize_chats", counting)
     return calls
 
 

@@ -285,8 +285,29 @@ def _ids(tokenizer, text: str) -> list[int]:
 def _ids_batch(tokenizer, texts: list[str]) -> list[list[int]]:
     """``_ids`` of each text, in one call (a batch: the same ids as one call per text)."""
     nonempty = [t for t in texts if t]
-    got = iter(tokenizer(nonempty, add_special_tokens=False)["input_ids"] if nonempty else [])
+    if not nonempty:
+        got = iter([])
+    elif (backend := _plain_backend(tokenizer)) is not None:
+        got = (e.ids for e in backend.encode_batch_fast(nonempty, add_special_tokens=False))
+    else:
+        got = iter(tokenizer(nonempty, add_special_tokens=False)["input_ids"])
     return [list(next(got)) if t else [] for t in texts]
+
+
+def _plain_backend(tokenizer):
+    """The Rust tokenizer of a fast tokenizer whose call adds nothing to it here: transformers'
+    own encode path (not a subclass's), no truncation or padding to switch off, special tokens
+    split out. Its ``encode_batch_fast`` then gives the call's ids without computing offsets."""
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    cls = type(tokenizer)
+    if (backend is None or cls.__call__ is not TokenizersBackend.__call__
+            or cls._encode_plus is not TokenizersBackend._encode_plus or not hasattr(backend, "encode_batch_fast")):
+        return None
+    if backend.truncation is not None or backend.padding is not None or getattr(tokenizer, "split_special_tokens", False):
+        return None
+    return backend if backend.encode_special_tokens is False else None
 
 
 class Boundaries(enum.Enum):
@@ -361,12 +382,47 @@ def tokenize_chat(tokenizer, messages: list[dict], *, path: str = "", line: int 
     next to one of ``split_tokens`` (``SplitTokens(tokenizer)``), the whole render is not
     tokenized a second time: its tokens are the pieces'.
     """
-    full, spans = target_spans(tokenizer, messages, path=path, line=line)
-    cuts = sorted({0, len(full), *(c for span in spans for c in span)})
-    pieces = [full[a:b] for a, b in zip(cuts, cuts[1:])]
-    trusted = (boundaries is Boundaries.TRUST_SPECIAL_TOKENS and split_tokens is not None
-               and all(split_tokens.at(full, c) for c in cuts))
-    encoded = _ids_batch(tokenizer, pieces if trusted else [*pieces, full])
+    (got,) = tokenize_chats(tokenizer, [(messages, line)], path=path, boundaries=boundaries, split_tokens=split_tokens)
+    if isinstance(got, Exception):
+        raise got
+    return got
+
+
+def tokenize_chats(tokenizer, chats: list[tuple[list[dict], int]], *, path: str = "",
+                   boundaries: Boundaries = Boundaries.COMPARE_WHOLE,
+                   split_tokens: SplitTokens | None = None) -> list[tuple[np.ndarray, np.ndarray] | Exception]:
+    """``tokenize_chat`` of each (messages, line), the tokenizer called once for all of them (a
+    call per chat costs more than its tokens with a fast tokenizer). A chat that fails gives its
+    exception in its place, and the list ends there."""
+    rendered, texts, failed = [], [], None
+    for messages, line in chats:
+        try:
+            full, spans = target_spans(tokenizer, messages, path=path, line=line)
+        except Exception as e:  # noqa: BLE001 - handed back in its chat's place
+            failed = e
+            break
+        cuts = sorted({0, len(full), *(c for span in spans for c in span)})
+        trusted = (boundaries is Boundaries.TRUST_SPECIAL_TOKENS and split_tokens is not None
+                   and all(split_tokens.at(full, c) for c in cuts))
+        pieces = [full[a:b] for a, b in zip(cuts, cuts[1:])]
+        texts += pieces if trusted else [*pieces, full]
+        rendered.append((full, spans, cuts, trusted, line))
+    encoded = _ids_batch(tokenizer, texts)
+    out: list = []
+    at = 0
+    for full, spans, cuts, trusted, line in rendered:
+        n = len(cuts) - 1 + (0 if trusted else 1)
+        try:
+            out.append(_masked(tokenizer, full, spans, cuts, encoded[at : at + n], trusted, path=path, line=line))
+        except DatasetError as e:
+            out.append(e)
+            return out
+        at += n
+    return out + ([failed] if failed is not None else [])
+
+
+def _masked(tokenizer, full: str, spans, cuts, encoded: list[list[int]], trusted: bool, *, path: str,
+            line: int) -> tuple[np.ndarray, np.ndarray]:
     ids: list[int] = []
     mask: list[int] = []
     for (a, b), piece in zip(zip(cuts, cuts[1:]), encoded):

@@ -16,6 +16,8 @@ its tokens come from the stored plan, after the same checks as every row.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import gc
 import hashlib
 import logging
 import multiprocessing
@@ -84,7 +86,6 @@ class _Job:
     path: str
     rows: list[tuple[int, bytes, dict]]
     tokenizer: object | None
-    load_error: bool  # loading the tokenizer raised (the caller raises it at the first row needing it)
     vocab_size: int
     max_seq_len: int
     split_tokens: ds.SplitTokens | None
@@ -95,9 +96,13 @@ class _Job:
 _JOB: _Job | None = None
 
 
-def _row(job: _Job, obj: dict, row: int, known: Known | None, tokenize, state: dict):
-    """One row's outcome: ("sample", ids, mask, truncated) or ("skipped", reason); raises as
-    ``prepare_dataset`` always has for a bad row."""
+class _NoTokenizer(RuntimeError):
+    """A chat row needs the tokenizer, and loading it raised (it is loaded again to say why)."""
+
+
+def _row(job: _Job, obj: dict, row: int, known: Known | None, state: dict):
+    """One row's outcome, checked as ``prepare_dataset`` always has (raising for a bad row):
+    ("sample", ids, mask, truncated), ("skipped", reason), or ("chat", messages) to tokenize."""
     line = row + 1
     if "messages" in obj:
         msgs = ds._check_messages(obj, path=job.path, line=line)
@@ -109,18 +114,22 @@ def _row(job: _Job, obj: dict, row: int, known: Known | None, tokenize, state: d
             state["reused"] += 1
             if known.sample is None:
                 return ("skipped", known.skipped.reason)
-            ids, mask = known.sample.input_ids, known.sample.loss_mask
-            return ("sample", ids, mask, known.truncated)
-        ids, mask = tokenize(msgs, line)
-    elif "input_ids" in obj:
+            return ("sample", known.sample.input_ids, known.sample.loss_mask, known.truncated)
+        if job.tokenizer is None:
+            raise _NoTokenizer(row)
+        return ("chat", msgs)
+    if "input_ids" in obj:
         ids, mask = ds._check_tokens_row(obj, path=job.path, line=line, vocab_size=job.vocab_size)
         state["kinds"].add("tokens")
-    else:
-        raise DatasetError(
-            f"row has neither 'messages' nor 'input_ids' (fields: {sorted(obj)})",
-            path=job.path, line=line,
-            hint='write {"messages": [...]} or {"input_ids": [...], "loss_mask": [...]}',
-        )
+        return _truncate(job, row, ids, mask)
+    raise DatasetError(
+        f"row has neither 'messages' nor 'input_ids' (fields: {sorted(obj)})",
+        path=job.path, line=line,
+        hint='write {"messages": [...]} or {"input_ids": [...], "loss_mask": [...]}',
+    )
+
+
+def _truncate(job: _Job, row: int, ids: np.ndarray, mask: np.ndarray):
     if len(ids) == 0:
         return ("skipped", "empty")
     truncated = None
@@ -130,7 +139,7 @@ def _row(job: _Job, obj: dict, row: int, known: Known | None, tokenize, state: d
     return ("sample", ids, mask, truncated)
 
 
-def _finish(job: _Job, row: int, outcome, tokenizer_used: bool, batch: _Batch, samples: list) -> None:
+def _finish(job: _Job, row: int, outcome, batch: _Batch, samples: list) -> None:
     if outcome[0] == "skipped":
         batch.skipped.append(SkippedRow(row=row, reason=outcome[1]))
         return
@@ -140,7 +149,8 @@ def _finish(job: _Job, row: int, outcome, tokenizer_used: bool, batch: _Batch, s
     if not mask.any():
         batch.skipped.append(SkippedRow(row=row, reason="no_target"))
         return
-    if tokenizer_used and int(ids.max()) >= job.vocab_size:
+    # (a pre-tokenized row's ids were checked against the vocabulary already)
+    if int(ids.max()) >= job.vocab_size:
         raise ModelError(
             f"the tokenizer produced id {int(ids.max())} but the model's vocabulary has "
             f"{job.vocab_size} entries", hint="use the tokenizer that belongs to this model",
@@ -149,27 +159,36 @@ def _finish(job: _Job, row: int, outcome, tokenizer_used: bool, batch: _Batch, s
 
 
 def _plan_batch(first: int, stop: int) -> _Batch:
-    """Rows [first, stop) of the job. Stops at the first row that raises and names it."""
+    """Rows [first, stop) of the job: checked in order, their chats tokenized in one call, then
+    finished in order. Stops at the first row that raises and names it."""
     job = _JOB
     known = job.reuse.known(first, job.line_hashes[first:stop]) if job.reuse is not None else {}
     batch = _Batch(first, stop, *_pack([]))
     state = {"kinds": batch.kinds, "tokenized": False, "reused": 0}
-    how = ds.Boundaries.TRUST_SPECIAL_TOKENS if job.split_tokens else ds.Boundaries.COMPARE_WHOLE
-
-    def tokenize(msgs, line):
-        if job.tokenizer is None:
-            raise RuntimeError("the tokenizer did not load")
-        return ds.tokenize_chat(job.tokenizer, msgs, path=job.path, line=line, boundaries=how,
-                                split_tokens=job.split_tokens)
-
-    samples: list = []
+    outcomes, failed_at = [], None
     for row, _raw, obj in job.rows[first:stop]:
         try:
-            outcome = _row(job, obj, row, known.get(row), tokenize, state)
-            _finish(job, row, outcome, state["tokenized"], batch, samples)
+            outcomes.append((row, _row(job, obj, row, known.get(row), state)))
         except Exception:  # noqa: BLE001 - the caller raises it again from this row alone
-            batch.error_row = row
+            failed_at = row
             break
+    chats = [(o[1], row + 1) for row, o in outcomes if o[0] == "chat"]
+    how = ds.Boundaries.TRUST_SPECIAL_TOKENS if job.split_tokens else ds.Boundaries.COMPARE_WHOLE
+    tokens = iter(ds.tokenize_chats(job.tokenizer, chats, path=job.path, boundaries=how, split_tokens=job.split_tokens)
+                  if chats else [])
+    samples: list = []
+    for row, outcome in outcomes:
+        try:
+            if outcome[0] == "chat":
+                got = next(tokens)
+                if isinstance(got, Exception):
+                    raise got
+                outcome = _truncate(job, row, *got)
+            _finish(job, row, outcome, batch, samples)
+        except Exception:  # noqa: BLE001 - as above
+            failed_at = row
+            break
+    batch.error_row = failed_at
     batch.rows, batch.offsets, batch.ids, batch.mask = _pack(samples)
     batch.tokenized, batch.reused = state["tokenized"], state["reused"]
     return batch
@@ -224,18 +243,22 @@ def prepare(path: str | Path, *, load_tokenizer: ds.TokenizerLoader, vocab_size:
     rows = ds.read_rows(p, digest=digest)
     fingerprint = digest.hexdigest()
     line_hashes = [hashlib.sha256(raw).digest() for _, raw, _ in rows]
-    tokenizer, load_error = None, False
+    tokenizer = None
     if _needs_tokenizer(rows):
         try:
             tokenizer = load_tokenizer()
         except Exception:  # noqa: BLE001 - raised again at the first row that needs it, as before
-            load_error = True
+            tokenizer = None
     split = ds.SplitTokens(tokenizer) if tokenizer is not None else None
-    job = _Job(str(p), rows, tokenizer, load_error, vocab_size, max_seq_len, split, line_hashes, reuse)
+    job = _Job(str(p), rows, tokenizer, vocab_size, max_seq_len, split, line_hashes, reuse)
     parallel = workers is not None or len(rows) >= PARALLEL_MIN_ROWS  # asked for, or worth it
     workers = workers or default_workers()
     ranges = _batches(len(rows), workers)
     _JOB = job
+    # The parsed rows are many small objects that live until the plan is made: out of the garbage
+    # collector's sight meanwhile (its full passes over them cost more than the planning's own
+    # allocations, and in a forked worker they would copy every page the parent shares with it).
+    gc.freeze()
     try:
         with _one_thread_per_process():
             if workers <= 1 or not parallel or "fork" not in multiprocessing.get_all_start_methods():
@@ -245,6 +268,7 @@ def prepare(path: str | Path, *, load_tokenizer: ds.TokenizerLoader, vocab_size:
                 batches, hashes = _in_workers(ranges, workers, lambda: _hashes(tokenizer))
     finally:
         _JOB = None
+        gc.unfreeze()
     return _assemble(job, batches, load_tokenizer, fingerprint, line_hashes, hashes)
 
 
@@ -281,13 +305,14 @@ def _raise_row_error(job: _Job, row: int, load_tokenizer) -> None:
     """Plan ``row`` again here, as a single process does, so that it raises its own error."""
     _, _, obj = job.rows[row]
     state = {"kinds": set(), "tokenized": False, "reused": 0}
-
-    def tokenize(msgs, line):
-        return ds.tokenize_chat(job.tokenizer if job.tokenizer is not None else load_tokenizer(), msgs,
-                                path=job.path, line=line)
-
-    outcome = _row(job, obj, row, None, tokenize, state)
-    _finish(job, row, outcome, state["tokenized"], _Batch(row, row + 1, *_pack([])), [])
+    try:
+        outcome = _row(job, obj, row, None, state)
+    except _NoTokenizer:
+        job = dataclasses.replace(job, tokenizer=load_tokenizer())  # raises what loading it raised
+        outcome = _row(job, obj, row, None, state)
+    if outcome[0] == "chat":
+        outcome = _truncate(job, row, *ds.tokenize_chat(job.tokenizer, outcome[1], path=job.path, line=row + 1))
+    _finish(job, row, outcome, _Batch(row, row + 1, *_pack([])), [])
     raise RuntimeError(f"row {row} failed in a planning worker but plans here")
 
 
