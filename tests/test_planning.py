@@ -12,27 +12,11 @@ import pytest
 
 from datagen.data.dataset import SplitTokens, prepare_dataset
 from datagen.errors import DatasetError, ModelError
-from datagen.models.tiny import make_tokenizer
-from datagen.models.tiny_tiktoken import write_kimi_tokenizer
 from tests.builders import write_jsonl
+from tests.test_dataset import VOCAB, fast_tok, kimi_tok  # noqa: F401 - the same tokenizers, as fixtures
 from tests.support.planning_reference import reference_prepare_dataset
 
-VOCAB = 1024
 WORDS = "the model reads tokens and writes states 中文 分词 x=1+2 don't HTTPServer 🎉 \n\n  spaces".split(" ")
-
-
-@pytest.fixture(scope="module")
-def kimi_tok(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    d = tmp_path_factory.mktemp("kimi-tok")
-    write_kimi_tokenizer(d, vocab_size=VOCAB)
-    return AutoTokenizer.from_pretrained(d, trust_remote_code=True)
-
-
-@pytest.fixture(scope="module")
-def fast_tok(tmp_path_factory):
-    return make_tokenizer(tmp_path_factory.mktemp("fast-tok"), vocab_size=VOCAB)
 
 
 def varied_rows(n: int, *, seed: int = 0) -> list[dict]:

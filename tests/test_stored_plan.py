@@ -42,6 +42,15 @@ def tokenized(monkeypatch):
     return calls
 
 
+def _plan_result(capsys, model, data, out) -> dict:
+    """``datagen plan``'s result line for the tiny model, ``data`` and ``out``."""
+    code = datagen_main(["plan", "--model", str(model), "--dataset", str(data), "--out", str(out),
+                         "--engine", "hf", "--samples-per-shard", str(PER_SHARD)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    return json.loads(captured.out.strip().splitlines()[-1].split(RESULT_PREFIX, 1)[1])
+
+
 def _extract(capsys, model, data, out, *extra) -> dict:
     code = datagen_main(["extract", "--model", str(model), "--dataset", str(data), "--out", str(out),
                          "--engine", "hf", "--samples-per-shard", str(PER_SHARD), *extra])
@@ -195,11 +204,7 @@ def test_datagen_plan_reads_the_stored_plan_and_says_the_same(capsys, tmp_path, 
     _extract(capsys, tiny_llama, rows, out, "--shards", "0:1")
 
     def plan_result() -> dict:
-        code = datagen_main(["plan", "--model", str(tiny_llama), "--dataset", str(rows), "--out", str(out),
-                             "--engine", "hf", "--samples-per-shard", str(PER_SHARD)])
-        captured = capsys.readouterr()
-        assert code == 0, captured.err[-3000:]
-        return json.loads(captured.out.strip().splitlines()[-1].split(RESULT_PREFIX, 1)[1])
+        return _plan_result(capsys, tiny_llama, rows, out)
 
     tokenized.clear()
     from_store = plan_result()
@@ -233,11 +238,7 @@ def test_an_appended_dataset_tokenizes_only_its_new_rows_and_plans_as_a_fresh_pl
     nightly.write_bytes(rows.read_bytes() + new)
 
     def plan_result() -> dict:
-        code = datagen_main(["plan", "--model", str(tiny_llama), "--dataset", str(nightly), "--out", str(out),
-                             "--engine", "hf", "--samples-per-shard", str(PER_SHARD)])
-        captured = capsys.readouterr()
-        assert code == 0, captured.err[-3000:]
-        return json.loads(captured.out.strip().splitlines()[-1].split(RESULT_PREFIX, 1)[1])
+        return _plan_result(capsys, tiny_llama, nightly, out)
 
     tokenized.clear()
     reused = plan_result()
