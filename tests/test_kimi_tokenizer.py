@@ -230,3 +230,16 @@ def test_a_tokenizer_named_in_the_spec_must_exist(tmp_path, fast_dir):
     with pytest.raises(ModelError, match="has no tokenizer files") as e:
         load_tokenizer(fast_dir, tokenizer=tmp_path / "missing")
     assert "named in the spec" in str(e.value)
+
+
+@pytest.mark.parametrize("which", ["instruct", "thinking"])
+def test_planning_in_workers_on_the_real_ranks_gives_the_former_plan_byte_for_byte(which, request, tmp_path):
+    from datagen.data.dataset import prepare_dataset
+    from tests.builders import write_jsonl
+    from tests.support.planning_reference import reference_prepare_dataset
+    from tests.test_planning import assert_same, varied_rows
+
+    tok = request.getfixturevalue(which)
+    path = write_jsonl(tmp_path / "rows.jsonl", varied_rows(200, seed=2))
+    kw = dict(load_tokenizer=lambda: tok, vocab_size=163840, max_seq_len=100)
+    assert_same(prepare_dataset(path, workers=2, **kw), reference_prepare_dataset(path, **kw))
