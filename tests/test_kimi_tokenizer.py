@@ -171,8 +171,8 @@ def test_a_chat_whose_thinking_template_rewrites_an_earlier_turn_is_refused(thin
     # the render up to it keeps it, so its tokens have no place in the whole chat.
     msgs = [*AGENT[:3], {"role": "assistant", "content": "18 degrees."}]
     with pytest.raises(DatasetError, match="rewrites earlier turns") as e:
-        tokenize_chat(thinking, msgs, path="agent.jsonl", line=3)
-    assert "agent.jsonl:3" in str(e.value) and "pre-tokenize" in e.value.hint
+        tokenize_chat(thinking, msgs, path="tools.jsonl", line=3)
+    assert "tools.jsonl:3" in str(e.value) and "pre-tokenize" in e.value.hint
 
 
 @pytest.fixture(scope="module")
