@@ -12,6 +12,7 @@ import pytest
 
 from datagen.data.dataset import SplitTokens, prepare_dataset
 from datagen.errors import DatasetError, ModelError
+from datagen.models.tiny_tiktoken import write_kimi_tokenizer
 from tests.builders import write_jsonl
 from tests.test_dataset import VOCAB, fast_tok, kimi_tok  # noqa: F401 - the same tokenizers, as fixtures
 from tests.support.planning_reference import reference_prepare_dataset
@@ -121,3 +122,21 @@ def test_a_tokenizer_that_does_not_load_fails_at_the_first_chat_row_as_before(tm
     tokens_only = write_jsonl(tmp_path / "tokens.jsonl", [{"input_ids": [1, 2]}] * 300)
     data = prepare_dataset(tokens_only, load_tokenizer=no_tokenizer, vocab_size=VOCAB, max_seq_len=64, workers=2)
     assert len(data.samples) == 300 and data.tokenizer_hash is None
+
+
+def test_a_tokenizer_named_in_the_spec_tokenizes_the_chats_and_is_in_the_fingerprint(tiny_llama, tmp_path):
+    from datagen.data.spec import parse_spec
+    from datagen.extraction.plan import plan
+    from datagen.models.tiny import make_chat_dataset
+
+    data = make_chat_dataset(tmp_path / "chat.jsonl", rows=6, seed=1)
+    (tmp_path / "tok").mkdir()
+    other = write_kimi_tokenizer(tmp_path / "tok", vocab_size=512)
+    base = {"model": str(tiny_llama), "dataset": str(data), "out": str(tmp_path / "out"),
+            "engine": {"name": "hf", "trust_remote_code": True}}
+    own, named = plan(parse_spec(base)), plan(parse_spec({**base, "tokenizer": str(other)}))
+    assert named.data.tokenizer_hash != own.data.tokenizer_hash and named.fingerprint != own.fingerprint
+    from transformers import AutoTokenizer
+
+    kimi = AutoTokenizer.from_pretrained(other, trust_remote_code=True)
+    assert kimi.convert_ids_to_tokens(int(named.data.samples[0].input_ids[0])) == "<|im_system|>"
