@@ -14,7 +14,7 @@ from pathlib import Path
 
 from bench._common import RESULTS, median
 
-ORDER = ("overhead", "engines", "cached_rerun", "validation", "publish", "memory", "reader")
+ORDER = ("overhead", "engines", "cached_rerun", "validation", "publish", "memory", "reader", "planning")
 
 
 def load(results: Path) -> list[dict]:
@@ -31,7 +31,7 @@ def _fmt(value: float, unit: str) -> str:
         return f"{value:.3g}x" if value < 10 else f"{value:.0f}x"
     if unit == "%":
         return f"{value:.0f}%"
-    if unit in ("tok/s", "MiB", "MB/s", "samples/s"):
+    if unit in ("tok/s", "MiB", "MB/s", "samples/s", "tok/s per core"):
         return f"{value:,.0f} {unit}"
     return f"{value:g} {unit}"
 
@@ -215,8 +215,15 @@ def plot_reader(rec: dict, out: Path) -> None:
     plt.close(fig)
 
 
+def plot_planning(rec: dict, out: Path) -> None:
+    from bench.planning import plot
+
+    plot(rec, out)
+
+
 PLOTS = {"overhead": plot_overhead, "engines": plot_engines, "cached_rerun": plot_cached_rerun,
-         "validation": plot_validation, "publish": plot_publish, "memory": plot_memory, "reader": plot_reader}
+         "validation": plot_validation, "publish": plot_publish, "memory": plot_memory, "reader": plot_reader,
+         "planning": plot_planning}
 
 
 def build(results: Path, *, failed: dict[str, str] | None = None) -> str:

@@ -104,3 +104,18 @@ def s3_connect_timeout_s() -> float:
 def s3_read_timeout_s() -> float:
     """DATAGEN_S3_READ_TIMEOUT: seconds without a byte from the S3 endpoint before a retry."""
     return _float("DATAGEN_S3_READ_TIMEOUT", 60.0)
+
+
+def real_kimi_dir() -> Path:
+    """DATAGEN_REAL_KIMI: the directory of Moonshot's real Kimi tokenizer files (``tiktoken.model``,
+    ``tokenizer_config.json``, the real chat templates) that tests and ``bench/planning.py`` hold
+    the project's Kimi tokenizer against; default ``shared/real-kimi`` beside the repository."""
+    raw = os.environ.get("DATAGEN_REAL_KIMI")
+    return Path(raw) if raw else Path(__file__).resolve().parents[2] / "shared" / "real-kimi"
+
+
+def planning_workers() -> int | None:
+    """DATAGEN_PLANNING_WORKERS: processes that plan a dataset (tokenize its rows); unset: every core
+    this process may run on."""
+    raw = os.environ.get("DATAGEN_PLANNING_WORKERS")
+    return int(raw) if raw else None

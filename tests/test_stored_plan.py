@@ -32,14 +32,23 @@ def rows(tmp_path_factory):
 def tokenized(monkeypatch):
     """Counts the chat rows tokenized in this process (the hook is here, in the tests)."""
     calls = []
-    real = dataset_module.tokenize_chat
+    real = dataset_module.tokenize_chats
 
-    def counting(*args, **kwargs):
-        calls.append(kwargs.get("line"))
-        return real(*args, **kwargs)
+    def counting(tokenizer, chats, **kwargs):
+        calls.extend(line for _, line in chats)
+        return real(tokenizer, chats, **kwargs)
 
-    monkeypatch.setattr(dataset_module, "tokenize_chat", counting)
+    monkeypatch.setattr(dataset_module, "tokenize_chats", counting)
     return calls
+
+
+def _plan_result(capsys, model, data, out) -> dict:
+    """``datagen plan``'s result line for the tiny model, ``data`` and ``out``."""
+    code = datagen_main(["plan", "--model", str(model), "--dataset", str(data), "--out", str(out),
+                         "--engine", "hf", "--samples-per-shard", str(PER_SHARD)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    return json.loads(captured.out.strip().splitlines()[-1].split(RESULT_PREFIX, 1)[1])
 
 
 def _extract(capsys, model, data, out, *extra) -> dict:
@@ -195,11 +204,7 @@ def test_datagen_plan_reads_the_stored_plan_and_says_the_same(capsys, tmp_path, 
     _extract(capsys, tiny_llama, rows, out, "--shards", "0:1")
 
     def plan_result() -> dict:
-        code = datagen_main(["plan", "--model", str(tiny_llama), "--dataset", str(rows), "--out", str(out),
-                             "--engine", "hf", "--samples-per-shard", str(PER_SHARD)])
-        captured = capsys.readouterr()
-        assert code == 0, captured.err[-3000:]
-        return json.loads(captured.out.strip().splitlines()[-1].split(RESULT_PREFIX, 1)[1])
+        return _plan_result(capsys, tiny_llama, rows, out)
 
     tokenized.clear()
     from_store = plan_result()
@@ -222,3 +227,35 @@ def test_a_plan_write_cut_by_a_crash_leaves_no_temporary_file(capsys, tmp_path, 
     leftover.write_text("{")
     _extract(capsys, tiny_llama, rows, out, "--shards", "1:2")
     assert not leftover.exists() and (d / stored.INDEX).is_file()
+
+
+def test_an_appended_dataset_tokenizes_only_its_new_rows_and_plans_as_a_fresh_plan(capsys, tmp_path, tiny_llama,
+                                                                                   rows, tokenized):
+    out = tmp_path / "ds"
+    _extract(capsys, tiny_llama, rows, out, "--shards", "0:1")  # last night: claimed, plan stored
+    nightly = tmp_path / "nightly.jsonl"
+    new = chat_dataset(tmp_path / "new.jsonl", rows=5, seed=11).read_bytes()
+    nightly.write_bytes(rows.read_bytes() + new)
+
+    def plan_result() -> dict:
+        return _plan_result(capsys, tiny_llama, nightly, out)
+
+    tokenized.clear()
+    reused = plan_result()
+    assert sorted(tokenized) == list(range(ROWS + 1, ROWS + 6)), "only the appended rows are tokenized"
+    # an edited row is tokenized again, its neighbours are not (the appended night's plan is the stored one now)
+    lines = nightly.read_bytes().splitlines(keepends=True)
+    edited = json.loads(lines[4])
+    edited["messages"][-1]["content"] += " and one more word"
+    lines[4] = (json.dumps(edited) + "\n").encode()
+    nightly.write_bytes(b"".join(lines))
+    tokenized.clear()
+    edited_plan = plan_result()
+    assert tokenized == [5]
+    for name in sorted(p.name for p in (out / ".datagen" / "plan").iterdir()):
+        shutil.rmtree(out / ".datagen" / "plan" / name)
+    tokenized.clear()
+    fresh = plan_result()
+    assert len(tokenized) == ROWS + 5 and fresh == edited_plan
+    keys = [k for i, k in enumerate(fresh["shard_keys"]) if i != 4 // PER_SHARD]  # all but the edited row's shard
+    assert reused["rows"] == ROWS + 5 and [k for i, k in enumerate(reused["shard_keys"]) if i != 4 // PER_SHARD] == keys

@@ -10,6 +10,7 @@ stops the run with its line number and what to fix, before anything is written.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import logging
@@ -227,18 +228,18 @@ def target_spans(tokenizer, messages: list[dict], *, path: str = "", line: int =
     The template is rendered for each prefix of the chat: the text between the prompt for
     assistant turn i (``add_generation_prompt=True``) and the render that includes turn i is that
     turn's target (thinking block, content, tool calls and end-of-turn marker, whatever the
-    template writes after the prompt). Both renders must be prefixes of the whole chat's.
+    template writes after the prompt). Both renders must be prefixes of the whole chat's. The
+    renders of a row are asked for in two calls (prompts, then the whole chat and the turns'
+    ends; a chat ending on its last target turn is that turn's end), as a list of conversations:
+    the same renders, without the per-call work of ``apply_chat_template``.
     """
-    def render(msgs, gen):
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
-
-    full = render(messages, False)
+    targets = [i for i, m in enumerate(messages) if m["role"] == TARGET_ROLE]
+    try:
+        full, starts, ends = _renders(tokenizer, messages, targets)
+    except Exception:  # noqa: BLE001 - a template that raises: raise as the renders one by one do
+        full, starts, ends = _renders_one_by_one(tokenizer, messages, targets)
     spans: list[tuple[int, int]] = []
-    for i, m in enumerate(messages):
-        if m["role"] != TARGET_ROLE:
-            continue
-        start_text = render(messages[:i], True)
-        end_text = render(messages[: i + 1], False)
+    for i, start_text, end_text in zip(targets, starts, ends):
         if not full.startswith(start_text) or not full.startswith(end_text) or len(end_text) < len(start_text):
             raise DatasetError(
                 f"the chat template renders the chat up to message {i} differently from the whole chat "
@@ -254,11 +255,122 @@ def target_spans(tokenizer, messages: list[dict], *, path: str = "", line: int =
     return full, spans
 
 
+def _render(tokenizer, conversation, gen: bool):
+    return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=gen)
+
+
+def _renders_one_by_one(tokenizer, messages, targets) -> tuple[str, list[str], list[str]]:
+    full = _render(tokenizer, messages, False)
+    starts, ends = [], []
+    for i in targets:
+        starts.append(_render(tokenizer, messages[:i], True))
+        ends.append(_render(tokenizer, messages[: i + 1], False))
+    return full, starts, ends
+
+
+def _renders(tokenizer, messages, targets) -> tuple[str, list[str], list[str]]:
+    if not targets or targets[0] == 0:  # an empty prompt is refused as a single conversation only
+        return _renders_one_by_one(tokenizer, messages, targets)
+    last = len(messages) - 1
+    whole_and_ends = _render(tokenizer, [messages, *(messages[: i + 1] for i in targets if i != last)], False)
+    full = whole_and_ends[0]
+    ends = list(whole_and_ends[1:]) + ([full] if targets[-1] == last else [])
+    return full, list(_render(tokenizer, [messages[:i] for i in targets], True)), ends
+
+
 def _ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
 
-def tokenize_chat(tokenizer, messages: list[dict], *, path: str = "", line: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def _ids_batch(tokenizer, texts: list[str]) -> list[list[int]]:
+    """``_ids`` of each text, in one call (a batch: the same ids as one call per text)."""
+    nonempty = [t for t in texts if t]
+    if not nonempty:
+        got = iter([])
+    elif (backend := _plain_backend(tokenizer)) is not None:
+        got = (e.ids for e in backend.encode_batch_fast(nonempty, add_special_tokens=False))
+    else:
+        got = iter(tokenizer(nonempty, add_special_tokens=False)["input_ids"])
+    return [list(next(got)) if t else [] for t in texts]
+
+
+def _plain_backend(tokenizer):
+    """The Rust tokenizer of a fast tokenizer whose call adds nothing to it here: transformers'
+    own encode path (not a subclass's), no truncation or padding to switch off, special tokens
+    split out. Its ``encode_batch_fast`` then gives the call's ids without computing offsets."""
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    cls = type(tokenizer)
+    if (backend is None or cls.__call__ is not TokenizersBackend.__call__
+            or cls._encode_plus is not TokenizersBackend._encode_plus or not hasattr(backend, "encode_batch_fast")):
+        return None
+    if backend.truncation is not None or backend.padding is not None or getattr(tokenizer, "split_special_tokens", False):
+        return None
+    return backend if backend.encode_special_tokens is False else None
+
+
+class Boundaries(enum.Enum):
+    """How ``tokenize_chat`` knows that no token straddles a turn boundary."""
+
+    # tokenize the whole render too and compare it with the pieces' tokens (always right)
+    COMPARE_WHOLE = "compare_whole"
+    # a cut next to an added token that the tokenizer splits out before anything else (Kimi's
+    # <|im_middle|> before a target, <|im_end|> after it) needs no comparison: the text on either
+    # side is tokenized apart in the whole render too; other cuts are compared as above
+    TRUST_SPECIAL_TOKENS = "trust_special_tokens"
+
+
+# Text on either side of an added token in the probes of ``SplitTokens``: words, spaces,
+# newlines, digits, punctuation, Han, and another added token right beside it.
+_PROBE_SIDES = (("Hello world", "again here"), ("x", "y"), ("  ", "\n\n"), ("中文", "测试"), ("12", "34"), ("!!", "?!"),
+                ("", " a"), ("a ", ""))
+
+
+class SplitTokens:
+    """The added tokens that a tokenizer splits out of a text before tokenizing the rest, so that
+    a cut next to one needs no comparison with the whole render: no stripping of neighbours, no
+    whole-word rule, matched on the raw text, and checked on probes the first time one sits at a
+    cut (the text before it, it and the text after it, tokenized apart, give the tokens of the
+    three together). None when the tokenizer is told to tokenize special tokens as text."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self._tokens = set() if getattr(tokenizer, "split_special_tokens", False) else {
+            t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
+            if getattr(t, "content", None) and not getattr(t, "lstrip", False) and not getattr(t, "rstrip", False)
+            and not getattr(t, "single_word", False) and not getattr(t, "normalized", False)
+        }
+        self._lengths = sorted({len(t) for t in self._tokens}, reverse=True)
+        self._checked: dict[str, bool] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._tokens)
+
+    def _splits(self, token: str) -> bool:
+        if token not in self._checked:
+            others = sorted(self._tokens - {token})[:1] or [""]
+            sides = [*_PROBE_SIDES, (others[0], others[0])]
+            texts = [x for a, b in sides for x in (a, token, b, a + token + b)]
+            ids = _ids_batch(self._tokenizer, texts)
+            self._checked[token] = all(ids[4 * j] + ids[4 * j + 1] + ids[4 * j + 2] == ids[4 * j + 3]
+                                       for j in range(len(sides)))
+        return self._checked[token]
+
+    def at(self, text: str, c: int) -> bool:
+        """Whether position ``c`` of ``text`` is the start or end of a token checked to split."""
+        if c in (0, len(text)):
+            return True
+        for n in self._lengths:
+            for t in (text[c - n : c] if c >= n else "", text[c : c + n]):
+                if len(t) == n and t in self._tokens and self._splits(t):
+                    return True
+        return False
+
+
+def tokenize_chat(tokenizer, messages: list[dict], *, path: str = "", line: int = 0,
+                  boundaries: Boundaries = Boundaries.COMPARE_WHOLE,
+                  split_tokens: SplitTokens | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Token ids and the assistant loss mask of one chat, with any tokenizer (slow or fast).
 
     The render is cut at the targets' boundaries and tokenized piece by piece; the pieces'
@@ -266,18 +378,58 @@ def tokenize_chat(tokenizer, messages: list[dict], *, path: str = "", line: int 
     (no token straddles a boundary). Chat templates put a special token or a newline at every
     turn boundary, where BPE does not merge; a tokenizer that merges across one anyway is read
     by character offsets when it is a fast tokenizer (a token is a target when its first
-    character is), and refused otherwise.
+    character is), and refused otherwise. With ``Boundaries.TRUST_SPECIAL_TOKENS`` and every cut
+    next to one of ``split_tokens`` (``SplitTokens(tokenizer)``), the whole render is not
+    tokenized a second time: its tokens are the pieces'.
     """
-    full, spans = target_spans(tokenizer, messages, path=path, line=line)
-    cuts = sorted({0, len(full), *(c for span in spans for c in span)})
+    (got,) = tokenize_chats(tokenizer, [(messages, line)], path=path, boundaries=boundaries, split_tokens=split_tokens)
+    if isinstance(got, Exception):
+        raise got
+    return got
+
+
+def tokenize_chats(tokenizer, chats: list[tuple[list[dict], int]], *, path: str = "",
+                   boundaries: Boundaries = Boundaries.COMPARE_WHOLE,
+                   split_tokens: SplitTokens | None = None) -> list[tuple[np.ndarray, np.ndarray] | Exception]:
+    """``tokenize_chat`` of each (messages, line), the tokenizer called once for all of them (a
+    call per chat costs more than its tokens with a fast tokenizer). A chat that fails gives its
+    exception in its place, and the list ends there."""
+    rendered, texts, failed = [], [], None
+    for messages, line in chats:
+        try:
+            full, spans = target_spans(tokenizer, messages, path=path, line=line)
+        except Exception as e:  # noqa: BLE001 - handed back in its chat's place
+            failed = e
+            break
+        cuts = sorted({0, len(full), *(c for span in spans for c in span)})
+        trusted = (boundaries is Boundaries.TRUST_SPECIAL_TOKENS and split_tokens is not None
+                   and all(split_tokens.at(full, c) for c in cuts))
+        pieces = [full[a:b] for a, b in zip(cuts, cuts[1:])]
+        texts += pieces if trusted else [*pieces, full]
+        rendered.append((full, spans, cuts, trusted, line))
+    encoded = _ids_batch(tokenizer, texts)
+    out: list = []
+    at = 0
+    for full, spans, cuts, trusted, line in rendered:
+        n = len(cuts) - 1 + (0 if trusted else 1)
+        try:
+            out.append(_masked(tokenizer, full, spans, cuts, encoded[at : at + n], trusted, path=path, line=line))
+        except DatasetError as e:
+            out.append(e)
+            return out
+        at += n
+    return out + ([failed] if failed is not None else [])
+
+
+def _masked(tokenizer, full: str, spans, cuts, encoded: list[list[int]], trusted: bool, *, path: str,
+            line: int) -> tuple[np.ndarray, np.ndarray]:
     ids: list[int] = []
     mask: list[int] = []
-    for a, b in zip(cuts, cuts[1:]):
-        piece = _ids(tokenizer, full[a:b])
+    for (a, b), piece in zip(zip(cuts, cuts[1:]), encoded):
         target = any(s <= a and b <= e for s, e in spans)
         ids.extend(piece)
         mask.extend([int(target)] * len(piece))
-    whole = _ids(tokenizer, full)
+    whole = ids if trusted else encoded[-1]
     if whole == ids:
         return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
     if getattr(tokenizer, "is_fast", False):
@@ -331,72 +483,12 @@ def prepare_dataset(
     load_tokenizer: TokenizerLoader,
     vocab_size: int,
     max_seq_len: int,
+    workers: int | None = None,
+    reuse=None,
 ) -> PreparedDataset:
-    """Read, check and tokenize every row. Raises DatasetError on the first bad row."""
-    p = Path(path)
-    # The fingerprint is of the bytes parsed, not of a second read: a file changed in between
-    # would otherwise get a fingerprint that its shards were not extracted from.
-    digest = hashlib.sha256()
-    rows = read_rows(p, digest=digest)
-    fingerprint = digest.hexdigest()
-    samples: dict[int, Sample] = {}
-    skipped: list[SkippedRow] = []
-    truncated: list[TruncatedRow] = []
-    kinds: set[str] = set()
-    tokenizer = None
-    for row, _raw, obj in rows:
-        line = row + 1
-        if "messages" in obj:
-            msgs = _check_messages(obj, path=str(p), line=line)
-            kinds.add("chat")
-            if not msgs:
-                skipped.append(SkippedRow(row=row, reason="empty"))
-                continue
-            if tokenizer is None:
-                tokenizer = load_tokenizer()
-            ids, mask = tokenize_chat(tokenizer, msgs, path=str(p), line=line)
-        elif "input_ids" in obj:
-            ids, mask = _check_tokens_row(obj, path=str(p), line=line, vocab_size=vocab_size)
-            kinds.add("tokens")
-        else:
-            raise DatasetError(
-                f"row has neither 'messages' nor 'input_ids' (fields: {sorted(obj)})",
-                path=str(p), line=line,
-                hint='write {"messages": [...]} or {"input_ids": [...], "loss_mask": [...]}',
-            )
-        if len(ids) == 0:
-            skipped.append(SkippedRow(row=row, reason="empty"))
-            continue
-        if len(ids) > max_seq_len:
-            truncated.append(TruncatedRow(row=row, original_tokens=len(ids), kept_tokens=max_seq_len))
-            ids, mask = ids[:max_seq_len], mask[:max_seq_len]
-        if not mask.any():
-            skipped.append(SkippedRow(row=row, reason="no_target"))
-            continue
-        if tokenizer is not None and int(ids.max()) >= vocab_size:
-            raise ModelError(
-                f"the tokenizer produced id {int(ids.max())} but the model's vocabulary has "
-                f"{vocab_size} entries", hint="use the tokenizer that belongs to this model",
-            )
-        samples[row] = Sample(row=row, input_ids=ids, loss_mask=mask)
-    if not samples:
-        # Every row skipped: a run would start an engine, store nothing and call it complete.
-        reasons = sorted({s.reason for s in skipped})
-        raise DatasetError(
-            f"no row has a target token: all {len(rows)} rows would be skipped ({', '.join(reasons)})",
-            path=str(p),
-            hint="give chat rows an assistant turn, or pre-tokenized rows a loss_mask with 1s",
-        )
-    template_hash, tok_hash = tokenizer_hashes(tokenizer) if tokenizer is not None else (None, None)
-    return PreparedDataset(
-        path=str(p),
-        rows=len(rows),
-        fingerprint=fingerprint,
-        samples=samples,
-        skipped=skipped,
-        truncated=truncated,
-        line_hashes=[hashlib.sha256(raw).digest() for _, raw, _ in rows],
-        chat_template_hash=template_hash,
-        tokenizer_hash=tok_hash,
-        kinds=kinds,
-    )
+    """Read, check and tokenize every row, on every core (``datagen.data.planning.prepare``).
+    Raises DatasetError on the first bad row."""
+    from datagen.data import planning
+
+    return planning.prepare(path, load_tokenizer=load_tokenizer, vocab_size=vocab_size, max_seq_len=max_seq_len,
+                            workers=workers, reuse=reuse)

@@ -164,6 +164,11 @@ class ExtractSpec(BaseModel):
     samples_per_shard: int = Field(
         256, ge=1, description="Dataset rows per shard: rows [k*S, (k+1)*S) form shard k."
     )
+    tokenizer: str | None = Field(
+        None, description="Local tokenizer directory that tokenizes chat rows instead of the model's own (e.g. "
+        "a fast tokenizer.json converted from the model's tiktoken ranks when its shipped tokenizer code cannot "
+        "run). Its content, not its path, is in the fingerprint (tokenizer_sha256, chat_template_sha256).",
+    )
     engine: EngineSettings = Field(default_factory=EngineSettings, description="Engine settings.")
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from datagen.data.contract import LAYER_NUMBERING, ResolvedSpec
 from datagen.data.dataset import PreparedDataset, prepare_dataset
 from datagen.data.spec import DEFAULT_MAX_SEQ_LEN, EngineName, ExtractSpec, canonical_json, default_layer_ids, sha256_hex
-from datagen.errors import ModelError, SpecError
+from datagen.errors import SpecError
 from datagen.models.modelinfo import ModelInfo, check_layer_ids, inspect_model, model_content_hash
 
 
@@ -82,24 +82,10 @@ class Header:
     engine_desc: dict
 
     def load_tokenizer(self):
-        spec, info = self.spec, self.info
-        if not info.has_tokenizer:
-            raise ModelError(
-                f"the dataset has chat rows but model {spec.model} has no tokenizer",
-                hint="add the tokenizer files to the model directory, or pre-tokenize the dataset",
-            )
-        from transformers import AutoTokenizer
+        from datagen.models.tokenizer import load_tokenizer
 
-        try:  # slow or fast; its own code (Kimi's tokenization_kimi.py) only when the spec allows it
-            tok = AutoTokenizer.from_pretrained(spec.model, trust_remote_code=spec.engine.trust_remote_code)
-        except (OSError, ValueError, ImportError) as e:
-            raise ModelError(f"transformers cannot load the tokenizer of {spec.model}: {e}",
-                             hint="a tokenizer shipped as code needs engine.trust_remote_code=true; "
-                                  "or pre-tokenize the dataset") from e
-        if not getattr(tok, "chat_template", None):
-            raise ModelError(f"the tokenizer of {spec.model} has no chat template",
-                             hint="add chat_template to tokenizer_config.json, or pre-tokenize the dataset")
-        return tok
+        return load_tokenizer(self.spec.model, tokenizer=self.spec.tokenizer,
+                              trust_remote_code=self.spec.engine.trust_remote_code)
 
 
 def plan_header(spec: ExtractSpec) -> Header:

@@ -19,6 +19,12 @@ tokenize (transformers, tokenizers, jinja2) and the same stored-plan format, and
 reads has the sha256 the index records. Anything else (missing, torn, tampered, another
 fingerprint) and the run tokenizes the whole dataset as before, and says why in its log. Files are
 written atomically, the index last, so a reader never takes a half-written plan for a whole one.
+
+A plan computed where a stored plan of another dataset fingerprint is (last night's file, since
+edited or appended to) takes from it every row whose bytes are those of the same row then, when
+it was made with the same tokenizer, chat template and max_seq_len (``StoredRows``; the index
+records them): an appended dataset tokenizes only its new rows. Those rows are checked as every
+row is; their tokens are read from the verified shard files of that plan.
 """
 
 from __future__ import annotations
@@ -32,11 +38,11 @@ from pathlib import Path
 import numpy as np
 
 from datagen.data.contract import STATE_DIR, SkippedRow, TruncatedRow
-from datagen.data.dataset import PreparedDataset, Sample, file_fingerprint, tokenizer_hashes
+from datagen.data.dataset import PreparedDataset, Sample, file_fingerprint, prepare_dataset, tokenizer_hashes
 from datagen.data.files import atomic_write_bytes
 from datagen.data.spec import ExtractSpec, canonical_json, sha256_hex
 from datagen.errors import DatagenError
-from datagen.extraction.plan import Header, Plan, plan, plan_from, plan_header
+from datagen.extraction.plan import Header, Plan, plan_from, plan_header
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +150,10 @@ def store_plan(p: Plan) -> Path | None:
             "tokens": data.tokens,
             "kinds": sorted(data.kinds),
             "tokenizer": data.tokenizer_hash is not None,  # a chat row was tokenized
+            # what decides a chat row's tokens besides its bytes: a later plan of an edited or
+            # appended dataset with the same takes its unchanged rows from here
+            "preprocessing": {"chat_template_sha256": data.chat_template_hash, "tokenizer_sha256": data.tokenizer_hash,
+                              "max_seq_len": p.spec.max_seq_len},
             "samples_per_shard": S,
             "skipped": [s.model_dump(mode="json") for s in data.skipped],
             "truncated": [t.model_dump(mode="json") for t in data.truncated],
@@ -277,6 +287,87 @@ def load_plan(spec: ExtractSpec, shards: tuple[int, int] | None) -> tuple[Plan |
     return None, why
 
 
+# --- an earlier plan's unchanged rows ----------------------------------------------------------
+
+class StoredRows:
+    """The rows of an earlier stored plan (another dataset fingerprint: yesterday's file, edited or
+    appended to) planned with the same tokenizer, chat template and max_seq_len: a row whose bytes
+    are those of the same row then has the tokens it had then (``datagen.data.planning.Reuse``)."""
+
+    def __init__(self, d: Path, index: dict, line_sha256: np.ndarray):
+        self._d, self._index, self._line = d, index, line_sha256
+        self._per_shard = int(index["samples_per_shard"])
+        self._skipped = {s["row"]: s["reason"] for s in index["skipped"]}
+        self._truncated = {t["row"]: TruncatedRow.model_validate(t) for t in index["truncated"]}
+        self.name = d.name[:12]
+
+    def known(self, first: int, line_hashes: list[bytes]):
+        from datagen.data.planning import Known
+
+        n, S = len(self._line), self._per_shard
+        same = [first + i for i, h in enumerate(line_hashes) if first + i < n and self._line[first + i].tobytes() == h]
+        out = {}
+        for k in sorted({r // S for r in same}):
+            try:
+                samples = _load_shard(self._d, self._index, k, k * S, min((k + 1) * S, n))
+            except (StoredPlanError, KeyError, OSError, ValueError):  # damaged: those rows are tokenized
+                continue
+            for r in (r for r in same if r // S == k):
+                if r in samples:
+                    out[r] = Known(samples[r], truncated=self._truncated.get(r))
+                elif r in self._skipped:
+                    out[r] = Known(None, skipped=SkippedRow(row=r, reason=self._skipped[r]))
+        return out
+
+
+def earlier_rows(h: Header) -> tuple[StoredRows | None, object | None]:
+    """The stored plan in ``h``'s output of the same tokenizer, template and max_seq_len, whole and
+    of these library versions (or None), and the tokenizer when it was loaded to compare them."""
+    root = Path(h.spec.out) / PLAN_DIR
+    try:
+        candidates = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    except OSError:
+        return None, None
+    if not candidates:
+        return None, None
+    # a stored plan of this very file that was not used is damaged or of other settings: not read
+    this = file_fingerprint(h.spec.dataset)
+    indexes = [(d, index) for d in candidates if (index := _read_index(d, d.name)) is not None
+               and index.get("dataset_sha256") != this
+               and (index.get("preprocessing") or {}).get("tokenizer_sha256")
+               and index["preprocessing"].get("max_seq_len") == h.spec.max_seq_len]
+    if not indexes:
+        return None, None
+    try:
+        tokenizer = h.load_tokenizer()
+    except DatagenError:  # planning says why, when a chat row needs it
+        return None, None
+    template_hash, tok_hash = tokenizer_hashes(tokenizer)
+    for d, index in indexes:
+        pre = index["preprocessing"]
+        if (pre.get("chat_template_sha256"), pre.get("tokenizer_sha256")) != (template_hash, tok_hash):
+            continue
+        try:
+            line = _read_verified(d, ROWS_FILE, index)["line_sha256"]
+        except (StoredPlanError, KeyError):
+            continue
+        if line.dtype == np.uint8 and line.shape == (index["rows"], 32):
+            return StoredRows(d, index, line), tokenizer
+    return None, tokenizer
+
+
+def _plan_reusing(spec: ExtractSpec) -> Plan:
+    """``plan(spec)``, with the rows an earlier stored plan has unchanged taken from it."""
+    h = plan_header(spec)
+    reuse, tokenizer = earlier_rows(h)
+    if reuse is not None:
+        log.info("plan: the stored plan %s has the same tokenizer and settings: its unchanged rows are not "
+                 "tokenized again", reuse.name)
+    load = (lambda: tokenizer) if tokenizer is not None else h.load_tokenizer
+    return plan_from(h, prepare_dataset(h.spec.dataset, load_tokenizer=load, vocab_size=h.info.vocab_size,
+                                        max_seq_len=h.spec.max_seq_len, reuse=reuse))
+
+
 def plan_shards(spec: ExtractSpec, shards: tuple[int, int] | None = None) -> tuple[Plan, bool]:
     """The plan of ``spec`` for ``shards``, and whether it came from the stored plan: stored when
     it is this spec's, else computed (every row read and tokenized). Logs which."""
@@ -290,4 +381,4 @@ def plan_shards(spec: ExtractSpec, shards: tuple[int, int] | None = None) -> tup
         log.info("plan: %s", how)
         return p, True
     log.info("plan: %s; tokenizing the whole dataset", how)
-    return plan(spec), False
+    return _plan_reusing(spec), False

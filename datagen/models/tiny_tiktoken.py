@@ -35,16 +35,21 @@ CODE_FILE = "tokenization_kimi.py"
 TEMPLATE_FILE = "chat_template.jinja"
 CONFIG_FILE = "tokenizer_config.json"
 RESERVED = kimi_code.NUM_RESERVED_SPECIAL_TOKENS
-# Named special tokens at id len(ranks) + offset, in Kimi-K2's layout (163584 + offset there);
-# every other reserved id is <|reserved_token_<id>|>.
+# Named special tokens at id len(ranks) + offset, in the real layout (163584 + offset there): Kimi-K2's
+# tokenizer_config.json for offsets 0-17, 254, 255, and Kimi-K2.5's additions (media tokens 163602-163605,
+# <think> 163606, </think> 163607); every other reserved id is <|reserved_token_<id>|>.
 SPECIAL_OFFSETS = {
     0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>",
     6: "<|start_header_id|>", 7: "<|end_header_id|>", 9: "[EOT]", 10: "<|im_system|>",
     11: "<|tool_calls_section_begin|>", 12: "<|tool_calls_section_end|>", 13: "<|tool_call_begin|>",
     14: "<|tool_call_argument_begin|>", 15: "<|tool_call_end|>", 17: "<|im_middle|>",
-    18: "<|media_start|>", 19: "<|media_content|>", 20: "<|media_end|>", 21: "<|media_pad|>",
+    18: "<|media_begin|>", 19: "<|media_content|>", 20: "<|media_end|>", 21: "<|media_pad|>",
     22: "<think>", 23: "</think>", 254: "[UNK]", 255: "[PAD]",
 }
+# The tool-call markers are added tokens with "special": false in the real config (kept by
+# skip_special_tokens), and only these are listed as additional_special_tokens there.
+NOT_SPECIAL_OFFSETS = frozenset(range(11, 16))
+ADDITIONAL_SPECIAL_OFFSETS = (2, 3, 4, 6, 7, 9, 10, 17)
 DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
 
 CHAT_TEMPLATE = (
@@ -53,7 +58,7 @@ CHAT_TEMPLATE = (
     "{%- if c is string -%}{{ c }}"
     "{%- elif c is not none -%}{%- for part in c -%}"
     "{%- if part['type'] == 'text' -%}{{ part['text'] }}"
-    "{%- else -%}<|media_start|>{{ part['type'] }}<|media_content|><|media_pad|><|media_end|>{%- endif -%}"
+    "{%- else -%}<|media_begin|>{{ part['type'] }}<|media_content|><|media_pad|><|media_end|>{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
     "{%- endmacro -%}"
     "{%- macro set_roles(message) -%}"
@@ -156,13 +161,13 @@ def tokenizer_config(base: int) -> dict:
     """tokenizer_config.json as Kimi's: auto_map to the remote class, the reserved specials."""
     added = {
         str(base + off): {"content": SPECIAL_OFFSETS.get(off, f"<|reserved_token_{base + off}|>"), "lstrip": False,
-                          "normalized": False, "rstrip": False, "single_word": False, "special": True}
+                          "normalized": False, "rstrip": False, "single_word": False,
+                          "special": off not in NOT_SPECIAL_OFFSETS}
         for off in range(RESERVED)
     }
-    named = [SPECIAL_OFFSETS[o] for o in sorted(SPECIAL_OFFSETS)]
     return {
         "added_tokens_decoder": added,
-        "additional_special_tokens": [t for t in named if not t.startswith("[")],
+        "additional_special_tokens": [SPECIAL_OFFSETS[o] for o in ADDITIONAL_SPECIAL_OFFSETS],
         "auto_map": {"AutoTokenizer": [f"{CODE_FILE[:-3]}.TikTokenTokenizer", None]},
         "bos_token": "[BOS]",
         "eos_token": "[EOS]",

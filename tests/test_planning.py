@@ -1,0 +1,142 @@
+"""Planning on every core gives what planning in one process gave before, byte for byte: the same
+samples, skipped and truncated rows, hashes (so the same fingerprints and shard keys), and on a bad
+row the same error. The oracle is the former code path, kept in tests/support/planning_reference.py."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from datagen.data.dataset import SplitTokens, prepare_dataset
+from datagen.errors import DatasetError, ModelError
+from datagen.models.tiny_tiktoken import write_kimi_tokenizer
+from tests.builders import write_jsonl
+from tests.test_dataset import VOCAB, fast_tok, kimi_tok  # noqa: F401 - the same tokenizers, as fixtures
+from tests.support.planning_reference import reference_prepare_dataset
+
+WORDS = "the model reads tokens and writes states 中文 分词 x=1+2 don't HTTPServer 🎉 \n\n  spaces".split(" ")
+
+
+def varied_rows(n: int, *, seed: int = 0) -> list[dict]:
+    """Chats of every shape the planner meets: system prompts or none, several turns, tool calls
+    and results, reasoning, empty chats, chats without a target, long chats (truncated), and
+    pre-tokenized rows with and without masks."""
+    rng = random.Random(seed)
+
+    def text(lo=1, hi=12):
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+    rows = []
+    for i in range(n):
+        kind = i % 10
+        if kind == 0:
+            rows.append({"messages": []})
+        elif kind == 1:
+            rows.append({"messages": [{"role": "user", "content": text()}]})
+        elif kind == 2:
+            ids = [rng.randrange(3, 400) for _ in range(rng.randint(1, 40))]
+            rows.append({"input_ids": ids, **({"loss_mask": [rng.randint(0, 1) for _ in ids]} if i % 3 else {})})
+        elif kind == 3:
+            rows.append({"messages": [{"role": "user", "content": text(30, 50)},
+                                      {"role": "assistant", "content": text(30, 50)}]})
+        elif kind == 4:
+            call = {"id": f"functions.f:{i}", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}
+            rows.append({"messages": [{"role": "user", "content": text()},
+                                      {"role": "assistant", "content": text(), "reasoning_content": text(),
+                                       "tool_calls": [call]},
+                                      {"role": "tool", "tool_call_id": call["id"], "content": text()}]})
+        else:
+            msgs = [{"role": "system", "content": text()}] if kind % 2 else []
+            for _ in range(rng.randint(1, 3)):
+                msgs += [{"role": "user", "content": text()}, {"role": "assistant", "content": text()}]
+            rows.append({"messages": msgs})
+    return rows
+
+
+def assert_same(got, want) -> None:
+    assert (got.path, got.rows, got.fingerprint) == (want.path, want.rows, want.fingerprint)
+    assert got.line_hashes == want.line_hashes and got.kinds == want.kinds
+    assert (got.chat_template_hash, got.tokenizer_hash) == (want.chat_template_hash, want.tokenizer_hash)
+    assert got.skipped == want.skipped and got.truncated == want.truncated
+    assert sorted(got.samples) == sorted(want.samples)
+    for r, s in want.samples.items():
+        g = got.samples[r]
+        assert g.row == r and g.input_ids.dtype == np.int32 and g.loss_mask.dtype == np.uint8
+        assert np.array_equal(g.input_ids, s.input_ids) and np.array_equal(g.loss_mask, s.loss_mask), r
+    assert got.tokens == want.tokens
+    assert got.shard_rows_hash(0, got.rows) == want.shard_rows_hash(0, want.rows)
+
+
+@pytest.mark.parametrize("which", ["kimi_tok", "fast_tok"])
+def test_planning_in_workers_gives_the_former_single_process_plan_byte_for_byte(which, request, tmp_path):
+    tok = request.getfixturevalue(which)
+    path = write_jsonl(tmp_path / "rows.jsonl", varied_rows(300))
+    kw = dict(load_tokenizer=lambda: tok, vocab_size=VOCAB, max_seq_len=100)
+    want = reference_prepare_dataset(path, **kw)
+    assert want.truncated and {s.reason for s in want.skipped} == {"empty", "no_target"}
+    for workers in (1, 2) if which == "fast_tok" else (2,):  # (the slow tokenizer: seconds per pass)
+        assert_same(prepare_dataset(path, workers=workers, **kw), want)
+
+
+def test_cuts_next_to_kimis_turn_tokens_need_no_second_tokenization_and_others_do(kimi_tok, fast_tok):
+    split = SplitTokens(kimi_tok)
+    text = "<|im_assistant|>assistant<|im_middle|>hi there<|im_end|>"
+    assert split.at(text, text.index("hi")) and split.at(text, len(text)) and not split.at(text, text.index("there"))
+    chatml = "<|im_start|>assistant\nhi<|im_end|>\n"
+    assert not SplitTokens(fast_tok).at(chatml, chatml.index("hi")), "after a newline: compared with the whole"
+
+
+def _rows_with(bad: dict[int, str], n: int = 260) -> list:
+    rows = varied_rows(n, seed=5)
+    for i, raw in bad.items():
+        rows[i] = raw
+    return rows
+
+
+@pytest.mark.parametrize("bad", [
+    {250: '{"messages": [{"role": "robot", "content": "x"}]}', 180: json.dumps({"input_ids": [1, 2, 5000]})},
+    {70: '{"messages": [{"role": "user", "content": 3}]}', 240: "{not json"},  # the JSON error is found first
+    {200: json.dumps({"text": "neither"})},
+])
+def test_a_bad_row_in_any_batch_raises_the_former_error(bad, kimi_tok, tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", _rows_with(bad))
+    kw = dict(load_tokenizer=lambda: kimi_tok, vocab_size=VOCAB, max_seq_len=100)
+    with pytest.raises(DatasetError) as want:
+        reference_prepare_dataset(path, **kw)
+    with pytest.raises(DatasetError) as got:
+        prepare_dataset(path, workers=2, **kw)
+    assert str(got.value) == str(want.value) and got.value.line == want.value.line
+
+
+def test_a_tokenizer_that_does_not_load_fails_at_the_first_chat_row_as_before(tmp_path):
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"input_ids": [1, 2]}] * 5 + varied_rows(200))
+
+    def no_tokenizer():
+        raise ModelError("the dataset has chat rows but model m has no tokenizer", hint="add one")
+
+    with pytest.raises(ModelError, match="has no tokenizer"):
+        prepare_dataset(path, load_tokenizer=no_tokenizer, vocab_size=VOCAB, max_seq_len=64, workers=2)
+    tokens_only = write_jsonl(tmp_path / "tokens.jsonl", [{"input_ids": [1, 2]}] * 300)
+    data = prepare_dataset(tokens_only, load_tokenizer=no_tokenizer, vocab_size=VOCAB, max_seq_len=64, workers=2)
+    assert len(data.samples) == 300 and data.tokenizer_hash is None
+
+
+def test_a_tokenizer_named_in_the_spec_tokenizes_the_chats_and_is_in_the_fingerprint(tiny_llama, tmp_path):
+    from datagen.data.spec import parse_spec
+    from datagen.extraction.plan import plan
+    from datagen.models.tiny import make_chat_dataset
+
+    data = make_chat_dataset(tmp_path / "chat.jsonl", rows=6, seed=1)
+    (tmp_path / "tok").mkdir()
+    other = write_kimi_tokenizer(tmp_path / "tok", vocab_size=512)
+    base = {"model": str(tiny_llama), "dataset": str(data), "out": str(tmp_path / "out"),
+            "engine": {"name": "hf", "trust_remote_code": True}}
+    own, named = plan(parse_spec(base)), plan(parse_spec({**base, "tokenizer": str(other)}))
+    assert named.data.tokenizer_hash != own.data.tokenizer_hash and named.fingerprint != own.fingerprint
+    from transformers import AutoTokenizer
+
+    kimi = AutoTokenizer.from_pretrained(other, trust_remote_code=True)
+    assert kimi.convert_ids_to_tokens(int(named.data.samples[0].input_ids[0])) == "<|im_system|>"
