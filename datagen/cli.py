@@ -169,8 +169,13 @@ def spec_from_namespace(step: str, spec_type: type[BaseModel], args: argparse.Na
     try:
         return spec_type.model_validate(raw)
     except ValidationError as e:
+        flags = {o.path: o.arg.flag or "--" + o.path.split(".")[-1].replace("_", "-")
+                 for o in _options(spec_type) if not o.arg.positional}
+        named = {".".join(str(x) for x in err["loc"][:n]) for err in e.errors() for n in (1, 2)}
+        aka = "; ".join(f"{p} is the option {flags[p]}" for p in sorted(named & set(flags)))
         raise spec_error(e, source=path or "the command line",
-                         hint=f"fix the fields named above (unknown fields are refused; see `datagen {step} --help`)") from None
+                         hint=f"fix the fields named above{f' ({aka})' if aka else ''} (unknown fields are refused; "
+                              f"see `datagen {step} --help`)") from None
 
 
 def _object(value: Any, name: str, path: str | None) -> dict:

@@ -75,7 +75,8 @@ def make_dataset(
     manifest = Manifest(
         fingerprint=f"test-dataset-{seed}",
         extraction_fingerprint=f"test-extraction-{seed}",
-        spec={"model": "test", "layer_ids": list(layer_ids), "hidden_size": hidden, "seed": seed},
+        spec={"model": {"source": "test", "num_hidden_layers": max(layer_ids), "hidden_size": hidden},
+              "layer_ids": list(layer_ids), "dtype": "bfloat16", "seed": seed},
         shards=records,
         totals={"rows": shards * samples_per_shard, "shards": shards, "bytes": sum(r.bytes for r in records)},
         skipped=[],
