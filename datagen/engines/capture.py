@@ -195,7 +195,6 @@ class Capture:
 
     # --- per step -------------------------------------------------------------------------
     def on_step(self, scheduler_output, aux_hidden_states) -> None:
-        if os.environ.get("DG_DEBUG_NOCAP"): return
         if aux_hidden_states is None or len(aux_hidden_states) == 0:  # never test a tensor list's truth
             return
         n = int(scheduler_output.total_num_scheduled_tokens)

