@@ -80,7 +80,7 @@ class _Budget:
 @dataclass
 class _Chunk:
     host: torch.Tensor  # [n, L, H] on the host, in the storage dtype; valid once ``event`` has completed
-    stats: torch.Tensor  # [3, n, L] sum, sum of squares, absmax of the stored values (float32)
+    stats: torch.Tensor  # [n, 3, L] sum, sum of squares, absmax of the stored values (float32)
     scale: torch.Tensor | None  # [n, L] fp8 scales (float32), None for other storage dtypes
     event: object | None  # torch.cuda.Event on CUDA, None on CPU
     block: _HostBlock | None
@@ -124,7 +124,7 @@ class Capture:
         # the staged step, its statistics and scales, the float32 workspace. Reused every step.
         if self.cuda:
             self.staged = torch.empty((M, L, hidden_size), dtype=self.store, device=self.device)
-            self.stats = torch.empty((3, M, L), dtype=torch.float32, device=self.device)
+            self.stats = torch.empty((M, 3, L), dtype=torch.float32, device=self.device)
             self.scales = torch.empty((M, L), dtype=torch.float32, device=self.device) if self.fp8 else None
         self.work = torch.empty((work_rows(hidden_size, M), hidden_size), dtype=torch.float32, device=self.device)
         self.copy_done = None  # the last step's device-to-host copy: the staging buffers are free after it
@@ -227,11 +227,11 @@ class Capture:
             cur = torch.cuda.current_stream(self.device)
             if self.copy_done is not None:
                 cur.wait_event(self.copy_done)  # the previous step's copy out of the buffers
-            staged, stats = self.staged[:m], self.stats[:, :m]
+            staged, stats = self.staged[:m], self.stats[:m]  # contiguous: one copy to the host
             scales = self.scales[:m] if self.fp8 else None
         else:  # new memory each step: these are the chunks the writer packs
             staged = torch.empty((m, L, H), dtype=self.store)
-            stats = torch.empty((3, m, L), dtype=torch.float32)
+            stats = torch.empty((m, 3, L), dtype=torch.float32)
             scales = torch.empty((m, L), dtype=torch.float32) if self.fp8 else None
         for j, h in enumerate(aux_hidden_states):
             off = 0
@@ -239,11 +239,11 @@ class Capture:
                 x = h[a:b]
                 k = b - a
                 if self.fp8:
-                    quantize_into(x, staged[off:off + k, j], scales[off:off + k, j], stats[:, off:off + k, j],
+                    quantize_into(x, staged[off:off + k, j], scales[off:off + k, j], stats[off:off + k, :, j].t(),
                                   self.work)
                 else:
                     staged[off:off + k, j].copy_(x)
-                    stats_into(staged[off:off + k, j], stats[:, off:off + k, j], self.work)
+                    stats_into(staged[off:off + k, j], stats[off:off + k, :, j].t(), self.work)
                 off += k
         block = None
         if self.cuda:
@@ -267,7 +267,7 @@ class Capture:
         off = 0
         for ext, _, c in mine:
             st = self.requests[ext]
-            st.chunks.append(_Chunk(host[off:off + c], host_stats[:, off:off + c],
+            st.chunks.append(_Chunk(host[off:off + c], host_stats[off:off + c],
                                     None if host_scale is None else host_scale[off:off + c], event, block))
             st.tokens += c
             off += c
@@ -310,7 +310,7 @@ class Capture:
                             ch.event.synchronize()
                 # the chunks go into the shard's file image as they are: one copy, no concatenation
                 record = write_shard(job, [[ch.host for ch in st.chunks] for st in taken],
-                                     [[ch.stats.permute(1, 2, 0) for ch in st.chunks] for st in taken],
+                                     [[ch.stats.transpose(1, 2) for ch in st.chunks] for st in taken],
                                      [[ch.scale for ch in st.chunks] for st in taken] if self.fp8 else None)
                 with self.lock:
                     self.done.append({"record": record.model_dump(), "rank": self.rank})

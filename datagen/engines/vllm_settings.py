@@ -67,7 +67,7 @@ class CaptureConfig:
 def device_bytes(cfg: CaptureConfig, hidden_size: int) -> int:
     """GPU memory the capture holds for the engine's life (allocated when the model is loaded,
     before vLLM profiles memory, so vLLM counts it as used and sizes its KV cache without it):
-    the staged step in the storage dtype [max_tokens, L, H], its statistics [3, max_tokens, L]
+    the staged step in the storage dtype [max_tokens, L, H], its statistics [max_tokens, 3, L]
     and fp8 scales [max_tokens, L] (float32), and the float32 workspace. Nothing else is
     allocated per step: the peak does not grow with the step."""
     L = len(cfg.layer_ids)
