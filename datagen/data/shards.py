@@ -97,20 +97,30 @@ def work_rows(hidden: int, tokens: int | None = None) -> int:
     return max(1, min(rows, tokens)) if tokens is not None else rows
 
 
-def stats_into(x: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> None:
-    """Statistics of ``x`` [n, H] into ``out`` [3, n] (sum, sum of squares, absmax), through the
-    float32 workspace ``work`` [C, H] in chunks of C tokens: nothing is allocated but the sums."""
-    n = x.shape[0]
-    c = work.shape[0]
+def _chunks(x: torch.Tensor, work: torch.Tensor):
+    """(start, end, float32 copy of x[start:end] in the workspace) over ``x`` in chunks of work's rows."""
+    n, c = x.shape[0], work.shape[0]
     for a in range(0, n, c):
         b = min(n, a + c)
         w = work[: b - a]
         w.copy_(x[a:b])
-        out[0, a:b] = w.sum(-1)
-        w.abs_()
-        out[2, a:b] = w.amax(-1)
-        w.square_()
-        out[1, a:b] = w.sum(-1)
+        yield a, b, w
+
+
+def _sums_into(w: torch.Tensor, out: torch.Tensor, a: int, b: int, s: torch.Tensor | None = None) -> None:
+    """out[:, a:b] = (sum, sum of squares, absmax) of the chunk ``w`` (consumed), times the scale s."""
+    out[0, a:b] = w.sum(-1) if s is None else w.sum(-1) * s
+    w.abs_()
+    out[2, a:b] = w.amax(-1) if s is None else w.amax(-1) * s
+    w.square_()
+    out[1, a:b] = w.sum(-1) if s is None else w.sum(-1) * (s * s)
+
+
+def stats_into(x: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> None:
+    """Statistics of ``x`` [n, H] into ``out`` [3, n] (sum, sum of squares, absmax), through the
+    float32 workspace ``work`` [C, H] in chunks of C tokens: nothing is allocated but the sums."""
+    for a, b, w in _chunks(x, work):
+        _sums_into(w, out, a, b)
 
 
 def quantize_into(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None,
@@ -118,12 +128,7 @@ def quantize_into(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out: to
     """fp8 of ``x`` [n, H] into ``q`` [n, H] (float8_e4m3fn) with its per-token ``scale`` [n]
     (absmax / 448, 1 for an all-zero vector) and, when ``out`` [3, n] is given, the statistics of
     the stored (dequantized) values, chunked through ``work`` [C, H] as stats_into."""
-    n = x.shape[0]
-    c = work.shape[0]
-    for a in range(0, n, c):
-        b = min(n, a + c)
-        w = work[: b - a]
-        w.copy_(x[a:b])
+    for a, b, w in _chunks(x, work):
         s = torch.linalg.vector_norm(w, float("inf"), -1)  # absmax, no |w| copy
         s = torch.where(s == 0, torch.ones_like(s), s / FP8_MAX)
         scale[a:b] = s
@@ -131,11 +136,7 @@ def quantize_into(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out: to
         q[a:b] = w
         if out is not None:
             w.copy_(q[a:b])
-            out[0, a:b] = w.sum(-1) * s
-            w.abs_()
-            out[2, a:b] = w.amax(-1) * s
-            w.square_()
-            out[1, a:b] = w.sum(-1) * (s * s)
+            _sums_into(w, out, a, b, s)
 
 
 def layer_stats(hidden_states: torch.Tensor, layer_ids: tuple[int, ...],
