@@ -123,13 +123,16 @@ def test_each_tensor_parallel_rank_writes_shard_k_mod_tp(tmp_path):
             assert torch.equal(t["hidden_states"], torch.cat(states[k * PER_SHARD:(k + 1) * PER_SHARD]))
 
 
-def test_a_request_never_announced_is_an_error(tmp_path):
+def test_a_request_of_no_announced_shard_is_kept_apart_until_taken(tmp_path):
     runner = SimpleNamespace(device=torch.device("cpu"), input_batch=SimpleNamespace(req_ids=["x-1"]), requests={})
     cap = Capture(runner, CaptureConfig(layer_ids=LAYERS, dtype="bfloat16", storage_dtype="bfloat16",
                                         max_tokens=BUDGET, writers=1), H)
     so = SimpleNamespace(total_num_scheduled_tokens=3, num_scheduled_tokens={"x-1": 3})
-    with pytest.raises(RuntimeError, match="never announced"):
-        cap.on_step(so, [torch.zeros(3, H, dtype=torch.bfloat16)] * len(LAYERS))
+    x = [torch.randn(3, H).to(torch.bfloat16) for _ in LAYERS]
+    cap.on_step(so, x)
+    got = torch.cat([c.host for c in cap.take_loose("x")])
+    assert torch.equal(got, torch.stack(x, dim=1))
+    assert cap.collect(True)["records"] == [] and not cap.requests
 
 
 class _LiveBytes(TorchDispatchMode):

@@ -171,6 +171,8 @@ class Capture:
             if not ids:
                 self._queue(job.index)
 
+    # requests outside every announced shard are kept (rank 0) until take_loose
+
     def _external(self, req_id: str) -> str | None:
         ext = self.internal.get(req_id, "")
         if ext != "":
@@ -188,8 +190,11 @@ class Capture:
             ext = cand
         elif cand in self.others:
             ext = None
+        elif self.rank == 0:  # not in any shard (a bench's own requests): kept apart, for take_loose
+            self.requests[req_id] = _RequestStates(-1, -1, -1)
+            ext = req_id
         else:
-            raise RuntimeError(f"request {req_id} was never announced (datagen_announce before add_request)")
+            ext = None
         self.internal[req_id] = ext
         return ext
 
@@ -271,6 +276,8 @@ class Capture:
                                     None if host_scale is None else host_scale[off:off + c], event, block))
             st.tokens += c
             off += c
+            if st.shard < 0:
+                continue
             if st.tokens > st.expected:
                 raise RuntimeError(f"request {ext}: captured {st.tokens} tokens, prompt has {st.expected}")
             if st.tokens == st.expected:
@@ -337,6 +344,20 @@ class Capture:
                 "pending_shards": sorted(self.shards), "rank": self.rank, "backpressure_s": self.backpressure_s}
 
 
+
+    def take_loose(self, external_id: str) -> list[_Chunk]:
+        """The chunks of a request that no announced shard holds (exact id, or with vLLM's suffix)."""
+        hits = [r for r, st in self.requests.items() if st.shard < 0 and (r == external_id or
+                                                                          r.rsplit("-", 1)[0] == external_id)]
+        if len(hits) != 1:
+            raise RuntimeError(f"request {external_id}: {len(hits)} captured requests match")
+        st = self.requests.pop(hits[0])
+        for ch in st.chunks:
+            if ch.event is not None:
+                ch.event.synchronize()
+            if ch.block is not None:
+                ch.block.release()
+        return st.chunks
 
     def device_bytes(self) -> int:
         """GPU memory the capture holds (its preallocated buffers)."""

@@ -121,6 +121,7 @@ class VllmEngine(Engine):
         self._submitted = 0
         self.written_by: dict[int, int] = {}  # shard index -> tensor-parallel rank that wrote it
         self.backpressure_s = 0.0  # time the workers' steps waited for host memory (reported by rank 0)
+        self._replies: list[dict] = []  # the workers' last replies
 
     # settings read by callers (benches, tests)
     @property
@@ -289,7 +290,7 @@ class VllmEngine(Engine):
         return True
 
     def _take(self, replies: list) -> list[ShardRecord]:
-        replies = [r for r in replies if r is not None]
+        replies = self._replies = [r for r in replies if r is not None]
         if not replies:
             raise RuntimeError("no worker answered: the capture extension is not active")
         records = self._records(replies)
@@ -324,6 +325,9 @@ class VllmEngine(Engine):
     def finish(self) -> list[ShardRecord]:
         self._run_group()
         self._collect(wait=True)
+        stuck = sorted(k for r in self._replies for k in r.get("pending_shards", []))
+        if stuck:
+            raise RuntimeError(f"shards {stuck}: their requests finished but were not all captured")
         return self.completed()
 
     def close(self) -> None:
