@@ -201,3 +201,16 @@ def test_the_device_buffers_are_stated_at_kimi_width():
     assert staged <= device_bytes(cfg, 7168) <= staged + (64 << 20)
     fp8 = CaptureConfig(layer_ids=(2, 4, 5, 7), dtype="bfloat16", storage_dtype="fp8_e4m3", max_tokens=16384)
     assert device_bytes(fp8, 7168) < 0.6 * device_bytes(cfg, 7168)
+
+
+def test_the_capture_settings_travel_as_one_object_and_come_back_equal():
+    from datagen.engines.vllm_settings import VllmSettings
+
+    s = VllmSettings(layer_ids=(2, 4), dtype="bfloat16", max_seq_len=64, storage_dtype="fp8_e4m3",
+                     max_num_batched_tokens=512, writers=3, host_budget_bytes=1 << 30)
+    cfg = s.capture()
+    back = CaptureConfig.from_vllm_config(SimpleNamespace(additional_config=cfg.to_additional_config()))
+    assert back == cfg and back.max_tokens == 512 and back.storage_dtype == "fp8_e4m3"
+    assert CaptureConfig.from_vllm_config(SimpleNamespace(additional_config=None)) is None
+    with pytest.raises(ValueError, match="unknown keys"):
+        CaptureConfig.from_dict({**cfg.to_additional_config()["datagen_capture"], "layer": 1})
