@@ -1,6 +1,7 @@
 """Extraction at the storage limit: one command, one table (bench/gpu/README.md stages vLLM first).
 
-    python3 bench/gpu/storage.py --out $OUT                # on the GPU machine
+    python3 bench/gpu/storage.py --out $OUT                # on the GPU machine: the random 8B Llama
+    python3 bench/gpu/storage.py --out $OUT --shape kimi   # Kimi-K2.5's width (hidden 7168, INT4 experts)
     python3 bench/gpu/storage.py --out /tmp/s --smoke      # any machine: tiny model, CPU engine
 
 Side by side, on the same rows (random token ids, fixed length) and layers, each engine started
@@ -17,9 +18,15 @@ once in a process of its own and timed over several passes (median):
   compiled         plain, datagen and datagen fp8 again without enforce_eager (torch.compile +
                    CUDA graphs, the production default)
   tp2              plain and datagen at tensor parallel 2, when two GPUs are visible
-  disk             `dd oflag=direct` and the shard writer's own direct write (sha256 on the way)
+  disk             `dd oflag=direct` and the shard writer's own direct write (sha256 on the way);
+                   the shard writer alone (write_shard of a real job: pack, statistics, sha256,
+                   write, fsync) with 1, 2, 4 and 8 writers in parallel, onto the disk and into
+                   RAM (/dev/shm)
 
-The random 8B Llama shape is built on the GPU with transformers when --model does not exist.
+Shapes (--shape): ``8b``, the random 8B Llama (hidden 4096, 4 of 32 layers captured, 32,773 bytes
+per token), built on the GPU with transformers when --model does not exist; ``kimi``, the tiny
+Kimi-K2.5 generator at its real width (hidden 7168, 64 heads, MLA, INT4 group-32 routed experts,
+8 layers, 16 experts; layers [2, 4, 5, 7] captured: 57,348 bytes per token), built on the GPU.
 Stages run in priority order within --budget seconds; a stage that would not fit is reported as
 skipped, one that fails as failed (its error in the JSON), and the rest still run. The table
 (table.md), the records (storage.json) and a plot (storage.png) go to --out; with --profile also
@@ -44,6 +51,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 LAYERS_8B = (2, 16, 29, 32)
+LAYERS_KIMI = (2, 4, 5, 7)  # of 8; the connector cannot take id N (the final norm's input), so 7 for both
+KIMI_VOCAB = 163840
 ROW_LEN = 1024
 ENGINE = dict(max_num_batched_tokens=16384, max_num_seqs=256)
 
@@ -96,6 +105,13 @@ def stage_model(args) -> dict:
 
         make_model(cfg["model"], arch=TinyArch.LLAMA, num_layers=6, with_tokenizer=False)
         return {"built": True}
+    if cfg.get("shape") == "kimi":
+        from datagen.models.tiny_kimi import kimi_width, make_tiny_kimi
+
+        t0 = time.time()
+        make_tiny_kimi(cfg["model"], quantization="int4", num_layers=8, n_routed_experts=16, num_experts_per_tok=8,
+                       write_twin=False, device="cuda", **kimi_width())
+        return {"built": True, "seconds": time.time() - t0}
     from bench.gpu.run import make_model as make_8b
 
     t0 = time.time()
@@ -130,8 +146,63 @@ def stage_disk(args) -> dict:
     import hashlib
 
     hashlib.sha256(memoryview(buf)[:size]).hexdigest()
+    sha = size / (time.time() - t0)
+    writers = {"disk": _writers(work / "writers", cfg, args), "ram": _writers(Path("/dev/shm") / "dg-writers", cfg, args)}
     return {"dd": dd_line, "dd_bytes_per_s": _dd_rate(dd_line), "writer_bytes_per_s": statistics.median(rates),
-            "writer_direct": direct, "sha256_bytes_per_s": size / (time.time() - t0)}
+            "writer_direct": direct, "sha256_bytes_per_s": sha, "writers": writers}
+
+
+def _writers(root: Path, cfg: dict, args) -> dict:
+    """The shard writer alone: N threads each writing real shards (write_shard: pack into the file
+    image, statistics from the given per-token sums, sha256 alongside the write, fsync, rename) of
+    the pass's shape, states from host memory as the capture hands them over."""
+    import threading
+
+    import numpy as np
+    import torch
+
+    from datagen.data.shards import ShardJob, token_stats, write_shard
+
+    L, H = len(cfg["layers"]), cfg.get("hidden", 4096)
+    rows, n = cfg["per_shard"], cfg["row_len"]
+    if args.smoke:
+        H = 64
+    states = torch.randn(rows * n, L, H).to(torch.bfloat16)
+    stats = token_stats(states)
+    ids = np.arange(n, dtype=np.int32)
+    shards = 4 if args.smoke else 16
+    out = {}
+    for w in (1, 2, 4, 8):
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True, exist_ok=True)
+        jobs = [ShardJob(index=k, path=str(root / f"shard-{k:06d}.safetensors"), first_row=k * rows, rows=rows,
+                         sample_rows=tuple(range(k * rows, (k + 1) * rows)), input_ids=(ids,) * rows,
+                         loss_masks=(np.ones(n, dtype=np.uint8),) * rows, layer_ids=tuple(cfg["layers"]),
+                         dtype="bfloat16", hidden_size=H, shard_key=f"k{k}") for k in range(shards)]
+        todo = list(jobs)
+        lock = threading.Lock()
+        written = [0]
+
+        def loop() -> None:
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    job = todo.pop()
+                rec = write_shard(job, [states[i * n:(i + 1) * n] for i in range(rows)],
+                                  [stats[i * n:(i + 1) * n] for i in range(rows)])
+                with lock:
+                    written[0] += rec.bytes
+
+        t0 = time.time()
+        threads = [threading.Thread(target=loop) for _ in range(w)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        out[str(w)] = written[0] / (time.time() - t0)
+    shutil.rmtree(root, ignore_errors=True)
+    return out
 
 
 def _dd_rate(line: str) -> float | None:
@@ -257,11 +328,11 @@ class DriverClock:
     """Wall time of the driver's calls into the engine during a pass (wraps the instance's methods)."""
 
     def __init__(self, eng):
-        self.t = {"add_request_s": 0.0, "engine_step_s": 0.0, "write_rpc_s": 0.0, "finish_wait_s": 0.0}
+        self.t = {"add_request_s": 0.0, "engine_step_s": 0.0, "rpc_s": 0.0, "finish_wait_s": 0.0}
         core = eng.llm.llm_engine
         self._wrap(core, "add_request", "add_request_s")
         self._wrap(core, "step", "engine_step_s")
-        self._wrap(eng, "_write", "write_rpc_s")
+        self._wrap(eng.llm, "collective_rpc", "rpc_s")  # the group announcements and the final collect
         self._wrap(eng, "_collect", "finish_wait_s")
 
     def _wrap(self, obj, name: str, key: str) -> None:
@@ -380,18 +451,24 @@ def plan_stages(args, gpus: int) -> list[tuple[str, list[str], dict, float]]:
     streamed = str(args.rows // args.per_shard)
     every = streamed if args.streamed_only else f"1,{streamed}"
     s = 1 if args.smoke else 1.0
-    out = [
-        ("model", ["model"], {}, 35 * s),
-        ("disk", ["disk"], {}, 15 * s),
-        ("transformers", ["hf"], {}, 25 * s),
-        ("plain eager", ["plain"], eager, 60 * s),
-        ("datagen bf16 eager", ["datagen", "--storage", "bfloat16", "--groups", every], eager, 110 * s),
-        ("datagen fp8 eager", ["datagen", "--storage", "fp8_e4m3", "--groups", streamed], eager, 75 * s),
-        ("connector eager", ["connector"], eager, 70 * s),
-        ("plain compiled", ["plain"], compiled, 110 * s),
-        ("datagen bf16 compiled", ["datagen", "--storage", "bfloat16", "--groups", streamed], compiled, 120 * s),
-        ("datagen fp8 compiled", ["datagen", "--storage", "fp8_e4m3", "--groups", streamed], compiled, 110 * s),
+    kimi = args.shape == "kimi"
+    k = 1.6 if kimi else 1.0  # Kimi-width engines start slower (INT4 MoE kernels, a larger graph)
+    eager_rows = [
+        ("plain eager", ["plain"], eager, 60 * s * k),
+        ("datagen bf16 eager", ["datagen", "--storage", "bfloat16", "--groups", every], eager, 75 * s * k),
+        ("datagen fp8 eager", ["datagen", "--storage", "fp8_e4m3", "--groups", streamed], eager, 65 * s * k),
+        ("connector eager", ["connector"], eager, 70 * s * k),
     ]
+    compiled_rows = [
+        ("plain compiled", ["plain"], compiled, 100 * s * k),
+        ("datagen bf16 compiled", ["datagen", "--storage", "bfloat16", "--groups", streamed], compiled, 100 * s * k),
+        ("datagen fp8 compiled", ["datagen", "--storage", "fp8_e4m3", "--groups", streamed], compiled, 90 * s * k),
+        ("connector compiled", ["connector"], compiled, 100 * s * k),
+    ]
+    out = [("model", ["model"], {}, 35 * s), ("disk", ["disk"], {}, 40 * s)]
+    if not kimi and args.transformers:
+        out.append(("transformers", ["hf"], {}, 25 * s))
+    out += compiled_rows + eager_rows if args.compiled_first else eager_rows + compiled_rows
     if gpus >= 2 or args.smoke:
         out += [("plain eager tp2", ["plain", "--tp", "2"], eager, 55 * s),
                 ("datagen bf16 eager tp2", ["datagen", "--storage", "bfloat16", "--groups", streamed, "--tp", "2"],
@@ -405,7 +482,8 @@ def plan_stages(args, gpus: int) -> list[tuple[str, list[str], dict, float]]:
 
 
 ORDER = ["model", "disk", "transformers", "plain eager", "datagen bf16 eager", "datagen fp8 eager", "connector eager",
-         "plain compiled", "datagen bf16 compiled", "datagen fp8 compiled", "plain eager tp2", "datagen bf16 eager tp2"]
+         "plain compiled", "datagen bf16 compiled", "datagen fp8 compiled", "connector compiled", "plain eager tp2",
+         "datagen bf16 eager tp2"]
 
 
 def run_all(args) -> None:
@@ -416,8 +494,9 @@ def run_all(args) -> None:
     rows = _rows(args.rows, args.row_len, args.vocab)
     data = work / "rows.jsonl"
     _write_rows(data, rows)
-    model = args.model or str(work / ("tiny" if args.smoke else "m8b"))
-    cfg = {"model": model, "data": str(data), "rows": args.rows, "row_len": args.row_len, "vocab": args.vocab,
+    model = args.model or str(work / ("tiny" if args.smoke else "kimi" if args.shape == "kimi" else "m8b"))
+    cfg = {"shape": args.shape, "hidden": 64 if args.smoke else 7168 if args.shape == "kimi" else 4096,
+           "model": model, "data": str(data), "rows": args.rows, "row_len": args.row_len, "vocab": args.vocab,
            "per_shard": args.per_shard, "passes": args.passes, "layers": list(args.layers), "hf_shards": args.hf_shards,
            "out_dir": str(Path(args.shards_dir or work / "shards"))}
     (work / "config.json").write_text(json.dumps(cfg))
@@ -535,6 +614,10 @@ def rows_of(results: dict) -> list[dict]:
         out.append({"variant": "disk: shard writer (sha256 + O_DIRECT)" if disk.get("writer_direct")
                     else "disk: shard writer (sha256 + buffered)", "status": "ok",
                     "gb_per_s": disk["writer_bytes_per_s"] / 1e9})
+        for where, by in (disk.get("writers") or {}).items():
+            for w, rate in by.items():
+                out.append({"variant": f"writer alone ({'RAM, /dev/shm' if where == 'ram' else 'disk'}), {w} writers",
+                            "status": "ok", "gb_per_s": rate / 1e9})
     return out
 
 
@@ -571,7 +654,7 @@ def profile_md(results: dict) -> str:
     st = results["stages"]
     lines = ["| variant | wall s | plain s | steps (full) | tokens/step | GPU forward s | GPU capture s | GPU idle s "
              "| before first / after last step s | between steps s (median gap ms) | execute_model + capture CPU s "
-             "| driver: step / add / write RPC / final wait s |",
+             "| driver: step / add / RPC / final wait s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for label, r in st.items():
         if r.get("status") != "ok" or "by_group" not in r:
@@ -593,7 +676,7 @@ def profile_md(results: dict) -> str:
                 f(x["wall_s"] - x["first_to_last_step_s"]),
                 f"{x['between_steps_s']:.2f} ({x['gap_ms_median']:.1f})",
                 f"{x['execute_model_cpu_s']:.2f} + {x['capture_cpu_s']:.2f}",
-                " / ".join(f(d.get(k)) for k in ("engine_step_s", "add_request_s", "write_rpc_s", "finish_wait_s")),
+                " / ".join(f(d.get(k)) for k in ("engine_step_s", "add_request_s", "rpc_s", "finish_wait_s")),
             ]) + " |")
     return "\n".join(lines)
 
@@ -655,13 +738,17 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also write profile.md: where each datagen pass's "
                     "time went (steps, GPU time of forward and capture, gaps, driver calls)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, few rows: every code path on any machine")
+    ap.add_argument("--shape", choices=["8b", "kimi"], default="8b", help="the model (see the module doc)")
+    ap.add_argument("--compiled-first", action="store_true", help="compiled rows before eager ones")
+    ap.add_argument("--transformers", action="store_true", help="also the reference engine (8b)")
     args = ap.parse_args()
     if args.cmd == "stage":
         rec = STAGES[args.name](args)
         Path(args.record).write_text(json.dumps(rec))
         return
-    args.vocab = 500 if args.smoke else 128256
-    args.layers = (2, 3, 6) if args.smoke else LAYERS_8B
+    kimi = args.shape == "kimi" and not args.smoke
+    args.vocab = 500 if args.smoke else KIMI_VOCAB if kimi else 128256
+    args.layers = (2, 3, 6) if args.smoke else LAYERS_KIMI if kimi else LAYERS_8B
     defaults = (12, 128, 4, 2) if args.smoke else (256, ROW_LEN, 8, 3)
     for name, value in zip(("rows", "row_len", "per_shard", "passes"), defaults):
         if getattr(args, name) is None:

@@ -75,11 +75,68 @@ def token_stats(states: torch.Tensor) -> torch.Tensor:
     """[T, L, 3] float32 per-token, per-layer (sum, sum of squares, absmax) over H.
 
     Computed where the states are (on the GPU, before the copy to the host), so the writer
-    only adds up T x L numbers per shard instead of reading every value again.
+    only adds up T x L numbers per shard instead of reading every value again. The float32
+    values pass through a workspace of ``WORK_ELEMENTS`` (stats_into), never a float32 copy
+    of the whole tensor.
     """
-    f = states.float()
-    return torch.stack([f.sum(-1), (f * f).sum(-1), f.abs().amax(-1)], dim=-1) if f.numel() else \
-        torch.zeros((states.shape[0], states.shape[1], 3), dtype=torch.float32)
+    t, L, h = states.shape
+    out = torch.zeros((3, t, L), dtype=torch.float32, device=states.device)
+    if states.numel():
+        work = torch.empty((work_rows(h, t), h), dtype=torch.float32, device=states.device)
+        for j in range(L):
+            stats_into(states[:, j], out[:, :, j], work)
+    return out.permute(1, 2, 0).contiguous()
+
+
+WORK_ELEMENTS = 8 << 20  # float32 values in the statistics' and fp8's workspace (32 MiB)
+
+
+def work_rows(hidden: int, tokens: int | None = None) -> int:
+    """Tokens per chunk of the float32 workspace: WORK_ELEMENTS // hidden (at most ``tokens``)."""
+    rows = max(1, WORK_ELEMENTS // max(1, hidden))
+    return max(1, min(rows, tokens)) if tokens is not None else rows
+
+
+def _chunks(x: torch.Tensor, work: torch.Tensor):
+    """(start, end, float32 copy of x[start:end] in the workspace) over ``x`` in chunks of work's rows."""
+    n, c = x.shape[0], work.shape[0]
+    for a in range(0, n, c):
+        b = min(n, a + c)
+        w = work[: b - a]
+        w.copy_(x[a:b])
+        yield a, b, w
+
+
+def _sums_into(w: torch.Tensor, out: torch.Tensor, a: int, b: int, s: torch.Tensor | None = None) -> None:
+    """out[:, a:b] = (sum, sum of squares, absmax) of the chunk ``w`` (consumed), times the scale s."""
+    out[0, a:b] = w.sum(-1) if s is None else w.sum(-1) * s
+    w.abs_()
+    out[2, a:b] = w.amax(-1) if s is None else w.amax(-1) * s
+    w.square_()
+    out[1, a:b] = w.sum(-1) if s is None else w.sum(-1) * (s * s)
+
+
+def stats_into(x: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> None:
+    """Statistics of ``x`` [n, H] into ``out`` [3, n] (sum, sum of squares, absmax), through the
+    float32 workspace ``work`` [C, H] in chunks of C tokens: nothing is allocated but the sums."""
+    for a, b, w in _chunks(x, work):
+        _sums_into(w, out, a, b)
+
+
+def quantize_into(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None,
+                  work: torch.Tensor) -> None:
+    """fp8 of ``x`` [n, H] into ``q`` [n, H] (float8_e4m3fn) with its per-token ``scale`` [n]
+    (absmax / 448, 1 for an all-zero vector) and, when ``out`` [3, n] is given, the statistics of
+    the stored (dequantized) values, chunked through ``work`` [C, H] as stats_into."""
+    for a, b, w in _chunks(x, work):
+        s = torch.linalg.vector_norm(w, float("inf"), -1)  # absmax, no |w| copy
+        s = torch.where(s == 0, torch.ones_like(s), s / FP8_MAX)
+        scale[a:b] = s
+        w.div_(s.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
+        q[a:b] = w
+        if out is not None:
+            w.copy_(q[a:b])
+            _sums_into(w, out, a, b, s)
 
 
 def layer_stats(hidden_states: torch.Tensor, layer_ids: tuple[int, ...],
@@ -136,12 +193,15 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[n, L, H] states -> (float8_e4m3fn [n, L, H], float32 scale [n, L]), on x's device.
 
     A vector holding NaN or Inf gets a non-finite scale, so it dequantizes to NaN and
-    validation still finds it.
+    validation still finds it. Chunked through a float32 workspace (quantize_into).
     """
-    f = x.to(torch.float32, copy=True)  # divided in place below
-    amax = f.abs().amax(-1)
-    scale = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)
-    q = f.div_(scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    n, L, h = x.shape
+    q = torch.empty((n, L, h), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.ones((n, L), dtype=torch.float32, device=x.device)
+    if x.numel():
+        work = torch.empty((work_rows(h, n), h), dtype=torch.float32, device=x.device)
+        for j in range(L):
+            quantize_into(x[:, j], q[:, j], scale[:, j], None, work)
     return q, scale
 
 
@@ -153,8 +213,10 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def fp8_token_stats(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """token_stats of the dequantized values without materializing them: s*sum, s^2*sumsq, s*absmax."""
     st = token_stats(q)
-    s = scale.float().unsqueeze(-1)
-    return st * torch.cat([s, s * s, s], dim=-1) if st.numel() else st
+    if not st.numel():
+        return st
+    s = scale.float()
+    return torch.stack([st[..., 0] * s, st[..., 1] * (s * s), st[..., 2] * s], dim=-1)
 
 
 def stored_states(tensors: dict[str, torch.Tensor]) -> torch.Tensor:

