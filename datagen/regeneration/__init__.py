@@ -8,6 +8,7 @@ writes a dataset directory whose ``chats.jsonl`` extraction reads like any datas
     chats.py      turn by turn: which turns are generated, kept or skipped; a row's state
     generator.py  vLLM offline generation (the CPU build here, CUDA and tensor parallel in production)
     reasoning.py  a thinking model's reasoning split into ``reasoning_content`` (vLLM's parsers)
+    rounds.py     a chunk of rows generated in rounds on a started engine
     output.py     the chunk files (the unit of resume), the output files and the manifest
 
 docs/regeneration.md describes the whole step.

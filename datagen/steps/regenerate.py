@@ -26,9 +26,9 @@ from datagen.data.dataset import _check_messages, read_rows, tokenizer_hashes
 from datagen.data.spec import sha256_hex
 from datagen.errors import DatasetError, ModelError, SpecError
 from datagen.models.modelinfo import ModelInfo, inspect_model, model_content_hash
-from datagen.regeneration.chats import GENERATE, RowState, script
-from datagen.regeneration.output import CHATS, MANIFEST, ChunkRecord, OutputDir, RegenerationManifest, SkippedChat
-from datagen.regeneration.settings import FORMAT_VERSION, RegenerationSettings, fingerprint, row_seed
+from datagen.regeneration.output import CHATS, MANIFEST, ChunkRecord, OutputDir, RegenerationManifest
+from datagen.regeneration.rounds import ChunkRunner
+from datagen.regeneration.settings import FORMAT_VERSION, RegenerationSettings, fingerprint
 from datagen.steps._args import Arg, StepSpec
 
 HELP = "Regenerate the assistant turns of a chat dataset with the target model (vLLM), turn by turn."
@@ -125,64 +125,6 @@ def _read_chats(path: str) -> tuple[list[tuple[int, bytes, list[dict]]], str]:
     return chats, digest.hexdigest()
 
 
-# --- generation ---------------------------------------------------------------------------------
-
-class _Chunks:
-    """Generates chunks on a started engine."""
-
-    def __init__(self, settings: RegenerationSettings, tokenizer, generator, splitter, window: int):
-        self.s, self.tok, self.gen, self.splitter, self.window = settings, tokenizer, generator, splitter, window
-
-    def _prompt_ids(self, messages: list[dict]) -> list[int]:
-        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(self.tok(text, add_special_tokens=False)["input_ids"])
-
-    def run(self, k: int, rows: list[tuple[int, bytes, list[dict]]], *, fp: str, rows_sha256: str) -> ChunkRecord:
-        from datagen.regeneration.generator import TurnRequest
-        from datagen.regeneration.reasoning import assistant_message
-
-        self.gen.new_chunk()
-        states: list[RowState] = []
-        skipped: list[SkippedChat] = []
-        for row, _raw, messages in rows:
-            steps = script(messages, self.s.tool_rows)
-            if isinstance(steps, str):
-                skipped.append(SkippedChat(row=row, reason=steps))
-            else:
-                states.append(RowState(row=row, steps=steps))
-        rounds = 0
-        while True:
-            batch: list[tuple[RowState, TurnRequest]] = []
-            for st in states:
-                if not st.advance():
-                    continue
-                ids = self._prompt_ids(st.out)
-                if len(ids) >= self.window:
-                    st.skip("prompt_too_long", message=len(st.out), prompt_tokens=len(ids), window=self.window)
-                    continue
-                seed = None if self.s.greedy else row_seed(self.s.seed, st.row, len(st.out))
-                batch.append((st, TurnRequest(ids, min(self.s.max_new_tokens, self.window - len(ids)), seed)))
-            if not batch:
-                break
-            rounds += 1
-            for (st, req), gen in zip(batch, self.gen.generate([r for _, r in batch])):
-                text = self.tok.decode(list(gen.token_ids), skip_special_tokens=False)
-                st.add_turn(assistant_message(text, self.splitter), gen, seed=req.seed, on_length=self.s.on_length)
-        log.debug("chunk %d: %d rounds", k, rounds)
-        chats, lineage, cut = [], [], []
-        for st in states:
-            if st.skipped is not None:
-                skipped.append(SkippedChat(row=st.row, reason=st.skipped, **(st.skip_detail or {})))
-                continue
-            if st.cut_at is not None:
-                cut.append({"row": st.row, "message": st.cut_at})
-            chats.append({"messages": st.out})
-            lineage.append({"source_row": st.row, "turns": st.turns, "kept": st.kept})
-        skipped.sort(key=lambda s: s.row)
-        return ChunkRecord(fingerprint=fp, chunk=k, rows_sha256=rows_sha256, chats=chats, lineage=lineage,
-                           skipped=skipped, cut=cut)
-
-
 def _totals(chunks: list[ChunkRecord], source_rows: int) -> dict:
     turns = [t for rec in chunks for e in rec.lineage for t in e["turns"]]
     reasons: dict[str, int] = {}
@@ -263,7 +205,7 @@ def regenerate(spec: Spec) -> RegenerateResult:
         generator.start()
         try:
             out.begin()
-            chunks = _Chunks(s, tokenizer, generator, splitter, window)
+            chunks = ChunkRunner(s, tokenizer, generator, splitter, window)
             for n, k in enumerate(todo, 1):
                 t0 = time.monotonic()
                 records[k] = chunks.run(k, parts[k], fp=fp, rows_sha256=keys[k])
