@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.data.contract import validation_path
 from datagen.data.shards import atomic_write_json, combine_stats
+from datagen.data.spec import DEFAULT_MAX_SEQ_LEN
 from datagen.errors import SpecError, StorageError, ValidationFailed
 from datagen.steps._args import Arg, StepSpec
 from datagen.validation import drift, golden, manifest, scan, source
@@ -245,8 +246,8 @@ def _golden(root, lm, scans, findings, report, *, n, seed, src, tolerance, fresh
         # permission to run a model's own code.
         trust_remote_code=trust_remote_code,
         tolerance=tolerance, findings=findings, reference=reference, criterion=criterion,
-        max_seq_len=int(lm.manifest.spec.get("preprocessing", {}).get("max_seq_len") or 4096),
-        tensor_parallel_size=int(lm.manifest.spec.get("engine", {}).get("tensor_parallel_size") or 1))
+        max_seq_len=lm.manifest.spec.preprocessing.max_seq_len or DEFAULT_MAX_SEQ_LEN,
+        tensor_parallel_size=lm.manifest.spec.engine.tensor_parallel_size or 1)
     if fresh is not None and not fresh.model_matches:
         report["golden"]["note"] = "the model found is not the one extracted from (see source_changed)"
     ref = report["golden"].get("reference") or {}
