@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -36,7 +36,10 @@ log = logging.getLogger(__name__)
 
 
 class Spec(RegenerationSettings, StepSpec):
-    """``datagen regenerate``'s command line: the paths, then the settings (``RegenerationSettings``)."""
+    """``datagen regenerate``'s command line: the settings (``RegenerationSettings``), then the paths.
+    A runner passes it whole as ``--spec FILE``."""
+
+    SPEC_FILE: ClassVar[bool] = True
 
     model: str = Field(description="Local Hugging Face model directory (config, weights, tokenizer, chat template).")
     model_revision: str | None = Field(
