@@ -129,6 +129,8 @@ def measure(model: str, rows: list[dict], *, max_new_tokens: int, repeats: int, 
             t = time.monotonic()
             gen.generate([TurnRequest(f, 1, None) for f in full])
             times["prefill"].append(time.monotonic() - t)
+            if rep == 0:  # not timed: do the generated ids come back when extraction tokenizes the text?
+                same = _retokenized_equal(tok, records)
             print(f"pass {rep}: regenerate {times['regenerate'][-1]:.2f} s, plain {times['plain'][-1]:.2f} s, "
                   f"prefill {times['prefill'][-1]:.2f} s", flush=True)
             shutil.rmtree(out, ignore_errors=True)
@@ -148,7 +150,23 @@ def measure(model: str, rows: list[dict], *, max_new_tokens: int, repeats: int, 
         "ratio": round(regen_tps / plain_tps, 4), "target": ">= 0.95", "met": regen_tps / plain_tps >= 0.95,
         "prefill_share": round(med["prefill"] / med["regenerate"], 4),
         "manifest_rows": len(m.rows),
+        "retokenized_equal": same,
     }
+
+
+def _retokenized_equal(tok, records) -> dict:
+    """Turns whose generated ids are the first target tokens extraction gets from the chat's text."""
+    from datagen.data.dataset import tokenize_chat
+
+    equal = total = 0
+    for rec in records:
+        for chat, lin in zip(rec.chats, rec.lineage):
+            ids, mask = tokenize_chat(tok, chat["messages"])
+            targets = ids[mask.astype(bool)].tolist()
+            gen = lin["turns"][0]["token_ids"]
+            total += 1
+            equal += targets[: len(gen)] == gen
+    return {"turns": total, "equal": equal}
 
 
 def _manifest_stub(s, rows: int, chunks: int) -> dict:
@@ -174,6 +192,8 @@ def table(rec: dict) -> str:
         f"| ratio (target {rec['target']}) | | | {rec['ratio']:.3f} ({'met' if rec['met'] else 'NOT met'}) |",
         f"| prefill-only pass over the regenerated chats ({rec['prefill_tokens']} tokens) | {med['prefill']:.2f} | | "
         f"{rec['prefill_share'] * 100:.1f}% of the regeneration |",
+        f"| turns whose text tokenizes back to the generated ids | | | "
+        f"{rec['retokenized_equal']['equal']} of {rec['retokenized_equal']['turns']} |",
     ])
 
 
