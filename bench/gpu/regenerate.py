@@ -49,8 +49,8 @@ def build_model(d: Path, *, smoke: bool) -> None:
         return
     d.mkdir(parents=True, exist_ok=True)
     tok = make_tokenizer(d, vocab_size=400 if smoke else 4096)
-    shape = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2) if smoke else
+    shape = (dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1) if smoke else
              dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                   num_key_value_heads=8))
     cfg = LlamaConfig(vocab_size=len(tok) if smoke else 128256, max_position_embeddings=8192, rope_theta=500000.0,
@@ -63,6 +63,9 @@ def build_model(d: Path, *, smoke: bool) -> None:
             if p.dim() >= 2:
                 p.normal_(0, 0.02)
     model.save_pretrained(d, safe_serialization=True)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the engine measures the free memory it may take
 
 
 def prompts(n: int, words: int, seed: int = 0) -> list[dict]:
