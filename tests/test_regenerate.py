@@ -303,3 +303,22 @@ def test_a_killed_regeneration_resumes_to_the_same_bytes(smollm2, rows_file, sam
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in ref.iterdir())
     for p in ref.iterdir():
         assert (out / p.name).read_bytes() == p.read_bytes(), p.name
+
+
+def test_a_thinking_models_reasoning_goes_to_reasoning_content(tmp_path):
+    from transformers import AutoTokenizer
+
+    from datagen.data.dataset import _check_messages
+    from datagen.errors import SpecError
+    from datagen.models.tiny_tiktoken import write_kimi_tokenizer
+    from datagen.regeneration.reasoning import ReasoningSplitter, assistant_message
+
+    write_kimi_tokenizer(tmp_path, vocab_size=1024)
+    tok = AutoTokenizer.from_pretrained(tmp_path, trust_remote_code=True)
+    splitter = ReasoningSplitter("kimi_k2", tok)  # Kimi-K2.5's generation prompt opens <think>
+    turn = assistant_message("two and two make four</think>It is 4.", splitter)
+    assert turn == {"role": "assistant", "content": "It is 4.", "reasoning_content": "two and two make four"}
+    _check_messages({"messages": [{"role": "user", "content": "2+2?"}, turn]}, path="chats.jsonl", line=1)
+    assert assistant_message("It is 4.", None) == {"role": "assistant", "content": "It is 4."}
+    with pytest.raises(SpecError, match="kimi_k2"):
+        ReasoningSplitter("no-such-parser", tok)
