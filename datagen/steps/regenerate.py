@@ -173,7 +173,10 @@ def regenerate(spec: Spec) -> RegenerateResult:
         splitter = ReasoningSplitter(s.reasoning_parser, tokenizer)
     template_hash, tok_hash = tokenizer_hashes(tokenizer)
     revision = spec.model_revision or model_content_hash(info)
-    engine = {"name": "vllm", "version": version}
+    from datagen.engines.vllm_engine import choose_attention_backend
+
+    attention = choose_attention_backend(info, None)  # None on GPU builds: vLLM's pick
+    engine = {"name": "vllm", "version": version, **({"attention_backend": attention} if attention else {})}
     fp = fingerprint(s, source_sha256=source_sha, model_revision=revision, engine=engine,
                      tokenizer={"chat_template_sha256": template_hash, "tokenizer_sha256": tok_hash})
     out = OutputDir(spec.out, fp)
@@ -204,7 +207,8 @@ def regenerate(spec: Spec) -> RegenerateResult:
     if todo:
         from datagen.regeneration.generator import Generator, stop_token_ids
 
-        generator = Generator(spec.model, s, max_model_len=window, stop_ids=stop_token_ids(spec.model, tokenizer))
+        generator = Generator(spec.model, s, max_model_len=window, stop_ids=stop_token_ids(spec.model, tokenizer),
+                              attention_backend=attention)
         generator.start()
         try:
             out.begin()
