@@ -13,8 +13,6 @@ from flows.extract import extract
 from tests.flows.builders import chat_rows, pipeline_spec
 from tests.support.prefect_runs import state_names, task_runs
 
-pytestmark = pytest.mark.engine
-
 REGENERATE = {"max_new_tokens": 8, "rows_per_chunk": 2, "max_model_len": 512}
 
 
@@ -30,6 +28,20 @@ def story(tmp_path_factory, tiny_llama, prefect_harness):
     return root, data, first, second
 
 
+def test_the_pipeline_spec_turns_regeneration_on_and_checks_its_settings(tmp_path):
+    from datagen.errors import SpecError
+    from tasks.pipeline_spec import parse_pipeline_spec
+
+    base = {"model": str(tmp_path / "m"), "dataset": str(tmp_path / "d.jsonl"), "output": str(tmp_path / "out")}
+    assert parse_pipeline_spec(base).regenerate is None
+    spec = parse_pipeline_spec({**base, "regenerate": {"temperature": 0.7, "seed": 3}})
+    assert spec.regenerate.sampling()["method"] == "sample"
+    assert spec.regenerated_output() == str(tmp_path / "out-regenerated") and spec.regenerate_gpus == 0
+    with pytest.raises(SpecError, match="regenerate.top_k"):
+        parse_pipeline_spec({**base, "regenerate": {"top_k": -1}})
+
+
+@pytest.mark.engine
 def test_the_flow_regenerates_the_chats_and_extracts_the_regenerated_ones(story):
     root, data, first, _ = story
     summary = first.result()
@@ -45,6 +57,7 @@ def test_the_flow_regenerates_the_chats_and_extracts_the_regenerated_ones(story)
     assert task.state.name == "Completed"
 
 
+@pytest.mark.engine
 def test_a_second_run_finds_the_regeneration_in_the_cache(story):
     _, _, first, second = story
     tasks = task_runs(second.state_details.flow_run_id)
