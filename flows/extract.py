@@ -38,6 +38,7 @@ from tasks.fanout import (
 )
 from tasks.handoff import announce, publish_cache_key, publish_dataset
 from tasks.report import layer_report
+from tasks.regenerate import RegenerateResult, regenerate_dataset
 from tasks.validate import validate_cache_key, validate_dataset, validation_summary
 
 
@@ -53,6 +54,14 @@ def extract(spec: PipelineSpec) -> dict:
     if not local_model:
         env_checked(checks)
     model_dir, model_revision = model_location(spec, download(spec))
+    regenerated = None
+    if spec.regenerate is not None:
+        # Regeneration starts an engine: not before the env check passed.
+        if local_model:
+            env_checked(checks)
+            local_model = False  # checked: not again below
+        regenerated = _regenerate(spec, model_dir, model_revision)
+        spec = spec.model_copy(update={"dataset": regenerated.dataset, "regenerate": None})
     xspec = spec.extract_spec(model_dir=model_dir, model_revision=model_revision)
     planned = plan(plan_call(xspec), runner=spec.runner)
     logger.info(
@@ -95,7 +104,25 @@ def extract(spec: PipelineSpec) -> dict:
         "shards_extracted": sorted(k for r, _ in ranges for k in r.shards_extracted),
         "changed": changed,
         "validation": validation,
+        **({"regenerated": _regenerated_summary(regenerated)} if regenerated is not None else {}),
     }
+
+
+def _regenerate(spec: PipelineSpec, model_dir: str, model_revision: str | None) -> RegenerateResult:
+    """The target model writes the dataset's assistant turns again (`datagen regenerate`); the
+    result names the chats the rest of the run extracts."""
+    result = regenerate_dataset(spec, model_dir=model_dir, model_revision=model_revision,
+                                identity=runner_identity(spec.runner, gpu=spec.regenerate_gpus > 0),
+                                task_options=_storage(spec))
+    get_run_logger().info(
+        "regenerate: %d chats (%d skipped), %d turns, %d tokens generated%s -> %s", result.rows, result.skipped,
+        result.generated_turns, result.generated_tokens, " (cached)" if result.cached else "", result.dataset)
+    return result
+
+
+def _regenerated_summary(r: RegenerateResult) -> dict:
+    return {"dataset": r.dataset, "fingerprint": r.fingerprint, "rows": r.rows, "skipped": r.skipped,
+            "generated_tokens": r.generated_tokens}
 
 
 def _assemble(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, identity: str):

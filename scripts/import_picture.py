@@ -28,7 +28,7 @@ FLOORS = [
     ["images"],
     ["datagen.cli"],
     ["datagen.steps"],
-    ["datagen.reader", "datagen.validation"],
+    ["datagen.reader", "datagen.validation", "datagen.regeneration"],
     ["datagen.extraction"],
     ["datagen.engines"],
     ["datagen.storage", "datagen.models"],

@@ -185,8 +185,9 @@ def _step_images(*, gpu: bool) -> dict[str, str]:
     # plan reads the engine's version (part of every fingerprint): it runs in the engine's image.
     # assemble plans the spec again (the engine's version is in every fingerprint): the same image.
     # validate may re-extract golden rows with the engine itself (models transformers cannot load).
+    # regenerate generates with the engine (vLLM offline generation).
     return {"*": steps, "extract": extract, "plan": extract, "assemble": extract, "env-check": extract,
-            "validate": extract}
+            "validate": extract, "regenerate": extract}
 
 
 def runner_identity(kind: Runner, *, gpu: bool = False) -> str:

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from datagen.data.spec import EngineSettings, ExtractSpec, LayerIds, parse_spec
 from datagen.errors import SpecError, spec_error
 from datagen.validation.settings import ValidationSettings
+from datagen.regeneration.settings import RegenerationSettings
 from datagen.storage.sources import is_s3_uri, parse_model_source, parse_s3_uri
 
 DEFAULT_RANGE_DEPLOYMENT = "extract-shards/gpu"
@@ -196,6 +197,13 @@ class PipelineSpec(BaseModel):
     fan_out: FanOutSettings = Field(
         default_factory=FanOutSettings, description="How ranges run as flow runs of another deployment."
     )
+    regenerate: RegenerationSettings | None = Field(
+        None,
+        description="Regenerate the dataset's assistant turns with the target model before extraction "
+        "(`datagen regenerate`, docs/regeneration.md): sampling, seed, policies, its engine settings. The "
+        "chats go to `<output>-regenerated/chats.jsonl`, which is what is then extracted. None: the "
+        "dataset's own assistant turns are extracted.",
+    )
 
     @field_validator("model")
     @classmethod
@@ -283,6 +291,18 @@ class PipelineSpec(BaseModel):
             },
             source="the pipeline spec",
         )
+
+    def regenerated_output(self) -> str:
+        """Where `datagen regenerate` writes the regenerated dataset: ``<output>-regenerated``."""
+        out = Path(self.output)
+        return str(out.with_name(out.name + "-regenerated"))
+
+    @property
+    def regenerate_gpus(self) -> int:
+        """GPUs the regenerate step needs (0 on the CPU)."""
+        if self.regenerate is None or self.device is not Device.CUDA:
+            return 0
+        return self.regenerate.tensor_parallel_size
 
     def ranges(self, num_shards: int) -> list[ShardRange]:
         """Shards [0, num_shards) cut into ranges of ``shards_per_task``."""

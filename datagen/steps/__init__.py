@@ -35,6 +35,7 @@ STEPS: dict[str, str] = {
     "export": "datagen.steps.export",
     "report": "datagen.steps.report",
     "make-tiny": "datagen.steps.make_tiny",
+    "regenerate": "datagen.steps.regenerate",
 }
 
 

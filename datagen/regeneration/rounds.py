@@ -1,0 +1,80 @@
+"""A chunk's rows regenerated on a started engine, in rounds (``datagen.regeneration.chats``).
+
+Round r renders, for every row still going, the conversation so far with the model's chat
+template and generation prompt, and generates all those turns in one batch; the generated ids
+are decoded by the same tokenizer (and split into reasoning and content for a thinking model).
+A prompt that leaves no room in the model's window skips its row (listed); a turn gets at most
+``max_new_tokens``, or what the window leaves.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from datagen.regeneration.chats import RowState, script
+from datagen.regeneration.output import ChunkRecord, SkippedChat
+from datagen.regeneration.settings import RegenerationSettings, row_seed
+
+log = logging.getLogger(__name__)
+
+
+class ChunkRunner:
+    """Regenerates chunks of rows with a started ``Generator``."""
+
+    def __init__(self, settings: RegenerationSettings, tokenizer, generator, splitter, window: int):
+        self.s, self.tok, self.gen, self.splitter, self.window = settings, tokenizer, generator, splitter, window
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """The conversation so far with the generation prompt, as extraction tokenizes a render."""
+        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def run(self, k: int, rows: list[tuple[int, bytes, list[dict]]], *, fp: str, rows_sha256: str) -> ChunkRecord:
+        """Chunk ``k``: ``rows`` are (source row, raw line, messages), in source order."""
+        from datagen.regeneration.generator import TurnRequest
+        from datagen.regeneration.reasoning import assistant_message
+
+        self.gen.new_chunk()
+        states: list[RowState] = []
+        skipped: list[SkippedChat] = []
+        for row, _raw, messages in rows:
+            steps = script(messages, self.s.tool_rows)
+            if isinstance(steps, str):
+                skipped.append(SkippedChat(row=row, reason=steps))
+            else:
+                states.append(RowState(row=row, steps=steps))
+        rounds = 0
+        while True:
+            batch: list[tuple[RowState, TurnRequest]] = []
+            for st in states:
+                if not st.advance():
+                    continue
+                ids = self.prompt_ids(st.out)
+                if len(ids) >= self.window:
+                    st.skip("prompt_too_long", message=len(st.out), prompt_tokens=len(ids), window=self.window)
+                    continue
+                seed = None if self.s.greedy else row_seed(self.s.seed, st.row, len(st.out))
+                batch.append((st, TurnRequest(ids, min(self.s.max_new_tokens, self.window - len(ids)), seed)))
+            if not batch:
+                break
+            rounds += 1
+            for (st, req), gen in zip(batch, self.gen.generate([r for _, r in batch])):
+                text = self.tok.decode(list(gen.token_ids), skip_special_tokens=False)
+                st.add_turn(assistant_message(text, self.splitter), gen, seed=req.seed, on_length=self.s.on_length)
+        log.debug("chunk %d: %d rounds", k, rounds)
+        return _record(states, skipped, fp=fp, k=k, rows_sha256=rows_sha256)
+
+
+def _record(states: list[RowState], skipped: list[SkippedChat], *, fp: str, k: int, rows_sha256: str) -> ChunkRecord:
+    chats, lineage, cut = [], [], []
+    for st in states:
+        if st.skipped is not None:
+            skipped.append(SkippedChat(row=st.row, reason=st.skipped, **(st.skip_detail or {})))
+            continue
+        if st.cut_at is not None:
+            cut.append({"row": st.row, "message": st.cut_at})
+        chats.append({"messages": st.out})
+        lineage.append({"source_row": st.row, "turns": st.turns, "kept": st.kept})
+    skipped.sort(key=lambda s: s.row)
+    return ChunkRecord(fingerprint=fp, chunk=k, rows_sha256=rows_sha256, chats=chats, lineage=lineage,
+                       skipped=skipped, cut=cut)
