@@ -12,7 +12,7 @@ turns).
 
 - before: the former code path (``tests/support/planning_reference``): one process, every prefix
   rendered one call at a time, the whole render tokenized a second time;
-- after: ``datagen.data.dataset.prepare_dataset`` with 1 worker and with every core.
+- after: ``datagen.data.planning.prepare_dataset`` with 1 worker and with every core.
 
 Each case plans the whole dataset (read, hash, check, render, tokenize, mask), with the tokenizer
 already loaded (loading it is counted on neither side); every "after" output is checked equal, byte
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     setup_logging()
     mode = Mode(args.mode)
-    from datagen.data.dataset import prepare_dataset
+    from datagen.data.planning import prepare_dataset
     from datagen.data.planning import default_workers
     from datagen.models.tiny import make_chat_dataset
     from tests.support.planning_reference import reference_prepare_dataset

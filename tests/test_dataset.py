@@ -12,12 +12,12 @@ import pytest
 from datagen.data.dataset import (
     _tokenize_by_offsets,
     file_fingerprint,
-    prepare_dataset,
     read_rows,
     target_spans,
     tokenize_chat,
     tokenizer_fingerprint,
 )
+from datagen.data.planning import prepare_dataset
 from datagen.errors import DatasetError, ModelError
 from datagen.models.modelinfo import has_tokenizer_files
 from datagen.models.tiny import make_chat_dataset, make_tokenizer

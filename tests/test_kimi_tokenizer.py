@@ -234,7 +234,7 @@ def test_a_tokenizer_named_in_the_spec_must_exist(tmp_path, fast_dir):
 
 @pytest.mark.parametrize("which", ["instruct", "thinking"])
 def test_planning_in_workers_on_the_real_ranks_gives_the_former_plan_byte_for_byte(which, request, tmp_path):
-    from datagen.data.dataset import prepare_dataset
+    from datagen.data.planning import prepare_dataset
     from tests.builders import write_jsonl
     from tests.support.planning_reference import reference_prepare_dataset
     from tests.test_planning import assert_same, varied_rows

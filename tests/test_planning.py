@@ -10,7 +10,8 @@ import random
 import numpy as np
 import pytest
 
-from datagen.data.dataset import SplitTokens, prepare_dataset
+from datagen.data.dataset import SplitTokens
+from datagen.data.planning import prepare_dataset
 from datagen.errors import DatasetError, ModelError
 from datagen.models.tiny_tiktoken import write_kimi_tokenizer
 from tests.builders import write_jsonl

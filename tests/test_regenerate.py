@@ -239,7 +239,7 @@ def test_the_manifest_records_the_lineage(smollm2, rows_file, greedy):
 def test_extraction_reads_the_regenerated_chats_with_the_generated_tokens_as_targets(smollm2, greedy):
     from transformers import AutoTokenizer
 
-    from datagen.data.dataset import prepare_dataset
+    from datagen.data.planning import prepare_dataset
 
     out, _ = greedy
     tok = AutoTokenizer.from_pretrained(smollm2)

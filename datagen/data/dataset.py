@@ -475,20 +475,3 @@ def file_fingerprint(path: str | Path) -> str:
     from datagen.data.checksums import sha256_file
 
     return sha256_file(path)
-
-
-def prepare_dataset(
-    path: str | Path,
-    *,
-    load_tokenizer: TokenizerLoader,
-    vocab_size: int,
-    max_seq_len: int,
-    workers: int | None = None,
-    reuse=None,
-) -> PreparedDataset:
-    """Read, check and tokenize every row, on every core (``datagen.data.planning.prepare``).
-    Raises DatasetError on the first bad row."""
-    from datagen.data import planning
-
-    return planning.prepare(path, load_tokenizer=load_tokenizer, vocab_size=vocab_size, max_seq_len=max_seq_len,
-                            workers=workers, reuse=reuse)

@@ -1,6 +1,6 @@
 """Planning a dataset on every core: rows checked, rendered and tokenized in worker processes.
 
-``datagen.data.dataset.prepare_dataset`` is this module's ``prepare``. The file is read, hashed and
+``prepare_dataset`` is the one entry. The file is read, hashed and
 parsed once in the calling process (JSON parsing is a small share of planning); the rows are then
 planned in batches of consecutive rows by worker processes forked from it, so they share the parsed
 rows and the loaded tokenizer without copying them, and each sends back its batch's tokens packed
@@ -218,9 +218,9 @@ def _needs_tokenizer(rows) -> bool:
     return any(isinstance(obj.get("messages"), list) and obj["messages"] for _, _, obj in rows)
 
 
-def prepare(path: str | Path, *, load_tokenizer: ds.TokenizerLoader, vocab_size: int, max_seq_len: int,
-            workers: int | None = None, reuse: Reuse | None = None) -> ds.PreparedDataset:
-    """Read, check and tokenize every row (``datagen.data.dataset.prepare_dataset``).
+def prepare_dataset(path: str | Path, *, load_tokenizer: ds.TokenizerLoader, vocab_size: int, max_seq_len: int,
+                    workers: int | None = None, reuse: Reuse | None = None) -> ds.PreparedDataset:
+    """Read, check and tokenize every row, on every core.
 
     Args:
         path: the JSONL dataset.

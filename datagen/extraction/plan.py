@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from datagen.data.contract import LAYER_NUMBERING, ResolvedSpec
-from datagen.data.dataset import PreparedDataset, prepare_dataset
+from datagen.data.dataset import PreparedDataset
+from datagen.data.planning import prepare_dataset
 from datagen.data.spec import DEFAULT_MAX_SEQ_LEN, EngineName, ExtractSpec, canonical_json, default_layer_ids, sha256_hex
 from datagen.errors import SpecError
 from datagen.models.modelinfo import ModelInfo, check_layer_ids, inspect_model, model_content_hash

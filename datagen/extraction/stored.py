@@ -38,7 +38,8 @@ from pathlib import Path
 import numpy as np
 
 from datagen.data.contract import STATE_DIR, SkippedRow, TruncatedRow
-from datagen.data.dataset import PreparedDataset, Sample, file_fingerprint, prepare_dataset, tokenizer_hashes
+from datagen.data.dataset import PreparedDataset, Sample, file_fingerprint, tokenizer_hashes
+from datagen.data.planning import prepare_dataset
 from datagen.data.files import atomic_write_bytes
 from datagen.data.spec import ExtractSpec, canonical_json, sha256_hex
 from datagen.errors import DatagenError

@@ -338,7 +338,9 @@ def test_a_dataset_changed_while_it_is_read_gets_the_fingerprint_of_what_was_rea
         return out
 
     monkeypatch.setattr(ds_module, "read_rows", read_then_change)
-    prepared = ds_module.prepare_dataset(data, load_tokenizer=lambda: None, vocab_size=512, max_seq_len=64)
+    from datagen.data.planning import prepare_dataset
+
+    prepared = prepare_dataset(data, load_tokenizer=lambda: None, vocab_size=512, max_seq_len=64)
     assert prepared.rows == 2
     assert prepared.fingerprint == hashlib.sha256(original).hexdigest()
     _record(case, "extract", "dataset file changed between its read and its hash",
