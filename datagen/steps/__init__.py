@@ -35,6 +35,8 @@ STEPS: dict[str, str] = {
     "export": "datagen.steps.export",
     "report": "datagen.steps.report",
     "make-tiny": "datagen.steps.make_tiny",
+    "train": "datagen.steps.train",
+    "measure-draft": "datagen.steps.measure_draft",
 }
 
 
