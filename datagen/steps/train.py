@@ -24,7 +24,8 @@ class Spec(StepSpec, DraftSettings):
 
     dataset: Annotated[str, Arg(positional=True)] = Field(description="the dataset (a directory or s3://bucket/prefix)")
     out: str = Field(description="the draft directory to write (must not exist)")
-    model: str = Field(description="the target model directory the dataset was extracted from")
+    model: str | None = Field(None, description="the target model directory the dataset was extracted from "
+                                                "(default: the one its manifest names)")
     steps: int = Field(default=60, ge=0, description="optimizer steps; 0 writes the untrained draft (the baseline)")
 
     def settings(self) -> DraftSettings:
@@ -51,10 +52,10 @@ Result = TrainResult
 
 def run(spec: Spec) -> TrainResult:
     """``datagen train`` (``train_draft``, or ``untrained_draft`` for ``--steps 0``)."""
-    from datagen.training.draft import train_draft, untrained_draft
+    from datagen.training.draft import model_of, train_draft, untrained_draft
 
     make = train_draft if spec.steps > 0 else untrained_draft
-    d = make(spec.dataset, spec.out, verifier=spec.model, settings=spec.settings())
+    d = make(spec.dataset, spec.out, verifier=spec.model or model_of(spec.dataset), settings=spec.settings())
     lin = d.lineage
     return TrainResult(draft=str(d.path.resolve()), dataset_fingerprint=lin.dataset_fingerprint,
                        steps_done=lin.steps_done, train_samples=lin.train_samples,

@@ -220,6 +220,11 @@ def _save(model, out: Path) -> None:
     patch_config_dtype(out / "config.json", torch.bfloat16)
 
 
+def model_of(dataset: str | Path) -> str:
+    """The model directory a dataset's manifest names (where it was extracted from)."""
+    return str(open_dataset(dataset).manifest.spec["model"]["source"])
+
+
 def train_draft(dataset: str | Path, out: str | Path, *, verifier: str | Path,
                 settings: DraftSettings) -> TrainedDraft:
     """Train a draft on ``dataset``'s training split and write it to ``out`` (which must not exist).
@@ -268,7 +273,7 @@ def _make(dataset, out, *, verifier: Path, settings: DraftSettings, train: bool)
         _save(model.to("cpu"), tmp)
         lineage = DraftLineage(
             dataset=str(dataset), dataset_fingerprint=reader.manifest.fingerprint, verifier=str(verifier),
-            layer_ids=list(reader.layer_ids), storage_dtype=str(reader.manifest.spec.get("dtype", "bfloat16")),
+            layer_ids=list(reader.layer_ids), storage_dtype=str(reader.manifest.spec.get("storage_dtype") or reader.manifest.spec.get("dtype")),
             settings=settings, steps_done=steps, train_samples=len(data), held_out_samples=held_out, losses=losses,
             speculators_version=speculators_version(),
             created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
