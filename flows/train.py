@@ -38,11 +38,8 @@ def train(dataset: str, fingerprint: str, model: str | None = None, runner: Runn
     event's resource); ``model``: the target model directory (default: the one the manifest names);
     ``settings``: ``datagen.training.settings.DraftSettings`` fields (default: its defaults);
     ``acceptance``: ``agreement`` or ``vllm`` (also vLLM's speculative decoding, `datagen measure-draft`)."""
-    from datagen.training.draft import model_of
-
     logger = get_run_logger()
     settings = dict(settings or {})
-    model = model or model_of(dataset)
     out = f"{dataset.rstrip('/')}.draft-{fingerprint[:12]}" if not dataset.startswith("s3://") else \
         f"drafts/{fingerprint[:12]}"
     trained = train_draft(dataset, out, model=model, settings=settings,

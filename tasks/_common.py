@@ -186,15 +186,17 @@ def _extract_image(gpu: bool):
 
 def _step_images(*, gpu: bool) -> dict[str, str]:
     """Step name -> image tag of the current tree (each image must be built)."""
-    from images.tags import ImageName, resolve_image
+    from images.tags import ImageName, plan_image, resolve_image
 
     steps = resolve_image(ImageName.STEPS).tag
     extract = resolve_image(_extract_image(gpu)).tag
     # plan reads the engine's version (part of every fingerprint): it runs in the engine's image.
     # assemble plans the spec again (the engine's version is in every fingerprint): the same image.
     # validate may re-extract golden rows with the engine itself (models transformers cannot load).
+    # train and measure-draft: the train image (speculators), resolved when a train run starts its step
+    train = plan_image(ImageName.TRAIN_CPU).tag
     return {"*": steps, "extract": extract, "plan": extract, "assemble": extract, "env-check": extract,
-            "validate": extract}
+            "validate": extract, "train": train, "measure-draft": train}
 
 
 def runner_identity(kind: Runner, *, gpu: bool = False) -> str:

@@ -58,17 +58,25 @@ def _settings_args(settings: dict) -> tuple[str, ...]:
     return tuple(args)
 
 
-def train_draft(dataset: str, out: str, *, model: str, settings: dict, cache_key: str, runner: Runner) -> TrainResult:
-    """`datagen train DATASET --out OUT --model MODEL` with ``settings`` (``DraftSettings`` fields)."""
-    call = StepCall(step="train", args=(dataset, "--out", out, "--model", model, *_settings_args(settings)),
-                    mounts=mounts_for(Path(out).parent, read_only=(dataset, model)), known={"draft": out})
+def _model_args(model: str | None) -> tuple[str, ...]:
+    return ("--model", model) if model else ()
+
+
+def train_draft(dataset: str, out: str, *, model: str | None, settings: dict, cache_key: str,
+                runner: Runner) -> TrainResult:
+    """`datagen train DATASET --out OUT [--model MODEL]` with ``settings`` (``DraftSettings`` fields);
+    without a model, the step takes the one the dataset's manifest names."""
+    call = StepCall(step="train", args=(dataset, "--out", out, *_model_args(model), *_settings_args(settings)),
+                    mounts=mounts_for(Path(out).parent, read_only=(dataset, *([model] if model else []))),
+                    known={"draft": out})
     return train_step(call, cache_key=cache_key, runner=runner)
 
 
-def measure_draft(draft: str, dataset: str, *, model: str, acceptance: str, runner: Runner) -> MeasureResult:
-    """`datagen measure-draft DRAFT DATASET --model MODEL --acceptance A`."""
-    call = StepCall(step="measure-draft", args=(draft, dataset, "--model", model, "--acceptance", acceptance),
-                    mounts=mounts_for(read_only=(draft, dataset, model)))
+def measure_draft(draft: str, dataset: str, *, model: str | None, acceptance: str, runner: Runner) -> MeasureResult:
+    """`datagen measure-draft DRAFT DATASET [--model MODEL] --acceptance A` (without a model: the draft's
+    lineage names it)."""
+    call = StepCall(step="measure-draft", args=(draft, dataset, *_model_args(model), "--acceptance", acceptance),
+                    mounts=mounts_for(read_only=(draft, dataset, *([model] if model else []))))
     return measure_step(call, runner=runner)
 
 
