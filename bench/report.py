@@ -215,8 +215,15 @@ def plot_reader(rec: dict, out: Path) -> None:
     plt.close(fig)
 
 
+def plot_train_proof(rec: dict, out: Path) -> None:
+    from bench.train_proof import plot_record  # the figure draws its own plot from its record
+
+    plot_record(rec, out)
+
+
 PLOTS = {"overhead": plot_overhead, "engines": plot_engines, "cached_rerun": plot_cached_rerun,
-         "validation": plot_validation, "publish": plot_publish, "memory": plot_memory, "reader": plot_reader}
+         "validation": plot_validation, "publish": plot_publish, "memory": plot_memory, "reader": plot_reader,
+         "train_proof": plot_train_proof}
 
 
 def build(results: Path, *, failed: dict[str, str] | None = None) -> str:
