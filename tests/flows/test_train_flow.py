@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from prefect import flow
 
 from datagen.data.contract import MANIFEST_NAME
 from datagen.training.draft import LINEAGE_NAME
@@ -28,11 +29,17 @@ def _artifacts(key: str) -> list:
         return client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
 
 
+@flow(name="record-night")
+def record_night(night: NightMeasurement) -> None:
+    """A night recorded as the train flow records one (its table artifact under the deployment's key)."""
+    from prefect.artifacts import create_table_artifact
+
+    create_table_artifact(night.to_rows(), key=train_tasks.nights_key("train", None))
+
+
 @pytest.fixture(scope="module")
 def nights(prefect_harness, tmp_path_factory):
     """Two runs of the flow on one dataset: a first night, then one after a (made-up) far better night."""
-    from prefect.artifacts import create_table_artifact
-
     root = tmp_path_factory.mktemp("train-flow")
     ds = copy_dataset(extracted_dataset(tmp_path_factory), root / "dataset")
     fingerprint = json.loads((ds / MANIFEST_NAME).read_text())["fingerprint"]
@@ -42,7 +49,7 @@ def nights(prefect_harness, tmp_path_factory):
         first = train(dataset=str(ds), fingerprint=fingerprint, settings=SETTINGS, return_state=True)
         better = NightMeasurement(label="better-night", dataset="/elsewhere", fingerprint="f" * 64,
                                   agreement=(0.9, 0.8), acceptance_length=2.9, spec_decode_acceptance=None)
-        create_table_artifact(better.to_rows(), key=train_tasks.nights_key("train", None))
+        record_night(better)
         second = train(dataset=str(ds), fingerprint=fingerprint, settings=SETTINGS, return_state=True)
     return {"ds": ds, "fingerprint": fingerprint, "first": first, "second": second, "events": events}
 
