@@ -125,7 +125,8 @@ class ModelBench:
         return d
 
     def plan(self, case: Case, tag: str, *, engine: str = "vllm"):
-        from datagen.steps.extract import claim_output, plan
+        from datagen.extraction.plan import plan
+        from datagen.extraction.output import claim_output
 
         p = plan(_spec(self.model, self.data[case], self.out(tag), case, engine=engine))
         claim_output(p)
@@ -136,7 +137,8 @@ class ModelBench:
         from vllm import LLM
 
         from bench.naive_capture import EXTENSION
-        from datagen.steps.extract import make_engine, plan
+        from datagen.extraction.plan import plan
+        from datagen.extraction.run import make_engine
 
         p = plan(_spec(self.model, self.data[self.cases[0]], self.work / "unused", self.cases[0]))
         kwargs = make_engine(p).engine_kwargs()
@@ -172,7 +174,7 @@ class ModelBench:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from datagen.steps.extract import build_job
+        from datagen.extraction.run import build_job
 
         p = self.plan(case, f"plain-{case.model}-{case.length}")
         groups = [[TokensPrompt(prompt_token_ids=ids.tolist()) for ids in build_job(p, k).input_ids]
@@ -185,14 +187,12 @@ class ModelBench:
         return t
 
     def run_datagen(self, case: Case) -> Timing:
-        from datagen.steps.extract import build_job, write_manifest
+        from datagen.extraction.manifest import write_manifest
+        from datagen.extraction.run import extract_shards
 
         p = self.plan(case, f"datagen-{case.model}-{case.length}")
-        jobs = [build_job(p, k) for k in range(p.num_shards)]
-        with self.timed("datagen") as t:
-            for job in jobs:
-                self.engine.submit(job)
-            records = {r.index: r for r in self.engine.finish()}
+        with self.timed("datagen") as t:  # the extraction's own run loop (records kept as in a run)
+            records = extract_shards(p, self.engine, range(p.num_shards))
         _check(records, case)
         write_manifest(p, records)
         shutil.rmtree(p.spec.out)
@@ -205,7 +205,7 @@ class ModelBench:
 
         from bench.naive_capture import from_wire
         from datagen.data.shards import TORCH_DTYPES, write_shard
-        from datagen.steps.extract import build_job
+        from datagen.extraction.run import build_job
 
         p = self.plan(case, f"naive-{case.model}-{case.length}")
         jobs = [build_job(p, k) for k in range(p.num_shards)]
@@ -226,7 +226,7 @@ class ModelBench:
 
     def run_hf(self, case: Case, runs: int) -> list[Timing]:
         """Seconds per run of ``case.hf_rows`` rows (the first rows of the case's data)."""
-        from datagen.steps.extract import build_job, make_engine
+        from datagen.extraction.run import build_job, extract_shards, make_engine
 
         case = dataclasses.replace(case, rows=case.hf_rows, samples_per_shard=case.hf_rows)
         self.data[case] = self.rows(case)
@@ -243,11 +243,8 @@ class ModelBench:
             hf.finish()
             for _ in range(runs):
                 p = self.plan(case, f"hf-{case.model}-{case.length}", engine="hf")
-                jobs = [build_job(p, k) for k in range(p.num_shards)]
                 with self.timed("hf") as t:
-                    for job in jobs:
-                        hf.submit(job)
-                    records = {r.index: r for r in hf.finish()}
+                    records = extract_shards(p, hf, range(p.num_shards))
                 times.append(t)
                 _check(records, case)
                 shutil.rmtree(p.spec.out)

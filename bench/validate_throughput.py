@@ -128,9 +128,10 @@ def sha_only(files: list[Path]) -> float:
 
 def validate_once(root: Path, workers: int) -> float:
     from datagen.steps.validate import validate as run
+    from datagen.validation.settings import ValidationSettings
 
     t = time.perf_counter()
-    report = run(root, golden_rows=0, workers=workers)
+    report = run(root, ValidationSettings(golden_samples=0), workers=workers)
     dt = time.perf_counter() - t
     problems = report["problems"]
     if not report["ok"]:

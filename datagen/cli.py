@@ -3,8 +3,9 @@
 Each step module under ``datagen.steps`` declares ``HELP``, ``Spec`` (its input), ``Result`` and
 ``run(spec) -> Result`` (``datagen.steps``). This module turns a ``Spec`` into argparse options
 (``add_spec_arguments``; ``datagen.steps._args`` says how a field becomes an option), parses the
-command line back into a ``Spec`` and runs the step. ``to_argv`` is the inverse: the command line
-that gives a ``Spec``, for the runners that start a step as a program.
+command line back into a ``Spec`` and runs the step. A runner that starts a step as a program
+passes its ``Spec`` whole, as the JSON file of ``--spec`` (a step whose ``Spec`` is read from one,
+``StepSpec.SPEC_FILE``).
 
 The result is printed as the last line of stdout, prefixed with ``datagen-result: `` so a runner
 (subprocess or container) can read it. Errors derived from ``DatagenError`` print their message
@@ -20,12 +21,14 @@ import logging
 import sys
 import types
 import typing
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from datagen.errors import EXIT_FAILED, EXIT_OK, CannotRunHereError, DatagenError, spec_error
+from datagen.data.spec import read_spec_file
+from datagen.errors import EXIT_FAILED, EXIT_OK, CannotRunHereError, DatagenError, SpecError, spec_error
 from datagen.steps import STEPS, load
 from datagen.steps._args import Arg
 
@@ -47,6 +50,22 @@ class _Missing:
 
 # --- Spec <-> command line --------------------------------------------------------------------
 
+SPEC_FILE_DEST = "spec_file"
+
+
+@dataclass(frozen=True)
+class _Option:
+    """One option of a step: the field it sets (``path``, dotted for a nested setting)."""
+
+    path: str
+    field: FieldInfo
+    arg: Arg
+
+    @property
+    def dest(self) -> str:
+        return self.path.replace(".", "__")
+
+
 def _arg(field: FieldInfo) -> Arg:
     return next((m for m in field.metadata if isinstance(m, Arg)), Arg())
 
@@ -60,17 +79,38 @@ def _plain(annotation: Any) -> Any:
     return annotation
 
 
-def _option(name: str, field: FieldInfo) -> str:
-    return _arg(field).flag or "--" + name.replace("_", "-")
+def _is_model(annotation: Any) -> bool:
+    kind = _plain(annotation)
+    return isinstance(kind, type) and issubclass(kind, BaseModel)
+
+
+def _options(spec_type: type[BaseModel]) -> list[_Option]:
+    """The step's options: its own fields (a nested model's only where ``OPTIONS`` names them)."""
+    named: dict = dict(getattr(spec_type, "OPTIONS", {}))
+    out = []
+    for name, field in spec_type.model_fields.items():
+        if _is_model(field.annotation):
+            sub = _plain(field.annotation)
+            out += [_Option(path, sub.model_fields[path.split(".", 1)[1]], arg)
+                    for path, arg in named.items() if path.startswith(name + ".")]
+        else:
+            out.append(_Option(name, field, named.get(name) or _arg(field)))
+    return out
 
 
 def add_spec_arguments(parser: argparse.ArgumentParser, spec_type: type[BaseModel]) -> None:
-    """One argparse argument per field of ``spec_type`` (its dest is the field's name)."""
-    for name, field in spec_type.model_fields.items():
-        arg = _arg(field)
+    """One argparse argument per option of ``spec_type`` (its dest the field's path, ``.`` as ``__``)."""
+    from_file = getattr(spec_type, "SPEC_FILE", False)
+    if from_file:
+        parser.add_argument("--spec", dest=SPEC_FILE_DEST, metavar="FILE",
+                            help="spec JSON file: the whole spec (the options given here override it)")
+    for opt in _options(spec_type):
+        field, arg = opt.field, opt.arg
         kind = _plain(field.annotation)
         kwargs: dict[str, Any] = {"help": arg.help or field.description}
-        if kind is bool:
+        if arg.parse is not None:
+            kwargs["metavar"] = arg.metavar or opt.path.split(".")[-1].upper()
+        elif kind is bool:
             kwargs["action"] = "store_true"
         else:
             if typing.get_origin(kind) in (list, tuple):
@@ -82,52 +122,64 @@ def add_spec_arguments(parser: argparse.ArgumentParser, spec_type: type[BaseMode
                 kwargs["choices"] = list(typing.get_args(kind))
             elif kind in (int, float):
                 kwargs["type"] = kind
-            if arg.metavar:
-                kwargs["metavar"] = arg.metavar
+            if arg.metavar or "choices" not in kwargs:
+                kwargs["metavar"] = arg.metavar or opt.path.split(".")[-1].upper()
         if arg.positional:
-            parser.add_argument(name, **kwargs)
+            if from_file:  # the file may give it
+                kwargs.update(nargs="?", default=None, metavar=opt.dest.upper())
+            parser.add_argument(opt.dest, **kwargs)
             continue
-        if field.is_required():
+        if from_file:  # the file may give it: an option left out sets nothing
+            kwargs["default"] = None
+        elif field.is_required():
             kwargs["required"] = True
         else:
             default = field.get_default(call_default_factory=True)
             kwargs["default"] = default.value if isinstance(default, enum.Enum) else default
-        parser.add_argument(_option(name, field), dest=name, **kwargs)
+        parser.add_argument(arg.flag or "--" + opt.path.split(".")[-1].replace("_", "-"), dest=opt.dest, **kwargs)
 
 
 def spec_from_namespace(step: str, spec_type: type[BaseModel], args: argparse.Namespace) -> BaseModel:
-    """The ``Spec`` the parsed command line gives (options left out take the field's default)."""
-    values = {name: getattr(args, name) for name in spec_type.model_fields if getattr(args, name, None) is not None}
-    try:
-        return spec_type.model_validate(values)
-    except ValidationError as e:
-        raise spec_error(e, source="the command line", hint=f"see `datagen {step} --help`") from None
-
-
-def to_argv(step: str, spec: BaseModel) -> list[str]:
-    """The command line (after ``datagen``) that parses into ``spec``: ``[step, ...]``."""
-    positional: list[str] = []
-    options: list[str] = []
-    for name, field in type(spec).model_fields.items():
-        value = getattr(spec, name)
-        if value is None or (value is False and _plain(field.annotation) is bool):
+    """The ``Spec`` the parsed command line gives (options left out take the field's default, or
+    the ``--spec`` file's value)."""
+    from_file = getattr(spec_type, "SPEC_FILE", False)
+    path = getattr(args, SPEC_FILE_DEST, None) if from_file else None
+    raw: dict[str, Any] = read_spec_file(path, docs=f"`datagen {step} --help`") if path else {}
+    for name, field in spec_type.model_fields.items():  # nested settings: an object, or left out
+        if name in raw and _is_model(field.annotation):
+            _object(raw[name], name, path)
+    for opt in _options(spec_type):
+        value = getattr(args, opt.dest, None)
+        if value is None:
             continue
-        if _arg(field).positional:
-            positional.append(_text(value))
-        elif value is True:
-            options.append(_option(name, field))
-        elif isinstance(value, (list, tuple)):
-            if value:
-                options += [_option(name, field), *(_text(v) for v in value)]
-        else:
-            options += [_option(name, field), _text(value)]
-    if any(p.startswith("-") for p in positional):  # "--": not to be read as an option
-        return [step, *options, "--", *positional]
-    return [step, *positional, *options]  # before the options: a list option would take them
+        if opt.arg.parse is not None:
+            value = opt.arg.parse(value)
+        *parents, leaf = opt.path.split(".")
+        target = raw
+        for parent in parents:
+            target[parent] = dict(_object(target.get(parent), parent, path))
+            target = target[parent]
+        target[leaf] = value
+    if from_file:
+        flags = {o.path: o.dest.upper() if o.arg.positional else o.arg.flag or "--" + o.path.replace("_", "-")
+                 for o in _options(spec_type)}
+        missing = [flags.get(n, n) for n, f in spec_type.model_fields.items() if f.is_required() and raw.get(n) in (None, "")]
+        if missing:
+            raise SpecError(f"missing {', '.join(missing)}", hint=f"see `datagen {step} --help`")
+    try:
+        return spec_type.model_validate(raw)
+    except ValidationError as e:
+        raise spec_error(e, source=path or "the command line",
+                         hint=f"fix the fields named above (unknown fields are refused; see `datagen {step} --help`)") from None
 
 
-def _text(value: Any) -> str:
-    return str(value.value if isinstance(value, enum.Enum) else value)
+def _object(value: Any, name: str, path: str | None) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise SpecError(f"{path or 'the spec'}: {name} must be an object, got {type(value).__name__}",
+                        hint=f'write e.g. "{name}": {{"name": "vllm", "tensor_parallel_size": 8}}')
+    return value
 
 
 # --- the program ------------------------------------------------------------------------------
@@ -139,14 +191,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="STEP")
-    for name, module_name in STEPS.items():
+    for name in STEPS:
         if only is not None and name != only:
             continue
         try:
             module = load(name)
         except ModuleNotFoundError as e:
-            if e.name == module_name:
-                continue  # step not built in this version
             # A step whose optional dependency this environment lacks (the extract image has
             # no boto3): the others still work; this one says what is missing.
             p = sub.add_parser(name, help=f"(unavailable here: needs {e.name})")

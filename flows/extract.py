@@ -10,8 +10,9 @@ expensive. Shard ranges are the unit of caching, retry and fan-out: with ``range
 they run one after the other in this process; with more, each runs as a flow run of the
 ``extract-shards`` deployment on a work pool (``flows/extract_shards.py``), so every GPU host's
 worker takes the next range, and the dataset is written straight to its bucket (``publish_to``):
-ranges upload their shards, this flow checks every shard object and writes the manifest last
-(``tasks/fanout.py``).
+ranges upload their shards; this flow checks every shard object, copies them into its own output,
+assembles the manifest there, validates that dataset like any other and writes the manifest to the
+bucket last (``tasks/fanout.py``). Nothing is published or announced before it is validated.
 """
 
 from __future__ import annotations
@@ -32,8 +33,11 @@ from tasks.extract import (
     PlanResult, RangeOutcome, extract_range, finalize, finalize_call, finalize_cache_key, plan, plan_call,
     range_cache_key, range_call,
 )
-from tasks.fanout import assemble, bucket_state, dispatch_range
+from tasks.fanout import (
+    assemble, assemble_call, bucket_dataset, bucket_state, dispatch_range, fetch_shards, publish_manifest,
+)
 from tasks.handoff import announce, publish_cache_key, publish_dataset
+from tasks.report import layer_report
 from tasks.validate import validate_cache_key, validate_dataset, validation_summary
 
 
@@ -65,7 +69,6 @@ def extract(spec: PipelineSpec) -> dict:
 
     if spec.fans_out:
         dataset, validation, published_to = _assemble(spec, xspec, planned, identity)
-        artifacts.layer_report(dataset.dataset)
     else:
         dataset, validation, published_to = _finalize_validate_publish(spec, xspec, planned, identity)
     changed = any(r.shards_extracted for r, _ in ranges) or not planned.dataset_complete
@@ -91,21 +94,24 @@ def extract(spec: PipelineSpec) -> dict:
         "ranges_cached": sum(cached for _, cached in ranges),
         "shards_extracted": sorted(k for r, _ in ranges for k in r.shards_extracted),
         "changed": changed,
+        "validation": validation,
     }
 
 
 def _assemble(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, identity: str):
-    """A fanned-out dataset: every shard object in the bucket checked, the manifest written there
-    last. Its shards were checked against their records when they were uploaded and again here
-    (size, sha256); the validate step reads a local dataset and is not run on it. Returns the
-    assemble step's result, the validation line of the summary, and where the dataset is."""
+    """A fanned-out dataset: every shard object in the bucket checked and copied into the local
+    output, the manifest assembled there, the dataset validated (the bucket's bytes), and only then
+    the manifest written to the bucket, last. A bucket that holds this dataset's manifest already
+    was validated before it was written. Returns the assemble step's result (its ``dataset`` the
+    bucket), the validation line of the summary, and where the dataset is."""
     dest = spec.publish_to
-    dataset = assemble.with_options(refresh_cache=not planned.dataset_complete, **_storage(spec))(
-        spec, xspec, planned, cache_key=finalize_cache_key(planned, identity=identity, out=dest),
-    )
-    validation = ("shard objects checked in the bucket (size, sha256); "
-                  "the validate step is not run on a fanned-out dataset")
-    return dataset, validation, dest
+    if planned.dataset_complete:
+        return bucket_dataset(spec), "passed (before its manifest was written to the bucket)", dest
+    records = fetch_shards(spec, xspec, planned)
+    assembled = assemble(assemble_call(xspec, records), runner=spec.runner)
+    layer_report(assembled.dataset, previous=spec.validation.previous, runner=spec.runner)
+    validated = _validate(spec, xspec, planned, assembled, identity)
+    return publish_manifest(spec, assembled), validation_summary(validated), dest
 
 
 def _finalize_validate_publish(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, identity: str):
@@ -120,8 +126,24 @@ def _finalize_validate_publish(spec: PipelineSpec, xspec: ExtractSpec, planned: 
         get_run_logger().warning("finalize had to extract shards %s: a range did not complete them",
                                  dataset.shards_extracted)
     # before validation: a drift that fails the run is on the plot of that run
-    artifacts.layer_report(dataset.dataset, previous=spec.validation.previous)
-    validated = validate_dataset(
+    layer_report(dataset.dataset, previous=spec.validation.previous, runner=spec.runner)
+    validated = _validate(spec, xspec, planned, dataset, identity)
+    published = None  # PublishResult, when published
+    if spec.publish_to:
+        published = publish_dataset(
+            dataset.dataset,
+            destination=spec.publish_to,
+            cache_key=publish_cache_key(manifest_sha256=dataset.manifest_sha256, destination=spec.publish_to),
+            runner=spec.runner,
+            task_options=_storage(spec),
+        )
+    return dataset, validation_summary(validated), published.destination if published is not None else None
+
+
+def _validate(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, dataset, identity: str):
+    """`datagen validate` of the local dataset (``dataset``: the step's result that wrote its
+    manifest), golden rows included; a problem fails the run before anything is published."""
+    return validate_dataset(
         dataset.dataset,
         cache_key=validate_cache_key(
             fingerprint=dataset.fingerprint, manifest_sha256=dataset.manifest_sha256, identity=identity,
@@ -136,16 +158,6 @@ def _finalize_validate_publish(spec: PipelineSpec, xspec: ExtractSpec, planned: 
         task_options=dict(refresh_cache=planned.validated_manifest_sha256 != dataset.manifest_sha256,
                           **_storage(spec)),
     )
-    published = None  # PublishResult, when published
-    if spec.publish_to:
-        published = publish_dataset(
-            dataset.dataset,
-            destination=spec.publish_to,
-            cache_key=publish_cache_key(manifest_sha256=dataset.manifest_sha256, destination=spec.publish_to),
-            runner=spec.runner,
-            task_options=_storage(spec),
-        )
-    return dataset, validation_summary(validated), published.destination if published is not None else None
 
 
 def _storage(spec: PipelineSpec) -> dict:

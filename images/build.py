@@ -35,12 +35,11 @@ from datagen.errors import CannotRunHereError, DatagenError
 from images.base import OFFLINE_BASES, ensure_base_image
 from images.lock_cuda import pip_env
 from images.requirements import Pin
-from images.tags import DEFAULT_IMAGES, DOCKERFILE, ROOT, ImageName, ImagePlan, plan_image
+from images.paths import CACHE, ROOT, WHEELHOUSE
+from images.tags import DEFAULT_IMAGES, DOCKERFILE, ImageName, ImagePlan, plan_image
 
 logger = logging.getLogger("images.build")
 
-CACHE = ROOT / ".cache"
-WHEELHOUSE = CACHE / "wheelhouse"  # one folder per Python: cp311/, cp312/
 CONTEXTS = CACHE / "images" / "context"
 TAGS_JSON = CACHE / "images.json"
 BUILD_TIMEOUT_S = 3600  # a cold build of the extract image installs ~3 GB of wheels

@@ -39,6 +39,7 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 
 from datagen.engines.releases import CUDA_VLLM_RELEASE
 from datagen.errors import CannotRunHereError, SpecError
+from images.paths import ROOT, WHEELHOUSE
 from images.requirements import Pin, project_dependencies, read_lock, read_requirements_in
 
 LOCK = "requirements/lock-cuda.txt"
@@ -170,9 +171,6 @@ def lock_text(wheels: list[Path]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from images.build import WHEELHOUSE
-    from images.tags import ROOT
-
     parser = argparse.ArgumentParser(prog=REGENERATE, description=__doc__.split("\n")[0])
     parser.add_argument("--wheelhouse", type=Path, default=WHEELHOUSE / "cp311")
     args = parser.parse_args(argv)

@@ -21,6 +21,7 @@ from pathlib import Path
 from datagen.engines.releases import CUDA_VLLM_RELEASE, cuda_base_image
 from images.base import ENGINE_BASE, PYTHON_BASE
 from images.lock_cuda import check_lock, cuda_version
+from images.paths import ROOT
 from images.requirements import (
     Pin,
     closure,
@@ -32,7 +33,6 @@ from images.requirements import (
 # Bump when the build changes in a way the inputs below do not show (how the context is laid out).
 RECIPE_VERSION = 1
 HASH_LENGTH = 12  # hex digits of sha256 in a tag
-ROOT = Path(__file__).resolve().parent.parent  # the project's root
 PROJECT_PACKAGES = ("datagen",)  # the packages copied into every image
 BUILD_COMMAND = "make images"
 DOCKERFILE = "images/Dockerfile"  # every image: one stage of it (ImageRecipe.target)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
 import json
 import tempfile
 from collections.abc import Iterator
@@ -20,7 +19,6 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from datagen.cli import STEPS
 from datagen.errors import (
     EXIT_BAD_INPUT, EXIT_CANNOT_RUN_HERE, EXIT_FAILED, EXIT_TRANSIENT, EXIT_VALIDATION, TransientError,
 )
@@ -105,12 +103,6 @@ STEP_RETRY_POLICY = dict(
     retry_jitter_factor=STEP_RETRY_JITTER,
     retry_condition_fn=retry_if_transient,
 )
-
-
-def step_available(step: str) -> bool:
-    """True when ``datagen <step>`` exists in this version (its module is installed)."""
-    module = STEPS.get(step)
-    return module is not None and importlib.util.find_spec(module) is not None
 
 
 def run_step(invocation: StepInvocation, runner: StepRunner, *, log) -> dict:

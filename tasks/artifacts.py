@@ -178,7 +178,7 @@ def stats_key(flow_name: str | None, deployment_name: str | None) -> str:
     return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", raw)).strip("-")
 
 
-def _history(key: str, limit: int, *, exclude_flow_run) -> list:
+def run_history(key: str, limit: int, *, exclude_flow_run) -> list:
     """The last ``limit`` runs' statistics recorded under ``key``, oldest first."""
     import json
 
@@ -209,46 +209,3 @@ def report_markdown(png: bytes, table: str, *, drifted: list[int]) -> str:
                       f"{base64.b64encode(png).decode()})", "", table])
 
 
-@task(name="layer-report")
-def layer_report(dataset: str, *, previous: str | None = None, runs: int = REPORT_RUNS) -> list[int]:
-    """Attach the plot of this run's per-layer statistics next to the deployment's previous runs (the
-    `datagen report` plot) and record this run's statistics for the next. Drift is measured against
-    ``previous`` when validation has one (the dataset it compares with), else the run before.
-    Returns the drifted layers. A report that cannot be drawn is logged, never fails the run."""
-    from prefect import get_run_logger
-    from prefect.runtime import deployment, flow_run
-
-    from datagen.steps import report as step
-
-    logger = get_run_logger()
-    try:
-        key = stats_key(flow_run.flow_name, deployment.name)
-        current = step.run_stats(step.load_manifest(dataset))
-        history = _history(key, runs - 1, exclude_flow_run=flow_run.id)
-        reference = None
-        if previous:
-            reference = step.run_stats(step.load_manifest(previous))
-            reference = step.RunStats(**{**reference.__dict__, "label": f"previous {reference.label}"})
-        # validation's previous dataset is drawn where it is not already the run before
-        shown = history + ([reference] if reference and (not history or history[-1].layers != reference.layers) else [])
-        shown.append(current)
-        threshold = step.DEFAULT_THRESHOLD
-        drift = step.drift_of(shown, threshold=threshold, reference=reference)
-        drifted = [d.layer_id for d in drift if d.drifted]
-        png = step.plot(shown, drift, threshold=threshold,
-                        title=f"{flow_run.flow_name}/{deployment.name or '-'}: last {len(shown)} runs")
-        table = step.markdown_table(shown, drift, threshold=threshold)
-    except Exception as e:  # noqa: BLE001  (a report must not fail the night's data)
-        logger.warning("layer report not drawn: %s: %s", type(e).__name__, e)
-        return []
-    create_markdown_artifact(report_markdown(png, table, drifted=drifted), key="layer-report",
-                             description="Per-layer mean, std, absmax and tokens of this and the previous runs; "
-                                         "drift marked in red.")
-    create_table_artifact(current.to_rows(), key=key,
-                          description="This run's per-layer statistics (the next runs' report reads them).")
-    if drifted:
-        logger.warning("layer statistics drifted beyond %.0f%% in layers %s (validation fails on it)",
-                       100 * threshold, drifted)
-    else:
-        logger.info("layer report of %d runs attached; no drift", len(shown))
-    return drifted

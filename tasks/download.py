@@ -3,21 +3,17 @@ The step task (``tasks/step.py``) under the name ``download``.
 
 Not cached by Prefect: the model cache is per host (every GPU host downloads once), and the step
 itself is idempotent: a model already in the cache costs a check of its files, not a transfer.
-The task's result is the step's own, ``DownloadResult``. When this version has no download step,
-it is None: a local model directory is used in place (``model_location``) and a remote source fails
-with what to do.
+The task's result is the step's own, ``DownloadResult``.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prefect import get_run_logger
 
-from datagen.errors import CannotRunHereError, ModelNotFoundError
 from datagen.storage.sources import LocalSource, parse_model_source
-from tasks._common import HUB_AND_AWS_CREDENTIAL_ENV, mounts_for, step_available
+from tasks._common import HUB_AND_AWS_CREDENTIAL_ENV, mounts_for
 from tasks.pipeline_spec import PipelineSpec
 from tasks.settings import s3_step_env
 from tasks.step import StepCall, step_task
@@ -32,13 +28,9 @@ SECRET_ENV = HUB_AND_AWS_CREDENTIAL_ENV
 _download = step_task(STEP)  # not cached: the model cache is per host, and the step is idempotent
 
 
-def download(spec: PipelineSpec) -> DownloadResult | None:
-    """`datagen download --spec SPEC`: resolve the revision, fetch what is missing, verify.
-    None when this version has no download step (the spec's local model is used in place)."""
+def download(spec: PipelineSpec) -> DownloadResult:
+    """`datagen download --spec SPEC`: resolve the revision, fetch what is missing, verify."""
     logger = get_run_logger()
-    if not step_available(STEP):
-        _without_download_step(spec, logger)
-        return None
     from datagen.storage.model_cache import cache_root  # the host path the step writes to
 
     cache = cache_root(spec.model_cache)
@@ -57,24 +49,6 @@ def download(spec: PipelineSpec) -> DownloadResult | None:
     return downloaded
 
 
-def model_location(spec: PipelineSpec, downloaded: DownloadResult | None) -> tuple[str, str | None]:
-    """The model directory the extraction reads and its revision: the download's, or, when this
-    version has no download step, the spec's local directory (revision unknown)."""
-    if downloaded is not None:
-        return downloaded.model_dir, downloaded.resolved_revision
-    return str(parse_model_source(spec.model).path), None
-
-
-def _without_download_step(spec: PipelineSpec, logger) -> None:
-    source = parse_model_source(spec.model)
-    if not isinstance(source, LocalSource):
-        raise CannotRunHereError(
-            f"model {spec.model} must be downloaded, and this version has no `datagen download` step",
-            hint="download it yourself and give the local directory as the spec's model",
-        )
-    if not Path(source.path).is_dir():
-        raise ModelNotFoundError(
-            f"model directory {source.path} does not exist",
-            hint="for the tiny demo model run `python -m flows.demo --prepare`; else fix the spec's model",
-        )
-    logger.info("download: this version has no `datagen download` step; using %s in place", source.path)
+def model_location(spec: PipelineSpec, downloaded: DownloadResult) -> tuple[str, str | None]:
+    """The model directory the extraction reads and its revision: the download's."""
+    return downloaded.model_dir, downloaded.resolved_revision

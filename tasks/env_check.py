@@ -3,8 +3,7 @@ The step task (``tasks/step.py``) under the name ``env-check``.
 
 Not cached: it checks the machine, which changes without the spec changing. A failed check is
 permanent (exit 3, the step says what to fix); a check that could not tell is transient (exit 75)
-and retried. The task's result is the step's own, ``EnvReport``; None when this version has no
-env-check step: the check is skipped (and says so).
+and retried. The task's result is the step's own, ``EnvReport``.
 """
 
 from __future__ import annotations
@@ -12,11 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prefect import get_run_logger
 from prefect.artifacts import create_table_artifact
 from prefect.futures import PrefectFuture
 
-from tasks._common import HUB_AND_AWS_CREDENTIAL_ENV, mounts_for, step_available
+from tasks._common import HUB_AND_AWS_CREDENTIAL_ENV, mounts_for
 from tasks.pipeline_spec import PipelineSpec
 from tasks.settings import s3_step_env
 from tasks.step import StepCall, step_task
@@ -31,11 +29,9 @@ SECRET_ENV = HUB_AND_AWS_CREDENTIAL_ENV
 env_check = step_task(STEP)
 
 
-def start_env_check(spec: PipelineSpec) -> PrefectFuture | None:
+def start_env_check(spec: PipelineSpec) -> PrefectFuture:
     """`datagen env-check --spec SPEC` submitted: GPUs, engine and patches, model config, storage,
-    credentials. None when this version has no env-check step."""
-    if not step_available(STEP):
-        return None
+    credentials."""
     local_paths = [p for p in (spec.model, spec.model_cache) if p and "://" not in p]
     if spec.model_cache:
         # a first run: the download makes it anyway, and a bind mount needs it to exist
@@ -51,12 +47,8 @@ def start_env_check(spec: PipelineSpec) -> PrefectFuture | None:
     return env_check.submit(call, runner=spec.runner)
 
 
-def env_checked(started: PrefectFuture | None) -> EnvReport | None:
-    """Wait for the env check (raises when it failed); what it found becomes the run's table.
-    None when this version has no env-check step."""
-    if started is None:
-        get_run_logger().info("env-check: this version has no `datagen env-check` step; skipped")
-        return None
+def env_checked(started: PrefectFuture) -> EnvReport:
+    """Wait for the env check (raises when it failed); what it found becomes the run's table."""
     report = started.result()
     if report.checks:
         create_table_artifact(

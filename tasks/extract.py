@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.data.spec import ExtractSpec
 from datagen.steps.extract import ExtractResult
+from datagen.steps.extract import Spec as ExtractStepSpec
 from datagen.steps.plan import PlanResult
 from tasks._common import cache_key, mounts_for
 from tasks.pipeline_spec import ShardRange
@@ -69,7 +70,8 @@ extract_range = step_task("extract-range", cache_policy=STEP_CACHE, task_run_nam
 finalize = step_task("finalize", cache_policy=STEP_CACHE)
 
 
-def _mounts(spec: ExtractSpec) -> tuple[Mount, ...]:
+def extract_mounts(spec: ExtractSpec) -> tuple[Mount, ...]:
+    """What a step of this extraction spec reads and writes: its output's parent, its model and rows."""
     out = Path(spec.out).absolute()
     # extract's lock file lives next to the output directory, so the parent is mounted; on a first
     # run it may not exist yet (a bind mount needs its source): its nearest existing ancestor then.
@@ -82,17 +84,17 @@ def _mounts(spec: ExtractSpec) -> tuple[Mount, ...]:
 def plan_call(spec: ExtractSpec) -> StepCall:
     """`datagen plan`: fingerprints, shard keys, and what is on disk (the manifest, its validation).
     Loads no weights."""
-    return StepCall(step="plan", spec=spec.model_dump(mode="json"), mounts=_mounts(spec))
+    return StepCall(step="plan", spec=spec.model_dump(mode="json"), mounts=extract_mounts(spec))
 
 
 def range_call(spec: ExtractSpec, shard_range: ShardRange, *, gpus: int = 0, progress: UUID | None = None) -> StepCall:
-    """`datagen extract --shards A:B`: extract the range's missing shards (no manifest), advancing the
+    """`datagen extract` of the range's shards (the spec's ``shards``): extract the range's missing shards (no manifest), advancing the
     range's item of the progress bar ``progress``. Its result: the step's ``ExtractResult``."""
+    call_spec = ExtractStepSpec(**spec.model_dump(mode="json"), shards=(shard_range.first, shard_range.stop))
     return StepCall(
         step="extract",
-        spec=spec.model_dump(mode="json"),
-        args=("--shards", shard_range.arg),
-        mounts=_mounts(spec),
+        spec=call_spec.model_dump(mode="json"),
+        mounts=extract_mounts(spec),
         env={"DATAGEN_PROGRESS_INTERVAL": "2"},
         gpus=gpus,
         label=shard_range.arg,
@@ -107,7 +109,7 @@ def finalize_call(spec: ExtractSpec) -> StepCall:
     return StepCall(
         step="extract",
         spec=spec.model_dump(mode="json"),
-        mounts=_mounts(spec),
+        mounts=extract_mounts(spec),
         known={"dataset": str(Path(spec.out).absolute())},
     )
 

@@ -14,7 +14,9 @@ Parent side (the `extract` flow with ``ranges_in_flight > 1``):
   lost-host automation when its heartbeats stop (``flows/automations.py``) -- and the range is
   submitted again (up to ``fan_out.max_resubmits``). Failed or Cancelled: permanent, the parent
   fails. Same cache key as ``extract_range``: a second run submits nothing.
-* ``assemble``: every shard object checked, then the manifest written, last.
+* ``fetch_shards`` then the ``assemble`` step: every shard object checked and copied into the
+  local dataset directory, the manifest written there; the flow validates that dataset (the
+  bucket's bytes), and only then ``publish_manifest`` writes the manifest to the bucket, last.
 
 Child side (``flows/extract_shards.py``):
 
@@ -30,6 +32,7 @@ Per-host GPU limits are global concurrency limits too (``gpu_slots``).
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -43,20 +46,18 @@ from prefect.deployments import run_deployment
 from pydantic import ValidationError
 
 from datagen import settings
-from datagen.data.contract import MANIFEST_NAME, ShardRecord
+from datagen.data.contract import MANIFEST_NAME, STATE_DIR, ShardRecord
 from datagen.data.spec import ExtractSpec, sha256_hex
 from datagen.errors import StorageError, TransientError
 from datagen.steps.assemble import AssembleResult
+from datagen.steps.assemble import Spec as AssembleSpec
 from datagen.steps.extract import ExtractResult
 from datagen.storage import fleet, s3
 from tasks import artifacts
-from tasks._common import (
-    STEP_RETRY_DELAYS_S, STEP_RETRY_POLICY, make_runner, mounts_for, parse_result, run_step, scratch_dir, spec_file,
-)
-from tasks.extract import PlanResult, RangeOutcome, extract_range, range_call
+from tasks._common import STEP_RETRY_DELAYS_S, STEP_RETRY_POLICY
+from tasks.extract import PlanResult, RangeOutcome, extract_mounts, extract_range, range_call
 from tasks.pipeline_spec import PipelineSpec, ShardRange
-from tasks.runners import StepInvocation
-from tasks.step import RESULT_SERIALIZER, STEP_CACHE
+from tasks.step import RESULT_SERIALIZER, STEP_CACHE, StepCall, step_task
 
 WAITING_LOG_INTERVAL_S = 300.0  # how often "still waiting for a worker" is logged
 UPLOAD_POLL_S = 1.0  # how often a range looks for newly written shards to upload
@@ -221,45 +222,69 @@ def _watch(run_id: UUID, shard_range: ShardRange, spec: PipelineSpec, logger) ->
             time.sleep(spec.fan_out.poll_interval_s)
 
 
-@task(
-    name="assemble",
-    cache_policy=STEP_CACHE,
-    persist_result=True,
-    result_serializer=RESULT_SERIALIZER,
-    **STEP_RETRY_POLICY,
-)
-def assemble(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, *, cache_key: str) -> AssembleResult:
-    """Check every shard object in the bucket, write the manifest (`datagen assemble`), upload it
-    last. A bucket that already holds this dataset's manifest keeps it. Returns the step's result,
-    whose ``dataset`` is the bucket location."""
-    logger = get_run_logger()
+@task(name="bucket-dataset", **STEP_RETRY_POLICY)
+def bucket_dataset(spec: PipelineSpec) -> AssembleResult:
+    """The account of the manifest the dataset's bucket holds (a run before validated it, then wrote it)."""
     client, _, dest = _client(spec)
-    existing = fleet.manifest_in_bucket(client, dest)
-    if existing is not None and existing[1].fingerprint == planned.fingerprint:
-        logger.info("%s already holds this dataset's manifest", dest.uri)
-        return AssembleResult.of_manifest(existing[0], dataset=dest.uri)
+    found = fleet.manifest_in_bucket(client, dest)
+    if found is None:
+        raise StorageError(f"{dest.uri}/{MANIFEST_NAME} is gone since this run planned",
+                           hint="run again: the dataset is assembled and validated again")
+    get_run_logger().info("%s already holds this dataset's manifest", dest.uri)
+    return AssembleResult.of_manifest(found[0], dataset=dest.uri)
+
+
+@task(name="bucket-shards", **STEP_RETRY_POLICY)
+def fetch_shards(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult) -> str:
+    """Every shard object of the dataset's bucket checked against its record (size, sha256 metadata),
+    then copied into the local dataset directory ``xspec.out``, where the manifest is assembled and
+    the dataset validated: validation reads the bytes the bucket holds. Returns the directory of the
+    records found (the input of `datagen assemble`, which refuses a dataset that lacks one)."""
+    logger = get_run_logger()
+    client, transfer, dest = _client(spec)
     fleet.check_destination(client, dest, planned.fingerprint)
     records = fleet.shards_in_bucket(client, dest, dict(enumerate(planned.shard_keys)))
     logger.info("%s: %d of %d shard objects checked (size, sha256)", dest.uri, len(records), planned.num_shards)
     out = Path(xspec.out)
-    with scratch_dir() as scratch, spec_file(xspec) as path:
-        fleet.write_records(records, scratch / "records")
-        invocation = StepInvocation(
-            step="assemble", args=("--spec", str(path), "--records", str(scratch / "records")),
-            mounts=mounts_for(out.parent, read_only=(xspec.model, xspec.dataset, path.parent, scratch)),
-            labels={"task": "assemble"},
-        )
-        result = parse_result(run_step(invocation, make_runner(spec.runner), log=logger.info), AssembleResult)
-    raw = (out / MANIFEST_NAME).read_bytes()
-    if sha256_hex(raw) != result.manifest_sha256:
-        raise StorageError(f"{out / MANIFEST_NAME} is not the manifest `datagen assemble` reported writing",
+    t0 = time.monotonic()
+    sent = fleet.download_shards(client, dest, records.values(), out, transfer=transfer)
+    logger.info("copied %d shards (%.1f MB) from %s to %s for validation in %.1f s", len(records), sent / 1e6,
+                dest.uri, out, time.monotonic() - t0)
+    directory = out / STATE_DIR / BUCKET_RECORDS
+    shutil.rmtree(directory, ignore_errors=True)
+    fleet.write_records(records, directory)
+    return str(directory)
+
+
+BUCKET_RECORDS = "bucket-records"  # under the local dataset's .datagen: the records `datagen assemble` reads
+
+assemble = step_task("assemble")  # not cached: it is cheap, and what it writes is validated right after
+
+
+def assemble_call(xspec: ExtractSpec, records: str) -> StepCall:
+    """`datagen assemble`: the manifest of the bucket's shards, from their checked records, written
+    into the local dataset directory. Its result: the step's ``AssembleResult``."""
+    spec = AssembleSpec(**xspec.model_dump(mode="json"), records=records)
+    return StepCall(step="assemble", spec=spec.model_dump(mode="json"), mounts=extract_mounts(xspec))
+
+
+@task(name="publish-manifest", **STEP_RETRY_POLICY)
+def publish_manifest(spec: PipelineSpec, assembled: AssembleResult) -> AssembleResult:
+    """Upload the validated manifest to the dataset's bucket, last: from now on it is complete there.
+    Returns the assemble step's result with the bucket as its ``dataset``."""
+    logger = get_run_logger()
+    client, _, dest = _client(spec)
+    path = Path(assembled.dataset) / MANIFEST_NAME
+    raw = path.read_bytes()
+    if sha256_hex(raw) != assembled.manifest_sha256:
+        raise StorageError(f"{path} is not the manifest `datagen assemble` reported writing",
                            hint="another run writes the same output directory; run one at a time")
     # Every range is done: multipart uploads still open were left by killed runs (they hold storage).
     if aborted := s3.abort_stale_uploads(client, dest):
         logger.info("aborted %d unfinished multipart uploads of lost range runs", aborted)
     fleet.put_manifest(client, dest, raw)
     logger.info("manifest written: %s/%s", dest.uri, MANIFEST_NAME)
-    return result.model_copy(update={"dataset": dest.uri})
+    return assembled.model_copy(update={"dataset": dest.uri})
 
 
 # --- child side ---------------------------------------------------------------------------------

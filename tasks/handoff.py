@@ -2,8 +2,7 @@
 
 ``publish`` (the step task under that name, ``tasks/step.py``) runs `datagen publish DATASET --to
 s3://...` when the spec names a destination (cached on the manifest's bytes and the destination:
-re-publishing an unchanged dataset costs nothing); its result is the step's own, ``PublishResult``,
-None when the dataset was not published.
+re-publishing an unchanged dataset costs nothing); its result is the step's own, ``PublishResult``.
 ``announce`` emits the event ``datagen.dataset.ready`` whose resource is the dataset's fingerprint,
 so a training deployment can trigger on it (prefect.yaml: deployment ``train``). The label
 ``datagen.dataset.changed`` says whether this run wrote anything: the training trigger matches
@@ -17,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from prefect import get_run_logger, task
 from prefect.events import emit_event
 
-from tasks._common import AWS_CREDENTIAL_ENV, cache_key, mounts_for, step_available
+from tasks._common import AWS_CREDENTIAL_ENV, cache_key, mounts_for
 from tasks.pipeline_spec import Runner
 from tasks.settings import s3_step_env
 from tasks.step import STEP_CACHE, StepCall, step_task
@@ -39,17 +38,14 @@ publish = step_task("publish", cache_policy=STEP_CACHE)
 
 def publish_dataset(
     dataset: str, *, destination: str, cache_key: str, runner: Runner, task_options: dict[str, Any] | None = None
-) -> PublishResult | None:
+) -> PublishResult:
     """`datagen publish DATASET --to s3://...`: shards first, manifest last, only if validated.
-    ``task_options``: options of this run of the task (``result_storage``). None when this version
-    has no publish step (the dataset is not published)."""
-    if not step_available("publish"):
-        get_run_logger().warning("publish: this version has no `datagen publish` step; %s stays in %s",
-                                 destination, dataset)
-        return None
+    ``task_options``: options of this run of the task (``result_storage``)."""
+    from datagen.steps.publish import Spec  # boto3: imported where a run publishes
+
     call = StepCall(
         step="publish",
-        args=(dataset, "--to", destination),
+        spec=Spec(dataset=dataset, to=destination).model_dump(mode="json"),
         mounts=mounts_for(read_only=(dataset,)),
         env=s3_step_env(),
         secret_env_names=SECRET_ENV,

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import enum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from datagen.data.spec import EngineSettings, ExtractSpec, LayerIds, parse_spec
 from datagen.errors import SpecError, spec_error
+from datagen.validation.settings import ValidationSettings
 from datagen.storage.sources import is_s3_uri, parse_model_source, parse_s3_uri
 
 DEFAULT_RANGE_DEPLOYMENT = "extract-shards/gpu"
@@ -57,44 +58,6 @@ class PreprocessingSettings(BaseModel):
         None, ge=2, description="Rows longer than this many tokens are truncated (tokens). None: 4096, "
         "or the model's positions less one when it has fewer."
     )
-
-
-class ValidationSettings(BaseModel):
-    """How `datagen validate` checks the finished dataset. Part of the validation's cache key."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    golden_samples: int | None = Field(
-        None,
-        ge=0,
-        description="Rows re-extracted with a reference engine and compared layer by layer (median, "
-        "p90, right layer against its neighbours). None: the step's default. 0: none.",
-    )
-    golden_tolerance: float | None = Field(
-        None, gt=0, description="Largest per-token relative L2 error under the max-token criterion (reported "
-        "beside the robust one); None: the step's default."
-    )
-    golden_reference: Literal["auto", "transformers", "engine"] | None = Field(
-        None, description="The engine of the golden re-extraction: transformers, or the engine itself in eager "
-        "mode with layer hooks (models transformers cannot load, such as Kimi-K2.5). None: auto (transformers "
-        "where it has the model's class, else the engine)."
-    )
-    previous: str | None = Field(
-        None, description="The last good dataset of the same model and layers, for the drift check."
-    )
-
-    def args(self) -> tuple[str, ...]:
-        """The options of `datagen validate` these settings give."""
-        out: list[str] = []
-        if self.golden_samples is not None:
-            out += ["--golden", str(self.golden_samples)]
-        if self.golden_tolerance is not None:
-            out += ["--golden-tolerance", str(self.golden_tolerance)]
-        if self.golden_reference is not None:
-            out += ["--golden-reference", self.golden_reference]
-        if self.previous is not None:
-            out += ["--previous", self.previous]
-        return tuple(out)
 
 
 class FanOutSettings(BaseModel):

@@ -1,8 +1,8 @@
 """The step task: every task that runs a step program is this one task under the step's name.
 
 ``step_task("plan")`` runs `datagen plan`, ``step_task("extract-range", cache_policy=STEP_CACHE)``
-one shard range, and so on. The task writes the call's spec to a file of its own, runs
-``datagen <step> [--spec FILE] <args>`` through the runner the pipeline spec names (a local
+one shard range, and so on. The task writes the call's spec (the step's ``Spec``, whole) to a file of its own, runs
+``datagen <step> --spec FILE`` through the runner the pipeline spec names (a local
 subprocess or a container, ``tasks/runners.py``), streams every output line into the run log (and
 onto the run's progress bar), and returns the step's own result type (``datagen.steps.result_type``:
 ``PlanResult``, ``ExtractResult``, ...), parsed from its result line.
@@ -47,8 +47,7 @@ class StepCall:
     """One run of a step program, as the step task receives it."""
 
     step: str  # the datagen command: "plan", "extract", "validate", ...; its Result is the task's result
-    args: tuple[str, ...] = ()  # its arguments (after `--spec FILE` when there is a spec)
-    spec: dict[str, Any] | None = None  # the step's spec file, as JSON; the task writes it and mounts it
+    spec: dict[str, Any]  # the step's spec whole, as JSON (its `--spec FILE`); the task writes it and mounts it
     mounts: tuple[Mount, ...] = ()  # host paths the step reads or writes
     env: dict[str, str] = field(default_factory=dict)  # plain settings, may be logged
     secret_env_names: tuple[str, ...] = ()  # env vars passed through by name, never logged
@@ -145,12 +144,9 @@ def step_task(name: str, *, cache_policy: CachePolicy = NO_CACHE, task_run_name:
 
 @contextlib.contextmanager
 def _spec_args(call: StepCall) -> Iterator[tuple[tuple[str, ...], tuple[Mount, ...]]]:
-    """The step's arguments and the mount of its spec file, which exists while the block runs."""
-    if call.spec is None:
-        yield call.args, ()
-        return
+    """The step's arguments (its spec file) and the mount of that file, which exists while the block runs."""
     with spec_file(call.spec) as path:
-        yield ("--spec", str(path), *call.args), mounts_for(read_only=(path.parent,))
+        yield ("--spec", str(path)), mounts_for(read_only=(path.parent,))
 
 
 def _labels() -> dict[str, str]:

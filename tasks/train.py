@@ -50,32 +50,25 @@ train_step = step_task("train", cache_policy=STEP_CACHE)
 measure_step = step_task("measure-draft")
 
 
-def _settings_args(settings: dict) -> tuple[str, ...]:
-    args: list[str] = []
-    for name, value in sorted(settings.items()):
-        if value is not None:
-            args += [f"--{name.replace('_', '-')}", str(value)]
-    return tuple(args)
-
-
-def _model_args(model: str | None) -> tuple[str, ...]:
-    return ("--model", model) if model else ()
-
-
 def train_draft(dataset: str, out: str, *, model: str | None, settings: dict, cache_key: str,
                 runner: Runner) -> TrainResult:
-    """`datagen train DATASET --out OUT [--model MODEL]` with ``settings`` (``DraftSettings`` fields);
-    without a model, the step takes the one the dataset's manifest names."""
-    call = StepCall(step="train", args=(dataset, "--out", out, *_model_args(model), *_settings_args(settings)),
+    """`datagen train` of ``dataset`` into ``out`` with ``settings`` (``DraftSettings`` fields); without a
+    model, the step takes the one the dataset's manifest names."""
+    from datagen.steps.train import Spec
+
+    spec = Spec(dataset=dataset, out=out, model=model, **settings)
+    call = StepCall(step="train", spec=spec.model_dump(mode="json"),
                     mounts=mounts_for(Path(out).parent, read_only=(dataset, *([model] if model else []))),
                     known={"draft": out})
     return train_step(call, cache_key=cache_key, runner=runner)
 
 
 def measure_draft(draft: str, dataset: str, *, model: str | None, acceptance: str, runner: Runner) -> MeasureResult:
-    """`datagen measure-draft DRAFT DATASET [--model MODEL] --acceptance A` (without a model: the draft's
-    lineage names it)."""
-    call = StepCall(step="measure-draft", args=(draft, dataset, *_model_args(model), "--acceptance", acceptance),
+    """`datagen measure-draft DRAFT DATASET` (without a model: the one the draft's lineage names)."""
+    from datagen.steps.measure_draft import Spec
+
+    spec = Spec(draft=draft, dataset=dataset, model=model, acceptance=acceptance)
+    call = StepCall(step="measure-draft", spec=spec.model_dump(mode="json"),
                     mounts=mounts_for(read_only=(draft, dataset, *([model] if model else []))))
     return measure_step(call, runner=runner)
 

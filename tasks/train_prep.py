@@ -1,8 +1,8 @@
 """The training hand-off task: `datagen export --format speculators` of a dataset, the layout the
 speculators library trains EAGLE-3 draft models from. The step task (``tasks/step.py``) under the
 name ``export``, cached on the dataset's fingerprint and the export directory: one export per
-dataset. Its result is the step's own, ``ExportResult``; None when the step did not run (this
-version has no export step, or the export directory is there already and is kept)."""
+dataset. Its result is the step's own, ``ExportResult``; None when the step did not run (the
+export directory is there already and is kept)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from prefect import get_run_logger
 
-from tasks._common import cache_key, mounts_for, step_available
+from tasks._common import cache_key, mounts_for
 from tasks.pipeline_spec import Runner
 from tasks.step import STEP_CACHE, StepCall, step_task
 
@@ -30,17 +30,16 @@ export = step_task(STEP, cache_policy=STEP_CACHE)
 
 def export_speculators(dataset: str, out: str, *, cache_key: str, runner: Runner) -> ExportResult | None:
     """`datagen export --format speculators DATASET OUT` (OUT must not exist yet). None when it did
-    not run: no export step in this version, or OUT is there already (kept)."""
+    not run: OUT is there already (kept)."""
     logger = get_run_logger()
-    if not step_available(STEP):
-        logger.info("export: this version has no `datagen export` step; skipped")
-        return None
     if Path(out).exists():
         logger.info("export: %s exists already; kept", out)
         return None
+    from datagen.steps.export import ExportFormat, Spec  # torch: imported where a run exports
+
     call = StepCall(
         step=STEP,
-        args=("--format", "speculators", dataset, out),
+        spec=Spec(fmt=ExportFormat.SPECULATORS, dataset=dataset, out=out).model_dump(mode="json"),
         mounts=mounts_for(Path(out).parent, read_only=(dataset,)),
         known={"out": out},
     )

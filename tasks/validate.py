@@ -5,9 +5,10 @@ Cached on the manifest's bytes (they name every shard's sha256), the dataset's f
 step's code, so a nightly run with nothing changed does not re-read terabytes; the flow refreshes
 the cache when `datagen plan` reports that the dataset's validation no longer approves this
 manifest. Problems are permanent (exit 4): the task fails at once with the step's list of
-problems, which also becomes the run's `validation-problems` artifact. The task's result is the
-step's own, ``ValidateResult``; None when this version has no validate step: validation is skipped
-(and says so). ``validation_summary`` is its line in the run summary.
+problems, which also becomes the run's `validation-problems` artifact. The task passes the step its
+spec whole (``datagen.steps.validate.Spec``: the pipeline's ``ValidationSettings`` and where to
+read and write); its result is the step's own, ``ValidateResult``. ``validation_summary`` is its
+line in the run summary.
 """
 
 from __future__ import annotations
@@ -16,31 +17,28 @@ import json
 from pathlib import Path
 from typing import Any
 
-from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
+from datagen.steps.validate import Spec as ValidateSpec
 from datagen.steps.validate import ValidateResult
-from tasks._common import StepFailed, cache_key, mounts_for, scratch_dir, step_available
-from tasks.pipeline_spec import Runner, ValidationSettings
+from datagen.validation.settings import ValidationSettings
+from tasks._common import StepFailed, cache_key, mounts_for, scratch_dir
+from tasks.pipeline_spec import Runner
 from tasks.step import STEP_CACHE, StepCall, step_task
 
 STEP = "validate"
 REPORT_NAME = "validation-report.json"
-NOT_RUN = "not run (no validate step in this version)"
 
 
-def validation_summary(result: ValidateResult | None) -> str:
-    """One line for the run summary: what the validate step found (None: it did not run)."""
-    if result is None:
-        return NOT_RUN
+def validation_summary(result: ValidateResult) -> str:
+    """One line for the run summary: what the validate step found."""
     if result.problems:
         return f"{len(result.problems)} problems"
-    extra = result.model_extra or {}
-    reference = (extra.get("golden") or {}).get("reference") or {}
+    reference = (result.golden or {}).get("reference") or {}
     golden = (f"; golden: {reference['kind']} reference, {reference.get('tokens', 0)} tokens in "
               f"{reference.get('seconds', 0):.1f} s + {reference.get('start_seconds', 0):.1f} s start"
               ) if reference else ""
-    return f"passed ({extra.get('shards', '?')} shards checked{golden})"
+    return f"passed ({result.shards if result.shards is not None else '?'} shards checked{golden})"
 
 
 def validate_cache_key(
@@ -63,7 +61,7 @@ def validate_dataset(
     trust_remote_code: bool = False,
     gpus: int = 0,
     task_options: dict[str, Any] | None = None,
-) -> ValidateResult | None:
+) -> ValidateResult:
     """`datagen validate DATASET --report FILE`: every shard, every row, against the manifest.
 
     ``model`` (directory) and ``source`` (the dataset's JSONL) are read by the step: it
@@ -72,17 +70,15 @@ def validate_dataset(
     runs in the extract image with the spec's GPUs: where transformers cannot load the model, the
     golden reference is the engine itself (vLLM eager with layer hooks), on the host that holds it.
     ``task_options``: options of this run of the task (``refresh_cache``, ``result_storage``).
-    Returns the step's report; None when this version has no validate step.
+    Returns the step's report.
     """
-    if not step_available(STEP):
-        get_run_logger().info("validate: this version has no `datagen validate` step; skipped")
-        return None
     with scratch_dir() as scratch:
         report = scratch / REPORT_NAME
+        step_spec = ValidateSpec(**settings.model_dump(mode="json"), dataset=dataset, report=str(report), model=model,
+                                 source=source, trust_remote_code=trust_remote_code)
         call = StepCall(
             step=STEP,
-            args=(dataset, "--report", str(report), "--model", model, "--source", source, *settings.args(),
-                  *(["--trust-remote-code"] if trust_remote_code else [])),
+            spec=step_spec.model_dump(mode="json"),
             mounts=mounts_for(dataset, scratch, read_only=(model, source, *filter(None, [settings.previous]))),
             gpus=gpus,
         )

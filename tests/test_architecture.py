@@ -45,6 +45,57 @@ def test_every_datagen_folder_is_on_a_floor():
     assert folders <= placed
 
 
+def _module_graph() -> dict[str, set[str]]:
+    """Module -> the project's modules it imports (every import, also those inside functions)."""
+    picture = _picture()
+    modules = {picture.module_name(path): path for package in ("datagen", "tasks", "flows", "images", "bench")
+               for path in (ROOT / package).rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for imported in picture.imports(path):
+            parts = imported.split(".")
+            found = next((".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in modules), None)
+            if found is not None and found != name:
+                deps.add(found)
+        graph[name] = deps
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other, round (strongly connected, more than one)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while (w := stack.pop()) != v:
+                group.append(w)
+            if group:
+                circles.append(sorted([v, *group]))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_no_modules_import_each_other_round_in_a_circle():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the check sees one
+    assert _circles(_module_graph()) == []
+
+
 RESULT_WORDS = ("Result", "Outcome", "Report", "Location", "Verdict")
 
 

@@ -172,6 +172,16 @@ def test_full_output_disk_is_reported(model_dir, tiny_disk):
     assert "free space at" in out.fix
 
 
+def test_an_fp8_output_is_estimated_at_one_byte_per_value_and_its_scales(model_dir, tiny_disk):
+    """Regression: env-check sized the output in the compute dtype (bf16: 3 x 64 x 2 + 5 = 389
+    bytes per token), twice what fp8 storage writes: 3 x (64 x 1 + 4-byte scale) + 5 = 209."""
+    spec = spec_for(model_dir, tiny_disk / "dataset", expected_tokens=100_000,
+                    engine={"name": "vllm", "dtype": "bfloat16", "storage_dtype": "fp8_e4m3"})
+    report = env_check.check(spec)
+    assert report.estimate["output_bytes_per_token"] == 209
+    assert "needs 20.9 MB" in check(report, "storage.output").detail
+
+
 @pytest.mark.s3
 def test_full_model_cache_disk_is_reported(model_dir, tiny_disk, s3_env, tmp_path):
     bucket = s3_env.create_bucket()

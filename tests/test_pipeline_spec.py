@@ -80,8 +80,10 @@ def test_ranges_in_flight_above_one_fans_out_to_a_bucket():
         parse_pipeline_spec({"model": "m", "dataset": "d.jsonl", "output": "o", "ranges_in_flight": 4})
 
 
-def test_validation_settings_become_validate_options():
+def test_validation_settings_are_the_validate_steps_own():
+    from datagen.steps.validate import Spec as ValidateSpec
+
     s = spec(validation={"golden_samples": 0, "previous": "last"}).resolved()
-    assert s.validation.args()[:2] == ("--golden", "0")
-    assert s.validation.args()[2] == "--previous" and s.validation.args()[3].endswith("/last")
+    step = ValidateSpec(**s.validation.model_dump(mode="json"), dataset="ds")
+    assert step.settings() == s.validation and step.golden_samples == 0 and step.previous.endswith("/last")
     assert spec().runner is Runner.LOCAL

@@ -40,3 +40,21 @@ def test_plan_refuses_an_output_that_cannot_hold_its_token_count(capsys, tmp_pat
     small = write_jsonl(tmp_path / "small.jsonl", token_rows([50, 50]))
     code, err = _plan(capsys, tiny_llama, small, small_disk / "ds")
     assert code == 0, err
+
+
+def test_plan_sizes_an_fp8_run_at_one_byte_per_value_and_its_scales(capsys, tmp_path, tiny_llama, small_disk):
+    """Regression: the plan sized an fp8 run as its compute dtype (bf16), twice the bytes, and
+    refused an output that holds it."""
+    # fp8: 3 layers x (128 x 1 byte + a 4-byte scale) + 5 = 401 bytes per token (bf16: 773).
+    # 400 tokens: 160 KB in fp8 fit the 256 KiB disk; 309 KB in bf16 would not.
+    rows = write_jsonl(tmp_path / "rows.jsonl", token_rows([200, 200]))
+    code = datagen_main(["plan", "--model", str(tiny_llama), "--dataset", str(rows), "--out", str(small_disk / "ds"),
+                         "--engine", "hf", "--storage-dtype", "fp8_e4m3"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+
+    big = write_jsonl(tmp_path / "big.jsonl", token_rows([500, 500]))
+    code = datagen_main(["plan", "--model", str(tiny_llama), "--dataset", str(big), "--out", str(small_disk / "ds"),
+                         "--engine", "hf", "--storage-dtype", "fp8_e4m3"])
+    err = capsys.readouterr().err
+    assert code == EXIT_CANNOT_RUN_HERE and "1000 tokens x 401 bytes" in err, err

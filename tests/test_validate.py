@@ -22,6 +22,7 @@ import torch
 from datagen import cli
 from datagen.errors import EXIT_VALIDATION, ValidationFailed
 from datagen.steps.validate import validate as run, validation_path
+from datagen.validation.settings import ValidationSettings
 from datagen.validation.golden import draw_rows
 from datagen.validation.shardfile import read_header
 from tests.support.extracted import (
@@ -41,8 +42,10 @@ def ds(pristine, tmp_path) -> Path:
 
 
 def validate(ds: Path, **kw) -> dict:
-    kw.setdefault("golden_rows", 0)
-    return run(ds, **kw)
+    """``datagen validate``'s work; settings (``ValidationSettings``' fields) and the rest by keyword."""
+    kw.setdefault("golden_samples", 0)
+    settings = ValidationSettings(**{k: kw.pop(k) for k in list(kw) if k in ValidationSettings.model_fields})
+    return run(ds, settings, **kw)
 
 
 def kinds(report: dict) -> set[str]:
@@ -67,7 +70,7 @@ def seed_drawing_any_of(ds: Path, wanted, n: int) -> int:
 # --- a clean dataset ----------------------------------------------------------------------------
 
 def test_a_clean_dataset_passes_and_records_it_for_publish(ds):
-    report = run(ds, golden_rows=2, seed=0)
+    report = validate(ds, golden_samples=2, seed=0)
 
     assert report["ok"], report["problems"]
     marker = json.loads(validation_path(ds).read_text())
@@ -281,7 +284,7 @@ def test_moved_sources_are_reported_as_not_checked_and_can_be_pointed_at(ds, pri
 
     without = validate(ds)
     assert without["ok"] and without["checks"]["tokenization"]["status"] == "not_run"
-    assert kinds(validate(ds, golden_rows=1)) == {"golden_unavailable"}
+    assert kinds(validate(ds, golden_samples=1)) == {"golden_unavailable"}
     pointed = validate(ds, model=model, source_rows=rows)
     assert pointed["ok"] and pointed["checks"]["tokenization"]["status"] == "passed"
 
@@ -321,20 +324,20 @@ def test_statistics_that_disagree_with_the_data_are_named(ds):
 
 
 def test_drift_from_the_previous_dataset_is_reported(ds, pristine, tmp_path):
-    same = validate(ds, previous=pristine)
+    same = validate(ds, previous=str(pristine))
     assert same["ok"] and set(same["drift"]["layers"]) == {str(i) for i in manifest(ds)["spec"]["layer_ids"]}
 
     previous = copy_dataset(pristine, tmp_path / "previous")
     m = manifest(previous)
     m["layer_stats"][-1]["std"] *= 2.0
     write_manifest(previous, m)
-    drifted = validate(ds, previous=previous)
+    drifted = validate(ds, previous=str(previous))
     assert kinds(drifted) == {"drift"}
     assert drifted["problems"][0]["layer_id"] == m["spec"]["layer_ids"][-1]
 
     m["spec"]["layer_ids"] = [0, 2, 4]
     write_manifest(previous, m)
-    assert kinds(validate(ds, previous=previous)) == {"previous_incompatible"}
+    assert kinds(validate(ds, previous=str(previous))) == {"previous_incompatible"}
 
 
 # --- golden samples -----------------------------------------------------------------------------
@@ -356,7 +359,7 @@ def test_swapped_hidden_states_of_two_samples_fail_the_golden_check(ds):
     assert validate(ds)["ok"]  # nothing but a re-extraction can see it
 
     seed = seed_drawing_any_of(ds, EQUAL_LENGTH_ROWS, 2)
-    report = validate(ds, golden_rows=2, seed=seed)
+    report = validate(ds, golden_samples=2, seed=seed)
 
     assert kinds(report) == {"golden_mismatch"}
     assert {p["row"] for p in report["problems"]} <= set(EQUAL_LENGTH_ROWS)
@@ -383,7 +386,7 @@ def test_the_golden_check_fails_on_an_off_by_one_layer(ds):
     fix_records(ds)
     seed = seed_drawing_any_of(ds, range(8), 2)
 
-    report = validate(ds, golden_rows=2, seed=seed)
+    report = validate(ds, golden_samples=2, seed=seed)
 
     assert kinds(report) == {"golden_mismatch"}
     assert {p["layer_id"] for p in report["problems"]} == set(layer_ids[:-1])

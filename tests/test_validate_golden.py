@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from datagen.steps.validate import validate as run
+from datagen.validation.settings import ValidationSettings
 from datagen.validation.golden import POST_NORM, GoldenCriterionName, GoldenReference
 from tests.builders import result_of, run_datagen, token_rows, write_jsonl
 from tests.support.extracted import copy_dataset, fix_records, manifest, rewrite_shard, sample_span
@@ -62,7 +63,7 @@ def reference(tiny_deepseek):
 
 
 def golden(ds: Path, criterion=GoldenCriterionName.ROBUST, **kw) -> dict:
-    return run(ds, golden_rows=len(LENGTHS), seed=0, golden_criterion=criterion, **kw)
+    return run(ds, ValidationSettings(golden_samples=len(LENGTHS), golden_criterion=criterion, **kw), seed=0)
 
 
 def test_routing_flips_fail_the_worst_token_criterion_but_not_the_robust_one(ds, capsys):

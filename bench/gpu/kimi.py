@@ -212,7 +212,7 @@ def wide(args) -> None:
     """A checkpoint at Kimi-K2.5's real width (hidden 7168, 64 heads, MLA 1536/512/64/128/128, vocab
     163840, INT4 group-32 routed experts, the wrapper) with ``--layers`` layers and ``--experts`` routed
     experts, made on the GPU. Then, each in its own process: (1) at ``--tp``, compiled, plain vLLM
-    prefill of the rows and the project's extraction (``datagen.steps.extract``'s plan, engine and shard
+    prefill of the rows and the project's extraction (``datagen.extraction``'s plan, engine and shard
     writer, layers [2, N/2, N-3, N]) timed around the shard loop, each on a started engine
     (``wide-bench``); (2) ``datagen extract`` of the same rows at ``--ref-tp`` (eager) through the
     CLI; (3) rank-0 states of (1) against (2). Writes kimi-wide-tp<tp>.json under --out."""
@@ -292,7 +292,10 @@ def wide_bench(args) -> None:
 
     sys.path.insert(0, str(REPO))
     from datagen.data.spec import parse_spec
-    from datagen.steps.extract import build_job, claim_output, make_engine, plan, write_manifest
+    from datagen.extraction.plan import plan
+    from datagen.extraction.output import claim_output
+    from datagen.extraction.manifest import write_manifest
+    from datagen.extraction.run import build_job, make_engine
 
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     work = Path(args.work)

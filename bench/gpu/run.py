@@ -92,7 +92,10 @@ def bench(args) -> None:
     import torch
 
     from datagen.engines.vllm_engine import VllmEngine
-    from datagen.steps.extract import build_job, claim_output, plan, write_manifest
+    from datagen.extraction.plan import plan
+    from datagen.extraction.output import claim_output
+    from datagen.extraction.manifest import write_manifest
+    from datagen.extraction.run import build_job
 
     out = Path(args.out)
     work = Path(args.work)

@@ -76,7 +76,7 @@ def _sync() -> None:
 
 def _plan(cfg: dict, out: Path, storage: str = "bfloat16", group: int = 1, tp: int = 1):
     from datagen.data.spec import parse_spec
-    from datagen.steps.extract import plan
+    from datagen.extraction.plan import plan
 
     return plan(parse_spec({"model": cfg["model"], "dataset": cfg["data"], "out": str(out),
                             "layer_ids": cfg["layers"], "max_seq_len": cfg["row_len"] + 8,
@@ -179,7 +179,9 @@ def stage_plain(args) -> dict:
 def stage_datagen(args) -> dict:
     """The real engine over fresh output directories; per-shard and streamed passes alternate."""
     from datagen.engines.vllm_engine import VllmEngine
-    from datagen.steps.extract import build_job, claim_output, write_manifest
+    from datagen.extraction.output import claim_output
+    from datagen.extraction.manifest import write_manifest
+    from datagen.extraction.run import build_job
 
     cfg = _cfg(args)
     root = Path(cfg["out_dir"])
@@ -337,7 +339,8 @@ def stage_connector(args) -> dict:
 
 def stage_hf(args) -> dict:
     from datagen.engines.hf import HFEngine
-    from datagen.steps.extract import build_job, claim_output
+    from datagen.extraction.output import claim_output
+    from datagen.extraction.run import build_job
 
     cfg = _cfg(args)
     out = Path(cfg["out_dir"]) / "hf"

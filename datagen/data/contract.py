@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -43,6 +45,21 @@ SHARD_TENSORS = {
 # of hidden_states[t, l, h] is float(hidden_states[t, l, h]) * hidden_states_scale[t, l]
 # (scale = absmax over H / 448, 1 for an all-zero vector).
 FP8_SCALE_TENSORS = {"hidden_states_scale": ("float32", "[T, L]")}
+# bytes of one stored value of hidden_states, by storage dtype
+STORED_VALUE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8_e4m3": 1}
+TOKEN_OVERHEAD_BYTES = 5  # input_ids int32 + loss_mask uint8 per token
+
+
+def token_bytes(storage_dtype: str, *, n_layers: int, hidden_size: int) -> int:
+    """Bytes one token costs in a shard: its states in ``storage_dtype`` (fp8_e4m3: with its float32
+    scale per layer), its id and its loss mask.
+
+    Raises:
+        KeyError: a dtype the contract does not store.
+    """
+    states = n_layers * hidden_size * STORED_VALUE_BYTES[storage_dtype]
+    scales = n_layers * 4 if storage_dtype == "fp8_e4m3" else 0
+    return states + scales + TOKEN_OVERHEAD_BYTES
 
 
 def shard_name(index: int) -> str:
@@ -103,6 +120,99 @@ class TruncatedRow(BaseModel):
     kept_tokens: int
 
 
+class _Recorded(BaseModel):
+    """A part of the recorded spec: it serializes to exactly the keys it was given.
+
+    The extraction fingerprint is the sha256 of the recorded spec (less the dataset and the model's
+    local path), and validation recomputes it from the manifest: a key added on the way (a default
+    written as null) would break that, so what was not given is never written. Unknown keys (a
+    newer engine's description) are kept as they are, for the same reason.
+    """
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    @model_serializer(mode="wrap")
+    def _as_given(self, handler) -> dict[str, Any]:
+        data = handler(self)
+        given = self.model_fields_set
+        return {k: v for k, v in data.items() if k in given or k not in type(self).model_fields}
+
+    def record(self) -> dict[str, Any]:
+        """The JSON object as recorded (the keys given, nothing added)."""
+        return self.model_dump(mode="json")
+
+
+class ResolvedModel(_Recorded):
+    """The model as the recorded spec names it."""
+
+    source: str | None = Field(None, description="Local directory extracted from (not in any fingerprint).")
+    revision: str | None = Field(None, description="Resolved revision, or 'content:<sha256>' of its files.")
+    architecture: str | None = Field(None, description="The config's architecture, e.g. LlamaForCausalLM.")
+    num_hidden_layers: int = Field(description="Decoder layers N (layer id N: the last layer's output).")
+    hidden_size: int = Field(description="H of a stored state.")
+
+
+class ResolvedPreprocessing(_Recorded):
+    """How the rows became tokens, and how they were cut into shards."""
+
+    max_seq_len: int | None = Field(None, description="Tokens a row was truncated to (the value used).")
+    chat_template_sha256: str | None = Field(None, description="sha256 of the chat template (chat rows).")
+    tokenizer_sha256: str | None = Field(None, description="sha256 of the tokenizer (chat rows).")
+    samples_per_shard: int | None = Field(None, description="Dataset rows per shard S.")
+
+
+class ResolvedDataset(_Recorded):
+    """The dataset file extracted from."""
+
+    source: str | None = Field(None, description="The JSONL file (absolute; not in the extraction fingerprint).")
+    sha256: str | None = Field(None, description="sha256 of its bytes.")
+    rows: int | None = Field(None, description="Its rows (non-blank lines).")
+
+
+class ResolvedEngine(_Recorded):
+    """The engine as it was described and configured (its settings but dtype and storage_dtype)."""
+
+    name: str | None = Field(None, description="vllm or hf.")
+    version: str | None = Field(None, description="The engine's package version.")
+    patches: list[str] | None = Field(None, description="Names of the vLLM patches applied.")
+    attention_backend: str | None = Field(None, description="vLLM's attention backend (vllm only).")
+    tensor_parallel_size: int | None = Field(None, description="GPUs per engine.")
+
+
+class ResolvedSpec(_Recorded):
+    """The spec a dataset was extracted with, everything resolved: what the manifest records as
+    ``spec``, what `datagen plan` reports and every reader of a dataset reads.
+
+    ``storage_dtype`` is resolved here, once: a recorded spec without one (manifests written before
+    it existed) stored the compute dtype. The value filled in is not written back.
+    """
+
+    model: ResolvedModel = Field(description="The model: revision, architecture, layers, hidden size.")
+    layer_ids: list[int] = Field(description="Captured layers in vLLM numbering, the order of the layer axis.")
+    layer_numbering: str | None = Field(None, description="The numbering rule of layer_ids.")
+    dtype: str = Field(description="Compute dtype of the engine.")
+    storage_dtype: str | None = Field(
+        None, description="dtype of the stored hidden_states (bfloat16, float16, float32, fp8_e4m3); "
+        "the compute dtype where the record names none.")
+    preprocessing: ResolvedPreprocessing | None = Field(None, description="Tokenization and shard size.")
+    engine: ResolvedEngine = Field(default_factory=ResolvedEngine, description="Engine description and settings.")
+    dataset: ResolvedDataset | None = Field(None, description="The dataset file: source, sha256, rows.")
+
+    @model_validator(mode="after")
+    def _storage_dtype_resolved(self) -> "ResolvedSpec":
+        if self.storage_dtype is None:
+            self.__dict__["storage_dtype"] = self.dtype  # not marked given: not written back
+        return self
+
+    def extraction_record(self) -> dict[str, Any]:
+        """The part the extraction fingerprint covers: the record without the dataset and without
+        the model's local path."""
+        rec = self.record()
+        rec.pop("dataset", None)
+        rec["model"] = {k: v for k, v in rec.get("model", {}).items() if k != "source"}
+        return rec
+
+
 class Manifest(BaseModel):
     """The manifest.json of a complete dataset."""
 
@@ -113,7 +223,7 @@ class Manifest(BaseModel):
     extraction_fingerprint: str = Field(
         description="sha256 of the spec without the dataset: shared by every shard key."
     )
-    spec: dict = Field(description="The resolved spec: model, layers, dataset, preprocessing, engine.")
+    spec: ResolvedSpec = Field(description="The resolved spec: model, layers, dataset, preprocessing, engine.")
     shards: list[ShardRecord]
     totals: dict = Field(description="rows, samples, tokens, bytes, shards, skipped, truncated.")
     skipped: list[SkippedRow]

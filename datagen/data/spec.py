@@ -113,6 +113,11 @@ class EngineSettings(BaseModel):
                 data = {**data, "max_num_seqs": budget}
         return data
 
+    @property
+    def resolved_storage_dtype(self) -> StorageName:
+        """The dtype the states are stored in: ``storage_dtype``, else the compute dtype."""
+        return self.storage_dtype or self.dtype
+
     @model_validator(mode="after")
     def _amx_is_bf16(self) -> "EngineSettings":
         if self.mla_backend is MlaBackend.AMX_MLA and self.dtype != "bfloat16":
@@ -181,25 +186,23 @@ def sha256_hex(text: str | bytes) -> str:
 
 
 def read_spec_file(path: str | Path, *, docs: str = "README.md") -> dict:
-    """The JSON object in a spec file; SpecError when it is missing, not JSON or not an object."""
+    """The JSON object in a spec file: the one reader of every step's ``--spec``.
+
+    Raises:
+        SpecError: the file is missing, unreadable, not JSON or not an object.
+    """
     p = Path(path)
     try:
         raw = json.loads(p.read_text())
     except FileNotFoundError as e:
-        raise SpecError(f"spec file {p} does not exist", hint="pass the path of a spec JSON file") from e
+        raise SpecError(f"cannot read spec file {p}: it does not exist", hint="pass the path of a spec JSON file") from e
+    except OSError as e:
+        raise SpecError(f"cannot read spec file {p}: {e.strerror}", hint="pass a readable spec JSON file") from e
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SpecError(f"spec file {p} is not valid JSON: {e}", hint="fix the file") from e
+        raise SpecError(f"cannot read spec file {p}: it is not valid JSON ({e})", hint="fix the file") from e
     if not isinstance(raw, dict):
         raise SpecError(f"spec file {p} must hold a JSON object", hint=f"see {docs}")
     return raw
-
-
-def load_spec(path: str | Path, **overrides: Any) -> ExtractSpec:
-    """Read a spec JSON file. Unknown fields and wrong types are a SpecError."""
-    p = Path(path)
-    raw = read_spec_file(p)
-    raw.update({k: v for k, v in overrides.items() if v is not None})
-    return parse_spec(raw, source=str(p))
 
 
 def parse_spec(raw: dict, *, source: str = "spec") -> ExtractSpec:

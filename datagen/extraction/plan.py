@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from datagen.data.contract import LAYER_NUMBERING
+from datagen.data.contract import LAYER_NUMBERING, ResolvedSpec
 from datagen.data.dataset import PreparedDataset, prepare_dataset
 from datagen.data.spec import DEFAULT_MAX_SEQ_LEN, EngineName, ExtractSpec, canonical_json, default_layer_ids, sha256_hex
 from datagen.errors import ModelError, SpecError
@@ -24,7 +24,7 @@ class Plan:
     layer_ids: tuple[int, ...]
     data: PreparedDataset
     engine_desc: dict
-    resolved_spec: dict  # what the manifest records
+    resolved_spec: ResolvedSpec  # what the manifest records
     extraction_fingerprint: str
     fingerprint: str
     num_shards: int
@@ -137,7 +137,7 @@ def plan_from(h: Header, data: PreparedDataset) -> Plan:
         "layer_ids": list(layer_ids),
         "layer_numbering": LAYER_NUMBERING,
         "dtype": spec.engine.dtype,
-        "storage_dtype": spec.engine.storage_dtype or spec.engine.dtype,
+        "storage_dtype": spec.engine.resolved_storage_dtype,
         "preprocessing": {"max_seq_len": spec.max_seq_len, "chat_template_sha256": data.chat_template_hash,
                           "tokenizer_sha256": data.tokenizer_hash, "samples_per_shard": spec.samples_per_shard},
         "engine": {**engine_desc, **spec.engine.model_dump(mode="json", exclude={"dtype", "storage_dtype"})},
@@ -145,6 +145,7 @@ def plan_from(h: Header, data: PreparedDataset) -> Plan:
     extraction_fp = sha256_hex(canonical_json(extraction))
     dataset = {"source": str(Path(spec.dataset).resolve()), "sha256": data.fingerprint, "rows": data.rows}
     fingerprint = sha256_hex(canonical_json({"extraction": extraction_fp, "dataset": data.fingerprint}))
-    resolved = {**extraction, "model": {**extraction["model"], "source": str(Path(spec.model).resolve())}, "dataset": dataset}
+    resolved = ResolvedSpec.model_validate(
+        {**extraction, "model": {**extraction["model"], "source": str(Path(spec.model).resolve())}, "dataset": dataset})
     num_shards = -(-data.rows // spec.samples_per_shard)
     return Plan(spec, info, tuple(layer_ids), data, engine_desc, resolved, extraction_fp, fingerprint, num_shards)

@@ -46,13 +46,7 @@ class Sample:
 
 def _expected(m: Manifest, where: str) -> Expected:
     spec = m.spec
-    try:
-        layer_ids = tuple(int(i) for i in spec["layer_ids"])
-        hidden = int(spec["model"]["hidden_size"])
-        name = str(spec.get("storage_dtype") or spec["dtype"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise DatasetError(f"the manifest's spec lacks the layers, hidden size or dtype ({e})", path=where,
-                           hint="this is not a dataset written by `datagen extract`") from None
+    layer_ids, hidden, name = tuple(spec.layer_ids), spec.model.hidden_size, spec.storage_dtype
     if name not in STORAGE_CODES:
         raise DatasetError(f"hidden states stored as {name!r}, which this reader does not know", path=where,
                            hint=f"known: {', '.join(sorted(STORAGE_CODES))}; update datagen")

@@ -37,7 +37,7 @@ class SpeculatorsDataset(BaseDataset):
 
     def __init__(self, reader: DatasetReader, *, max_len: int, train_ratio: float = 1.0,
                  split: Literal["train", "val"] = "train", hidden_states_dtype: torch.dtype = torch.bfloat16) -> None:
-        final = int(reader.manifest.spec["model"]["num_hidden_layers"])
+        final = reader.manifest.spec.model.num_hidden_layers
         if reader.layer_ids[-1] != final:
             raise SpecError(f"speculators needs the final layer {final} last; this dataset has {list(reader.layer_ids)}",
                             hint=f"extract with the final layer in --layers (the EAGLE-3 default ends in {final})")

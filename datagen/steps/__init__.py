@@ -50,11 +50,6 @@ def load(step: str) -> ModuleType:
     return importlib.import_module(STEPS[step])
 
 
-def spec_type(step: str) -> type[BaseModel]:
-    """The step's input model (``Spec``)."""
-    return load(step).Spec
-
-
 def result_type(step: str) -> type[BaseModel]:
     """The step's result model (what its result line parses into)."""
     return load(step).Result

@@ -13,21 +13,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from datagen.data.contract import MANIFEST_NAME, Manifest, ShardRecord
+from datagen.data.contract import MANIFEST_NAME, Manifest
 from datagen.data.spec import sha256_hex
 from datagen.errors import SpecError, ValidationFailed
-from datagen.steps import extract
-from datagen.steps.extract import (
-    RESULT_SHARD_FIELDS, check_dataset_unchanged, plan, result_shards, spec_from_args, write_manifest,
+from datagen.extraction.manifest import (
+    RESULT_SHARD_FIELDS, check_dataset_unchanged, read_records, result_shards, write_manifest,
 )
+from datagen.extraction.plan import plan
+from datagen.steps.extract import ExtractionSpec
 
 HELP = "Write the manifest of a dataset whose shards are in object storage, from their checked records."
 
 
-class Spec(extract.Spec):
-    """``datagen assemble``'s command line: ``datagen extract``'s, and the directory of records."""
+class Spec(ExtractionSpec):
+    """``datagen assemble``'s input: the extraction spec, and the directory of records."""
 
     records: str = Field(description="directory of shard-NNNNNN.json records (checked in the bucket)")
 
@@ -55,8 +56,8 @@ class AssembleResult(BaseModel):
             dataset=dataset,
             fingerprint=manifest.fingerprint,
             manifest_sha256=sha256_hex(raw),
-            layer_ids=manifest.spec.get("layer_ids", []),
-            engine=manifest.spec.get("engine", {}),
+            layer_ids=list(manifest.spec.layer_ids),
+            engine=manifest.spec.engine.record(),
             totals=manifest.totals,
             shards_total=len(manifest.shards),
             shards=result_shards(manifest),
@@ -66,28 +67,8 @@ class AssembleResult(BaseModel):
 Result = AssembleResult
 
 
-def read_records(directory: Path, p) -> tuple[dict[int, ShardRecord], list[int], list[int]]:
-    """This plan's records found in ``directory``, the shards without one, and the shards whose
-    record names another shard key (extracted for another model, dataset or engine)."""
-    found: dict[int, ShardRecord] = {}
-    missing: list[int] = []
-    foreign: list[int] = []
-    for k in range(p.num_shards):
-        path = directory / f"shard-{k:06d}.json"
-        try:
-            rec = ShardRecord.model_validate_json(path.read_bytes())
-        except (OSError, ValidationError, ValueError):
-            missing.append(k)
-            continue
-        if rec.index != k or rec.shard_key != p.shard_key(k):
-            foreign.append(k)
-            continue
-        found[k] = rec
-    return found, missing, foreign
-
-
 def run(args: Spec) -> AssembleResult:
-    spec = spec_from_args(args)
+    spec = args.extraction()
     records_dir = Path(args.records)
     if not records_dir.is_dir():
         raise SpecError(f"--records {records_dir} is not a directory", hint="pass the directory of shard records")

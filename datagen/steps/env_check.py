@@ -49,14 +49,13 @@ from datagen.storage.sources import (
     load_sources_spec,
     needed_files,
 )
+from datagen.data.contract import token_bytes
 from datagen.data.spec import EngineName, default_layer_ids
 
 HELP = "Check that the spec can run here (GPUs, engine, model, storage, credentials); JSON report."
 
 log = logging.getLogger(__name__)
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-TOKEN_OVERHEAD_BYTES = 5  # input_ids int32 + loss_mask uint8 per token
 SPACE_MARGIN = 1.05  # ask for 5% more than the estimate
 GPU_MEMORY_SHARE = 0.9  # weights may take at most this share of the GPUs' memory
 
@@ -404,9 +403,9 @@ def check_storage(spec: SourcesSpec, cache: ModelCache, facts: ModelFacts | None
     return checks
 
 
-def output_bytes_per_token(n_layers: int, hidden_size: int, dtype: str) -> int:
-    """Bytes one stored token costs: its states in ``dtype`` plus its id and mask."""
-    return n_layers * hidden_size * DTYPE_BYTES.get(dtype, 1) + TOKEN_OVERHEAD_BYTES
+def output_bytes_per_token(n_layers: int, hidden_size: int, storage_dtype: str) -> int:
+    """Bytes one stored token costs: its states in ``storage_dtype`` (with fp8's scales), its id and mask."""
+    return token_bytes(storage_dtype, n_layers=n_layers, hidden_size=hidden_size)
 
 
 def check_output_space(out: str | Path, *, tokens: int, n_layers: int, hidden_size: int, dtype: str) -> Check:
@@ -521,7 +520,7 @@ def check(spec: SourcesSpec) -> EnvReport:
     checks.append(_guarded("engine_patches", lambda: check_engine_patches(spec, version.status is Status.OK)))
     output_bytes = None
     if spec.expected_tokens and layer_ids and hidden:
-        per_token = len(layer_ids) * hidden * DTYPE_BYTES[spec.engine.dtype] + TOKEN_OVERHEAD_BYTES
+        per_token = output_bytes_per_token(len(layer_ids), hidden, spec.engine.resolved_storage_dtype)
         output_bytes = spec.expected_tokens * per_token
     checks.extend(check_storage(spec, cache, facts, output_bytes))
     checks.append(_guarded("remote.output", lambda: check_remote_output(spec)))

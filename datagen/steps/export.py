@@ -36,7 +36,7 @@ import shutil
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 import numpy as np
 import torch
@@ -106,16 +106,12 @@ def export(dataset: str | Path, out: str | Path, *, fmt: ExportFormat = ExportFo
     root, out = Path(dataset), Path(out)
     m, raw = _load_manifest(root)
     msha = hashlib.sha256(raw).hexdigest()
-    try:
-        layer_ids = [int(i) for i in m.spec["layer_ids"]]
-        n_layers = int(m.spec["model"]["num_hidden_layers"])
-        if not layer_ids:
-            raise ValueError("layer_ids is empty")
-    except (KeyError, TypeError, ValueError) as e:
+    layer_ids, n_layers = list(m.spec.layer_ids), m.spec.model.num_hidden_layers
+    if not layer_ids:
         raise DatasetError(
-            f"the manifest's spec does not name its layers and model depth ({type(e).__name__}: {e})",
+            "the manifest's spec names no layers (layer_ids is empty)",
             path=str(root / MANIFEST_NAME), hint="this is not a dataset written by datagen extract; run datagen validate",
-        ) from None
+        )
     if layer_ids[-1] != n_layers:
         raise SpecError(
             f"speculators takes the last captured layer as the verifier's final hidden state, but this dataset's "
@@ -146,9 +142,9 @@ def export(dataset: str | Path, out: str | Path, *, fmt: ExportFormat = ExportFo
             "manifest_sha256": msha,
             "validated": validated,
             "layer_ids": layer_ids,
-            "hidden_size": int(m.spec["model"]["hidden_size"]),
-            "dtype": EXPORT_DTYPE.get(m.spec.get("storage_dtype"), m.spec["dtype"]),
-            "storage_dtype": m.spec.get("storage_dtype") or m.spec["dtype"],
+            "hidden_size": m.spec.model.hidden_size,
+            "dtype": EXPORT_DTYPE.get(m.spec.storage_dtype, m.spec.dtype),
+            "storage_dtype": m.spec.storage_dtype,
             "samples": len(rows),
             "tokens": int(m.totals.get("tokens", 0)),
             "rows": rows,
@@ -279,7 +275,9 @@ def _write_arrow(root: Path, man: Manifest, tmp: Path) -> None:
 
 
 class Spec(StepSpec):
-    """``datagen export``'s command line."""
+    """``datagen export``'s input: the layout, the dataset and where to."""
+
+    SPEC_FILE: ClassVar[bool] = True
 
     fmt: Annotated[ExportFormat, Arg(flag="--format")] = Field(description="training-side layout to write")
     dataset: Annotated[str, Arg(positional=True)] = Field(description="dataset directory (holds manifest.json)")

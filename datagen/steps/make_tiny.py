@@ -16,10 +16,10 @@ HELP = "Make a tiny random-weight model, a tokenizer and a chat dataset (nothing
 
 class Spec(StepSpec):
     out: str = Field(description="directory to create")
-    arch: TinyArch = TinyArch.DEEPSEEK_V3
+    arch: TinyArch = Field(TinyArch.DEEPSEEK_V3, description="architecture of the random-weight model")
     layers: int = Field(8, description="num_hidden_layers")
     rows: int = Field(64, description="rows of the chat dataset")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the weights and of the dataset's rows")
     kimi: Literal["int4", "none"] | None = Field(
         None, description="a tiny Kimi-K2.5 checkpoint instead (datagen.models.tiny_kimi: the wrapper, INT4 experts "
         "or bf16, a bf16 DeepseekV3 twin in model-bf16) with a Kimi-shaped tiktoken tokenizer")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -33,6 +33,8 @@ class Acceptance(str, enum.Enum):
 
 class Spec(StepSpec):
     """``datagen measure-draft``'s command line."""
+
+    SPEC_FILE: ClassVar[bool] = True
 
     draft: Annotated[str, Arg(positional=True)] = Field(description="the draft directory (`datagen train`)")
     dataset: Annotated[str, Arg(positional=True)] = Field(

@@ -15,16 +15,17 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from datagen.data.contract import manifest_fingerprint, validated_manifest_sha256
-from datagen.steps import extract
+from datagen.data.contract import ResolvedSpec, ShardRecord, manifest_fingerprint, validated_manifest_sha256
 from datagen.extraction import stored
-from datagen.steps.extract import completed_shards, spec_from_args
+from datagen.extraction.output import claimed_by, completed_shards
+from datagen.extraction.plan import Plan
+from datagen.steps.extract import ExtractionSpec
 
 HELP = "Check a spec and print its fingerprints and each shard's cache key (loads no weights)."
 
 
-class Spec(extract.Spec):
-    """``datagen plan``'s command line: the same as ``datagen extract``'s (``--shards`` is ignored)."""
+class Spec(ExtractionSpec):
+    """``datagen plan``'s input: the extraction spec."""
 
 
 class PlanResult(BaseModel):
@@ -42,7 +43,7 @@ class PlanResult(BaseModel):
     num_hidden_layers: int = Field(description="The model's decoder layers.")
     shard_keys: list[str] = Field(description="Cache key of each shard, by index.")
     shards_complete: list[int] = Field(description="Shards already written for this spec.")
-    spec: dict = Field(description="The resolved spec, as the manifest will record it.")
+    spec: ResolvedSpec = Field(description="The resolved spec, as the manifest will record it.")
     manifest_fingerprint: str | None = Field(
         None, description="Fingerprint in the output's manifest.json, None when there is none."
     )
@@ -65,8 +66,8 @@ Result = PlanResult
 
 def run(spec: Spec) -> PlanResult:
     # The plan a run stored in its output, when it is this spec's: every row was checked then.
-    p, from_store = stored.plan_shards(spec_from_args(spec), (0, 0))
-    claimed = _claimed_by(p)
+    p, from_store = stored.plan_shards(spec.extraction(), (0, 0))
+    claimed = claimed_by(p)
     if claimed and not from_store:  # an output of ours: keep the plan for the ranges that follow
         stored.store_plan(p)
     done = completed_shards(p) if claimed else {}
@@ -88,31 +89,17 @@ def run(spec: Spec) -> PlanResult:
     )
 
 
-def _claimed_by(p) -> bool:
-    import json
-    from pathlib import Path
-
-    from datagen.data.contract import STATE_DIR
-
-    run_file = Path(p.spec.out) / STATE_DIR / "run.json"
-    try:
-        return json.loads(run_file.read_text()).get("extraction_fingerprint") == p.extraction_fingerprint
-    except (OSError, ValueError):
-        return False
-
-
-def _check_output_space(p, done: dict) -> None:
+def _check_output_space(p: Plan, done: dict[int, ShardRecord]) -> None:
     """Refuse before any engine starts when the output cannot hold what is left to extract.
 
     The env check can only estimate the output from a spec's ``expected_tokens`` (it runs before
-    the model and its tokenizer are here); the plan has the exact count.
+    the model and its tokenizer are here); the plan has the exact count, in the dtype stored.
     """
     from datagen.errors import CannotRunHereError
     from datagen.steps.env_check import Status, check_output_space
 
     left = p.data.tokens - sum(rec.tokens for rec in done.values())
-    dtype = getattr(p.spec, "storage_dtype", None) or p.spec.engine.dtype  # fp8 storage, where the spec has it
     check = check_output_space(p.spec.out, tokens=max(left, 0), n_layers=len(p.layer_ids),
-                               hidden_size=p.info.hidden_size, dtype=str(getattr(dtype, "value", dtype)))
+                               hidden_size=p.info.hidden_size, dtype=p.resolved_spec.storage_dtype)
     if check.status is Status.FAILED:
         raise CannotRunHereError(f"the output location cannot hold this dataset: {check.detail}", hint=check.fix)

@@ -32,7 +32,7 @@ import json
 import logging
 import time
 from pathlib import Path, PurePosixPath
-from typing import Annotated, Iterator
+from typing import Annotated, ClassVar, Iterator
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -214,7 +214,9 @@ def publish(dataset: str | Path, *, to: str, transfer: s3.TransferSettings | Non
 
 
 class Spec(StepSpec):
-    """``datagen publish``'s command line."""
+    """``datagen publish``'s input: the dataset and where to."""
+
+    SPEC_FILE: ClassVar[bool] = True
 
     dataset: Annotated[str, Arg(positional=True)] = Field(
         description="local dataset directory (validated: see `datagen validate`)")

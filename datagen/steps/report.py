@@ -15,7 +15,7 @@ import io
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -141,8 +141,11 @@ def markdown_table(runs: list[RunStats], drift: list[LayerDrift], *, threshold: 
 
 
 def make_report(dataset: str | Path, *, previous: list[str] | None = None, out: str | Path = "report.png",
-        threshold: float = DEFAULT_THRESHOLD) -> dict:
-    """Write the report of ``dataset`` next to ``previous`` (oldest first) to ``out`` (PNG).
+        threshold: float = DEFAULT_THRESHOLD, history: list[RunStats] | None = None, title: str = "") -> dict:
+    """Write the report of ``dataset`` after ``history`` (earlier runs' statistics, oldest first) and
+    ``previous`` (earlier runs' datasets, oldest first) to ``out`` (PNG); drift is measured against
+    the run drawn before ``dataset``. With a history, a previous dataset is labelled as such and
+    drawn only where it is not the history's last run already.
 
     Raises:
         DatasetError: a dataset has no (valid) manifest.
@@ -153,9 +156,17 @@ def make_report(dataset: str | Path, *, previous: list[str] | None = None, out: 
         raise SpecError(f"--out {out} is not a .png file", hint="name the plot FILE.png")
     if threshold <= 0:
         raise SpecError(f"--threshold {threshold} must be positive", hint="e.g. 0.25 (the validation default)")
-    runs = [run_stats(load_manifest(p)) for p in (previous or [])] + [run_stats(load_manifest(dataset))]
+    runs = list(history or [])
+    for path in previous or []:
+        earlier = run_stats(load_manifest(path))
+        if history is None:
+            runs.append(earlier)
+        elif not runs or runs[-1].layers != earlier.layers:  # not the history's last run already
+            runs.append(RunStats(**{**earlier.__dict__, "label": f"previous {earlier.label}"}))
+    current = run_stats(load_manifest(dataset))
+    runs.append(current)
     drift = drift_of(runs, threshold=threshold)
-    png = plot(runs, drift, threshold=threshold)
+    png = plot(runs, drift, threshold=threshold, title=f"{title}: last {len(runs)} runs" if title else "")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_bytes(png)
@@ -164,11 +175,26 @@ def make_report(dataset: str | Path, *, previous: list[str] | None = None, out: 
     log.info("report of %d runs written to %s%s", len(runs), out, f"; DRIFT in layers {drifted}" if drifted else "")
     return {"plot": str(out.resolve()), "runs": len(runs), "threshold": threshold, "drifted_layers": drifted,
             "layers": {str(d.layer_id): {"mean_shift_in_std": round(d.mean_shift, 6), "std_ratio": round(d.std_ratio, 6)}
-                       for d in drift}}
+                       for d in drift},
+            "table": markdown_table(runs, drift, threshold=threshold), "rows": current.to_rows()}
+
+
+def read_history(path: str | Path) -> list[RunStats]:
+    """Earlier runs' statistics from a JSON file: a list (oldest first) of each run's per-layer rows."""
+    import json
+
+    try:
+        raw = json.loads(Path(path).read_text())
+        return [RunStats.from_rows(rows) for rows in raw if rows]
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise SpecError(f"--history {path} is not a list of runs' per-layer rows: {e}",
+                        hint="write a JSON list, oldest run first, of RunStats.to_rows() lists") from e
 
 
 class Spec(StepSpec):
-    """``datagen report``'s command line."""
+    """``datagen report``'s input."""
+
+    SPEC_FILE: ClassVar[bool] = True
 
     dataset: Annotated[str, Arg(positional=True)] = Field(
         description="the dataset to report on (a directory or s3://bucket/prefix)")
@@ -177,6 +203,10 @@ class Spec(StepSpec):
         description="earlier runs' datasets, oldest first; drift is measured against the last one")
     out: str = Field("report.png", description="where the plot goes (PNG; default report.png)")
     threshold: float = Field(DEFAULT_THRESHOLD, description=f"drift threshold (default {DEFAULT_THRESHOLD}, as validation)")
+    history: str | None = Field(
+        None, description="JSON file of earlier runs' per-layer rows, oldest first (the flow's record of its "
+                          "deployment's runs), drawn before --previous")
+    title: str = Field("", description="title of the plot")
 
 
 class ReportResult(BaseModel):
@@ -190,6 +220,8 @@ class ReportResult(BaseModel):
     drifted_layers: list[int] = Field(description="Layers whose statistics moved beyond the threshold.")
     layers: dict[str, dict[str, float]] = Field(
         description="layer id -> mean_shift_in_std and std_ratio against the last previous run.")
+    table: str = Field(description="The markdown table of this run's layers, drift marked.")
+    rows: list[dict] = Field(description="This run's per-layer rows (what a later run's --history holds).")
 
 
 Result = ReportResult
@@ -197,5 +229,6 @@ Result = ReportResult
 
 def run(spec: Spec) -> ReportResult:
     """``datagen report DATASET [--previous ...]`` (``make_report``)."""
-    return ReportResult.model_validate(
-        make_report(spec.dataset, previous=spec.previous, out=spec.out, threshold=spec.threshold))
+    history = read_history(spec.history) if spec.history else None
+    return ReportResult.model_validate(make_report(spec.dataset, previous=spec.previous, out=spec.out,
+                                                   threshold=spec.threshold, history=history, title=spec.title))

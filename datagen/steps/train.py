@@ -9,7 +9,7 @@ beat). The draft directory must not exist; it is written under a temporary name 
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,6 +21,8 @@ HELP = "Train an EAGLE-3 draft on a dataset with speculators' trainer (the packe
 
 class Spec(StepSpec, DraftSettings):
     """``datagen train``'s command line: where, from what, and the draft's settings (``DraftSettings``)."""
+
+    SPEC_FILE: ClassVar[bool] = True
 
     dataset: Annotated[str, Arg(positional=True)] = Field(description="the dataset (a directory or s3://bucket/prefix)")
     out: str = Field(description="the draft directory to write (must not exist)")

@@ -30,24 +30,23 @@ import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.data.contract import validation_path
 from datagen.data.shards import atomic_write_json, combine_stats
+from datagen.data.spec import DEFAULT_MAX_SEQ_LEN
 from datagen.errors import SpecError, StorageError, ValidationFailed
 from datagen.steps._args import Arg, StepSpec
 from datagen.validation import drift, golden, manifest, scan, source
-from datagen.validation.golden import DEFAULT_TOLERANCE as GOLDEN_TOLERANCE
-from datagen.validation.golden import GoldenCriterionName, GoldenReference
+from datagen.validation.settings import ValidationSettings
 from datagen.validation.report import Findings, Problem, ProblemKind
 
 HELP = "Validate a dataset (structure, checksums, tokens, numerics, golden samples); write a JSON report."
 log = logging.getLogger(__name__)
 
-DEFAULT_GOLDEN = 4
 K = ProblemKind
 # check name -> the problem kinds that fail it (the report's "checks" section)
 CHECKS: dict[str, set[ProblemKind]] = {
@@ -65,25 +64,18 @@ CHECKS: dict[str, set[ProblemKind]] = {
 }
 
 
-def validate(dataset: str | Path, *, previous: str | Path | None = None, golden_rows: int = DEFAULT_GOLDEN,
-        seed: int | None = None, workers: int | None = None, golden_tolerance: float = golden.DEFAULT_TOLERANCE,
-        drift_threshold: float = drift.DEFAULT_THRESHOLD, model: str | None = None,
-        source_rows: str | None = None, golden_reference: golden.GoldenReference = golden.GoldenReference.AUTO,
-        golden_criterion: golden.GoldenCriterionName = golden.GoldenCriterionName.ROBUST,
-        trust_remote_code: bool = False) -> dict:
+def validate(dataset: str | Path, settings: ValidationSettings = ValidationSettings(), *, seed: int | None = None,
+             workers: int | None = None, model: str | None = None, source_rows: str | None = None,
+             trust_remote_code: bool = False) -> dict:
     """Validate the dataset at ``dataset`` and return the report (``report["ok"]``).
 
     Args:
-        previous: a previous dataset of the same model and layers, for the drift check.
-        golden_rows: rows to re-extract with the reference engine (0: no golden check).
+        settings: the checks' settings (golden rows and their reference and criterion, the drift
+            check's previous dataset and threshold), as a pipeline spec gives them.
         seed: seed of the golden rows' draw; a random one is drawn (and reported) if None.
         workers: shards scanned in parallel (default: the number of CPUs, at most 8).
         model, source_rows: the source model directory and JSONL, when they are no longer
             where the manifest's spec says.
-        golden_reference: the engine that re-extracts golden rows (auto: transformers where it
-            has the model's class, else vLLM in eager mode with layer hooks).
-        golden_criterion: how golden rows are judged (robust: per-layer median, p90 and
-            neighbours; max-token: every token within ``golden_tolerance``).
         trust_remote_code: the pipeline spec's permission to run the model's own code (its
             tokenizer, the engine reference's model); never read from the manifest.
 
@@ -107,11 +99,8 @@ def validate(dataset: str | Path, *, previous: str | Path | None = None, golden_
 
     lm = manifest.load(root, findings)
     if lm is not None:
-        _validate(root, lm, findings, report, previous=previous, golden_rows=golden_rows, seed=seed,
-                  workers=workers or min(8, os.cpu_count() or 1), golden_tolerance=golden_tolerance,
-                  drift_threshold=drift_threshold, model=model, source_rows=source_rows,
-                  golden_reference=golden_reference, golden_criterion=golden_criterion,
-                  trust_remote_code=trust_remote_code)
+        _validate(root, lm, findings, report, settings, seed=seed, workers=workers or min(8, os.cpu_count() or 1),
+                  model=model, source_rows=source_rows, trust_remote_code=trust_remote_code)
     for name, kinds in CHECKS.items():
         if name not in findings.checks:
             if lm is None and name != "manifest":
@@ -139,9 +128,8 @@ def validate(dataset: str | Path, *, previous: str | Path | None = None, golden_
     return report
 
 
-def _validate(root: Path, lm: manifest.LoadedManifest, findings: Findings, report: dict, *, previous, golden_rows,
-              seed, workers, golden_tolerance, drift_threshold, model, source_rows, golden_reference,
-              golden_criterion, trust_remote_code) -> None:
+def _validate(root: Path, lm: manifest.LoadedManifest, findings: Findings, report: dict, settings: ValidationSettings,
+              *, seed, workers, model, source_rows, trust_remote_code) -> None:
     m = lm.manifest
     report.update(manifest_sha256=lm.sha256, fingerprint=m.fingerprint,
                   extraction_fingerprint=m.extraction_fingerprint, layer_ids=list(lm.expected.layer_ids),
@@ -175,14 +163,14 @@ def _validate(root: Path, lm: manifest.LoadedManifest, findings: Findings, repor
     manifest.check_coverage(lm, scans, findings)
     _check_dataset_stats(lm, scans, findings)
 
-    if golden_rows > 0:
-        _golden(root, lm, scans, findings, report, n=golden_rows, seed=seed, src=src, tolerance=golden_tolerance,
-                fresh=fresh, reference=golden_reference, criterion=golden_criterion,
-                trust_remote_code=trust_remote_code)
+    if settings.golden_samples > 0:
+        _golden(root, lm, scans, findings, report, n=settings.golden_samples, seed=seed, src=src,
+                tolerance=settings.golden_tolerance, fresh=fresh, reference=settings.golden_reference,
+                criterion=settings.golden_criterion, trust_remote_code=trust_remote_code)
     else:
         findings.not_run("golden", "--golden 0")
-    if previous is not None:
-        report["drift"] = drift.check(m, Path(previous), threshold=drift_threshold, findings=findings)
+    if settings.previous is not None:
+        report["drift"] = drift.check(m, Path(settings.previous), threshold=settings.drift_threshold, findings=findings)
     else:
         findings.not_run("drift", "no --previous dataset given")
     if manifest.manifest_sha256(root) != lm.sha256:
@@ -245,8 +233,8 @@ def _golden(root, lm, scans, findings, report, *, n, seed, src, tolerance, fresh
         # permission to run a model's own code.
         trust_remote_code=trust_remote_code,
         tolerance=tolerance, findings=findings, reference=reference, criterion=criterion,
-        max_seq_len=int(lm.manifest.spec.get("preprocessing", {}).get("max_seq_len") or 4096),
-        tensor_parallel_size=int(lm.manifest.spec.get("engine", {}).get("tensor_parallel_size") or 1))
+        max_seq_len=lm.manifest.spec.preprocessing.max_seq_len or DEFAULT_MAX_SEQ_LEN,
+        tensor_parallel_size=lm.manifest.spec.engine.tensor_parallel_size or 1)
     if fresh is not None and not fresh.model_matches:
         report["golden"]["note"] = "the model found is not the one extracted from (see source_changed)"
     ref = report["golden"].get("reference") or {}
@@ -263,35 +251,25 @@ def _remove_stale(marker: Path) -> None:
 
 # --- command line -----------------------------------------------------------------------------
 
-class Spec(StepSpec):
-    """``datagen validate``'s command line."""
+class Spec(ValidationSettings, StepSpec):
+    """``datagen validate``'s input: the dataset, the validation settings (``ValidationSettings``, the
+    part a pipeline spec embeds), and where this run reads and writes."""
+
+    SPEC_FILE: ClassVar[bool] = True
+    OPTIONS: ClassVar[dict[str, Arg]] = {"golden_samples": Arg(flag="--golden", metavar="N")}
 
     dataset: Annotated[str, Arg(positional=True)] = Field(description="dataset directory (holds manifest.json)")
-    previous: str | None = Field(
-        None, description="the last good dataset of the same model and layers (drift check)")
-    golden: int = Field(
-        DEFAULT_GOLDEN, description=f"rows to re-extract with the reference engine (default {DEFAULT_GOLDEN}; 0: none)")
     seed: int | None = Field(None, description="seed of the golden rows' draw (default: random, reported)")
-    golden_tolerance: float = Field(
-        GOLDEN_TOLERANCE,
-        description=f"max-token criterion: largest per-token relative L2 error (default {GOLDEN_TOLERANCE})")
-    golden_reference: GoldenReference = Field(
-        GoldenReference.AUTO,
-        description="engine of the golden re-extraction (default auto: transformers where it has the "
-                    "model's class, else vLLM eager with layer hooks)")
-    golden_criterion: GoldenCriterionName = Field(
-        GoldenCriterionName.ROBUST,
-        description="robust (default): per-layer median, p90 and right layer against neighbours; "
-                    "max-token: every token within --golden-tolerance")
     trust_remote_code: bool = Field(
         False, description="allow the model's own code (tokenizer, engine reference), as the extraction spec did")
-    drift_threshold: float = Field(
-        drift.DEFAULT_THRESHOLD,
-        description=f"largest mean shift (in previous std) and relative std change (default {drift.DEFAULT_THRESHOLD})")
     report: str | None = Field(None, description="also write the JSON report here (written whether or not it passes)")
-    workers: int | None = Field(None, description="shards scanned in parallel (default: CPUs, at most 8)")
+    workers: int | None = Field(None, ge=1, description="shards scanned in parallel (default: CPUs, at most 8)")
     model: str | None = Field(None, description="source model directory, if not where the manifest says")
     source: str | None = Field(None, description="source JSONL dataset, if not where the manifest says")
+
+    def settings(self) -> ValidationSettings:
+        """The validation settings alone."""
+        return ValidationSettings.model_validate(self.model_dump(include=set(ValidationSettings.model_fields)))
 
 
 class ValidateResult(BaseModel):
@@ -308,6 +286,10 @@ class ValidateResult(BaseModel):
     checks: dict = Field(description="check name -> its outcome (ok, failed, not run) and problem count.")
     problem_counts: dict[str, int] = Field(description="problem kind -> how many.")
     problems: list[dict] = Field(description="Each problem: kind, message, and shard/row/layer where known.")
+    shards: int | None = Field(None, description="Shards the manifest lists (None: no readable manifest).")
+    golden: dict | None = Field(
+        None, description="The golden check: seed, rows, tolerance, its reference (kind, tokens, seconds, "
+                          "start_seconds) and each row's verdict; None when it did not run.")
 
 
 Result = ValidateResult
@@ -316,14 +298,8 @@ Result = ValidateResult
 def run(args: Spec) -> ValidateResult:
     """``datagen validate DATASET``: the report (``validate``); also to ``--report``; an error when
     the dataset fails."""
-    if args.golden < 0 or (args.workers is not None and args.workers < 1):
-        raise SpecError("--golden must be >= 0 and --workers >= 1", hint="e.g. --golden 4 --workers 4")
-    report = validate(args.dataset, previous=args.previous, golden_rows=args.golden, seed=args.seed,
-                 workers=args.workers, golden_tolerance=args.golden_tolerance,
-                 drift_threshold=args.drift_threshold, model=args.model, source_rows=args.source,
-                 golden_reference=args.golden_reference,
-                 golden_criterion=args.golden_criterion,
-                 trust_remote_code=args.trust_remote_code)
+    report = validate(args.dataset, args.settings(), seed=args.seed, workers=args.workers, model=args.model,
+                      source_rows=args.source, trust_remote_code=args.trust_remote_code)
     if args.report:
         atomic_write_json(Path(args.report), report)
     if not report["ok"]:

@@ -173,6 +173,22 @@ def put_manifest(client, dest: S3Source, raw: bytes) -> None:
                  content_type="application/json")
 
 
+def download_shards(client, dest: S3Source, records: Iterable[ShardRecord], out: Path, *,
+                    transfer: s3.TransferSettings) -> int:
+    """The shard objects of ``records`` as the files of a local dataset directory ``out`` (each
+    written under a temporary name, then renamed): the bytes as the bucket holds them, for a check
+    that reads every byte (`datagen validate`). Returns the bytes downloaded."""
+    total = 0
+    for rec in records:
+        path = out / rec.path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.tmp-download"
+        s3.download_file(client, dest.bucket, dest.key(rec.path), tmp, transfer=transfer)
+        tmp.replace(path)
+        total += path.stat().st_size
+    return total
+
+
 def write_records(records: Mapping[int, ShardRecord], directory: Path) -> None:
     """The records as local files (the input of `datagen assemble`)."""
     directory.mkdir(parents=True, exist_ok=True)

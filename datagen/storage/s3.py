@@ -293,6 +293,13 @@ def upload_file(client, path: Path, bucket: str, key: str, *, sha256: str, trans
         )
 
 
+def download_file(client, bucket: str, key: str, path: Path, *, transfer: TransferSettings) -> None:
+    """Download an object to ``path`` with parallel ranged transfers (the bytes as stored: a reader
+    checks them against its own record)."""
+    with _translated("download", f"s3://{bucket}/{key}"):
+        client.download_file(bucket, key, str(path), Config=_transfer_config(transfer))
+
+
 def delete_object(client, bucket: str, key: str) -> None:
     with _translated("delete", f"s3://{bucket}/{key}"):
         client.delete_object(Bucket=bucket, Key=key)

@@ -15,15 +15,15 @@ from pydantic import ValidationError
 
 from datagen.data.contract import MANIFEST_NAME, LayerStats, Manifest
 from datagen.validation.report import Findings, Problem, ProblemKind
+from datagen.validation.settings import DEFAULT_DRIFT_THRESHOLD
 
-DEFAULT_THRESHOLD = 0.25
+DEFAULT_THRESHOLD = DEFAULT_DRIFT_THRESHOLD
 
 
 def _identity(m: Manifest) -> dict:
-    model = m.spec.get("model", {})
-    return {"architecture": model.get("architecture"), "num_hidden_layers": model.get("num_hidden_layers"),
-            "hidden_size": model.get("hidden_size"), "layer_ids": m.spec.get("layer_ids"),
-            "dtype": m.spec.get("dtype")}
+    model = m.spec.model
+    return {"architecture": model.architecture, "num_hidden_layers": model.num_hidden_layers,
+            "hidden_size": model.hidden_size, "layer_ids": list(m.spec.layer_ids), "dtype": m.spec.dtype}
 
 
 def check(current: Manifest, previous: Path, *, threshold: float, findings: Findings) -> dict:

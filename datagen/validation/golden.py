@@ -20,7 +20,6 @@ comparison and for float32 datasets, where it is the sharper test.
 
 from __future__ import annotations
 
-import enum
 import logging
 import random
 import time
@@ -32,28 +31,13 @@ import torch
 from datagen.validation.compare import GoldenCriterion, judge_layer, neighbour_ids
 from datagen.validation.report import Findings, Problem, ProblemKind
 from datagen.validation.scan import ShardScan, resolve_inside
+from datagen.validation.settings import DEFAULT_TOLERANCE, GoldenCriterionName, GoldenReference
 from datagen.validation.shardfile import MappedShard, read_header
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TOLERANCE = 0.05  # the max-token criterion's per-token bound
 _EPS = 1e-6
 POST_NORM = -1  # the state after the final norm, in a reference's states
-
-
-class GoldenReference(str, enum.Enum):
-    """Which engine re-extracts golden samples."""
-
-    AUTO = "auto"
-    TRANSFORMERS = "transformers"
-    ENGINE = "engine"
-
-
-class GoldenCriterionName(str, enum.Enum):
-    """How a golden sample is judged."""
-
-    ROBUST = "robust"  # per-layer median and p90, right layer against its neighbours
-    MAX_TOKEN = "max-token"  # every token within the tolerance (false alarms on bf16 MoE models)
 
 
 @dataclass(frozen=True)

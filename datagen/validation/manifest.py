@@ -65,17 +65,17 @@ def load(root: Path, findings: Findings) -> LoadedManifest | None:
                              f"reads version {FORMAT_VERSION}"))
         return None
     spec = m.spec
-    try:
-        layer_ids = tuple(int(i) for i in spec["layer_ids"])
-        hidden = int(spec["model"]["hidden_size"])
-        n_layers = int(spec["model"]["num_hidden_layers"])
-        compute_dtype = str(spec["dtype"])
-        dtype = str(spec.get("storage_dtype") or compute_dtype)  # manifests before storage_dtype: the same
-        rows = int(spec["dataset"]["rows"])
-        per_shard = int(spec["preprocessing"]["samples_per_shard"])
-    except (KeyError, TypeError, ValueError) as e:
-        findings.add(Problem(ProblemKind.SPEC_INVALID, f"the recorded spec lacks {e}"))
+    layer_ids = tuple(spec.layer_ids)
+    hidden, n_layers = spec.model.hidden_size, spec.model.num_hidden_layers
+    compute_dtype, dtype = spec.dtype, spec.storage_dtype
+    lacking = [name for name, value in (("dataset.rows", spec.dataset and spec.dataset.rows),
+                                        ("preprocessing.samples_per_shard",
+                                         spec.preprocessing and spec.preprocessing.samples_per_shard))
+               if value is None]
+    if lacking:
+        findings.add(Problem(ProblemKind.SPEC_INVALID, f"the recorded spec lacks {', '.join(lacking)}"))
         return None
+    rows, per_shard = spec.dataset.rows, spec.preprocessing.samples_per_shard
     if dtype not in SPEC_DTYPE_CODES or not layer_ids or per_shard < 1 or rows < 0:
         findings.add(Problem(ProblemKind.SPEC_INVALID, f"the recorded spec is inconsistent: dtype {dtype!r}, "
                              f"layer_ids {list(layer_ids)}, samples_per_shard {per_shard}, rows {rows}"))
@@ -117,17 +117,12 @@ def check(lm: LoadedManifest, findings: Findings) -> None:
 
 def _check_fingerprints(m: Manifest, findings: Findings) -> None:
     # The extraction fingerprint covers the spec without the dataset and without the
-    # model's local path (datagen.steps.extract.plan builds it the same way).
-    spec = dict(m.spec)
-    dataset = spec.pop("dataset", {})
-    model = dict(spec.get("model", {}))
-    model.pop("source", None)
-    spec["model"] = model
-    efp = sha256_hex(canonical_json(spec))
+    # model's local path (datagen.extraction.plan builds it the same way).
+    efp = sha256_hex(canonical_json(m.spec.extraction_record()))
     if efp != m.extraction_fingerprint:
         findings.add(Problem(ProblemKind.FINGERPRINT, "extraction_fingerprint does not match the recorded spec: the "
                              "spec or the fingerprint was edited"))
-    fp = sha256_hex(canonical_json({"extraction": m.extraction_fingerprint, "dataset": dataset.get("sha256")}))
+    fp = sha256_hex(canonical_json({"extraction": m.extraction_fingerprint, "dataset": m.spec.dataset.sha256 if m.spec.dataset else None}))
     if fp != m.fingerprint:
         findings.add(Problem(ProblemKind.FINGERPRINT, "fingerprint does not match the extraction fingerprint and the "
                              "dataset's sha256"))

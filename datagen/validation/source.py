@@ -45,8 +45,8 @@ class FreshRows:
 def locate(lm: LoadedManifest, *, model: str | None, dataset: str | None) -> Sources:
     """The source model and dataset: the overrides, else the paths recorded in the spec."""
     spec = lm.manifest.spec
-    mdir = Path(model or spec.get("model", {}).get("source") or "")
-    dfile = Path(dataset or spec.get("dataset", {}).get("source") or "")
+    mdir = Path(model or spec.model.source or "")
+    dfile = Path(dataset or (spec.dataset.source if spec.dataset else None) or "")
     return Sources(mdir, dfile, mdir.is_dir() and str(mdir) != ".", dfile.is_file())
 
 
@@ -60,14 +60,14 @@ def read_fresh(lm: LoadedManifest, src: Sources, findings: Findings, *,
     from datagen.extraction.plan import plan
 
     spec = lm.manifest.spec
-    revision = spec["model"].get("revision")
+    revision = spec.model.revision
     raw = {
         "model": str(src.model),
         "model_revision": None if str(revision or "").startswith("content:") else revision,
         "dataset": str(src.dataset),
         "out": str(src.dataset.parent / ".datagen-validate-unused"),  # plan() writes nothing
         "layer_ids": list(lm.expected.layer_ids),
-        "max_seq_len": spec["preprocessing"]["max_seq_len"],
+        "max_seq_len": spec.preprocessing.max_seq_len,
         "samples_per_shard": lm.samples_per_shard,
         "engine": {"name": "hf", "dtype": lm.compute_dtype, "storage_dtype": lm.expected.dtype,
                    # never taken from the manifest: a manifest is data, not permission to run code
@@ -78,23 +78,23 @@ def read_fresh(lm: LoadedManifest, src: Sources, findings: Findings, *,
     except DatagenError as e:
         findings.add(Problem(ProblemKind.SOURCE_CHANGED, f"the source no longer plans as it did: {e.message}"))
         return None
-    rec_ds = spec["dataset"]
-    if p.data.fingerprint != rec_ds.get("sha256") or p.data.rows != lm.rows:
+    recorded_sha256 = spec.dataset.sha256 if spec.dataset else None
+    if p.data.fingerprint != recorded_sha256 or p.data.rows != lm.rows:
         findings.add(Problem(ProblemKind.SOURCE_CHANGED, f"source dataset {src.dataset} is not the one extracted "
-                             f"(sha256 {p.data.fingerprint[:16]}... vs {str(rec_ds.get('sha256'))[:16]}..., "
+                             f"(sha256 {p.data.fingerprint[:16]}... vs {str(recorded_sha256)[:16]}..., "
                              f"{p.data.rows} vs {lm.rows} rows)"))
         return None
-    pre = spec["preprocessing"]
+    pre = spec.preprocessing
     for key, fresh in (("chat_template_sha256", p.data.chat_template_hash),
                        ("tokenizer_sha256", p.data.tokenizer_hash)):
-        if pre.get(key) != fresh:
+        if getattr(pre, key) != fresh:
             findings.add(Problem(ProblemKind.SOURCE_CHANGED, f"the model's tokenizer differs from the one extracted "
                                  f"with ({key})"))
             return None
-    model_matches = p.resolved_spec["model"]["revision"] == revision
+    model_matches = p.resolved_spec.model.revision == revision
     if not model_matches:
         findings.add(Problem(ProblemKind.SOURCE_CHANGED, f"model {src.model} is not the one extracted from "
-                             f"(revision {p.resolved_spec['model']['revision'][:24]} vs {str(revision)[:24]})"))
+                             f"(revision {str(p.resolved_spec.model.revision)[:24]} vs {str(revision)[:24]})"))
     _compare_lists(lm, p.data.skipped, p.data.truncated, findings)
     efp = lm.manifest.extraction_fingerprint
     keys = {}

@@ -495,7 +495,7 @@ OUTPUT_REFUSALS = {
 def _apply(monkeypatch, change: str | None) -> None:
     from datagen.engines import patches
     from datagen.errors import EngineUnsupportedError, ModelError
-    from datagen.steps import extract
+    from datagen.extraction import run as extract
 
     if change == "vllm_0.99":
         monkeypatch.setattr(patches, "installed_vllm_version", lambda: "0.99.0")

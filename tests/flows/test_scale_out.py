@@ -236,14 +236,27 @@ def reference(project, server, s3, datasets) -> dict:  # noqa: F811
     return bucket_digest(s3, datasets, "single")
 
 
-def test_two_workers_share_the_ranges_the_bucket_holds_the_single_process_dataset_and_a_second_run_submits_nothing(
-    server, s3, project, hosts, datasets, reference  # noqa: F811
-):
+# The fleet's dataset is validated with golden rows (re-extracted by the reference), as production's.
+FLEET_VALIDATION = {"golden_samples": 2}
+
+
+@pytest.fixture(scope="module")
+def fleet(server, s3, project, hosts, datasets):  # noqa: F811
+    """A dataset extracted by two workers into the bucket's prefix "fleet": (the run's summary, its
+    wall time, its range runs, the workers)."""
     workers = live_workers(server, s3, hosts, "gpu", "w1", "w2")
     since = time.time()
-    result, wall = run_parent(server, s3, project, spec(project, datasets, "fleet"), "fleet")
-    runs = range_runs(server, since)
+    result, wall = run_parent(server, s3, project, spec(project, datasets, "fleet", validation=FLEET_VALIDATION),
+                              "fleet")
+    return result, wall, range_runs(server, since), workers
+
+
+def test_two_workers_share_the_ranges_the_bucket_holds_the_single_process_dataset_and_a_second_run_submits_nothing(
+    server, s3, project, hosts, datasets, reference, fleet  # noqa: F811
+):
+    result, wall, runs, workers = fleet
     assert result["shards_extracted"] == list(range(SHARDS))
+    assert result["validation"].startswith("passed") and "golden" in result["validation"], result["validation"]
     assert result["uri"] == f"s3://{datasets}/fleet"
     assert bucket_digest(s3, datasets, "fleet") == reference
     assert {worker_of(workers, r.id) for r in runs} == {"w1", "w2"}, [(r.name, r.state.name) for r in runs]
@@ -256,10 +269,39 @@ def test_two_workers_share_the_ranges_the_bucket_holds_the_single_process_datase
 
     # A second run of the same spec submits no range at all.
     since = time.time()
-    again, wall = run_parent(server, s3, project, spec(project, datasets, "fleet"), "fleet-again")
+    again, wall = run_parent(server, s3, project, spec(project, datasets, "fleet", validation=FLEET_VALIDATION),
+                             "fleet-again")
     assert again["shards_extracted"] == [] and again["ranges_cached"] == RANGES
     assert range_runs(server, since) == []
     print(f"second run, nothing to do: {wall:.1f} s")
+
+
+def test_a_shard_corrupted_in_the_bucket_fails_validation_and_nothing_is_handed_off(
+    server, s3, project, datasets, fleet  # noqa: F811
+):
+    """The bucket's check (size, sha256 metadata) cannot see bytes that rotted in place; validation
+    reads them, and the manifest is never written: no dataset is announced to training."""
+    client = s3.client()
+    key, manifest_key = "fleet/shards/shard-000001.safetensors", "fleet/manifest.json"
+    original = client.get_object(Bucket=datasets, Key=key)
+    data, metadata = original["Body"].read(), original["Metadata"]
+    manifest = client.get_object(Bucket=datasets, Key=manifest_key)["Body"].read()
+    rotted = bytearray(data)
+    rotted[-64:] = bytes(b ^ 0xFF for b in rotted[-64:])  # tensor bytes rotted: same size, same metadata
+    client.put_object(Bucket=datasets, Key=key, Body=bytes(rotted), Metadata=metadata)
+    client.delete_object(Bucket=datasets, Key=manifest_key)
+    try:
+        parent = start_parent(server, s3, project, spec(project, datasets, "fleet", validation=FLEET_VALIDATION),
+                              "fleet-corrupt")
+        parent.proc.wait(timeout=900)
+        out = parent.output()
+        assert parent.proc.returncode != 0, out[-5000:]
+        assert "shard_checksum" in out and "Task run 'validate" in out, out[-5000:]
+        assert "Task run 'publish-manifest" not in out and "Task run 'announce" not in out, out[-5000:]
+        assert "Contents" not in client.list_objects_v2(Bucket=datasets, Prefix=manifest_key)
+    finally:  # the prefix as the module's other tests expect it
+        client.put_object(Bucket=datasets, Key=key, Body=data, Metadata=metadata)
+        client.put_object(Bucket=datasets, Key=manifest_key, Body=manifest)
 
 
 def test_a_worker_killed_in_the_middle_of_a_range_loses_nothing(

@@ -52,7 +52,7 @@ def _extra_rows() -> list[dict]:
 def _build(base: Path) -> Path:
     from datagen.data.spec import parse_spec
     from datagen.models.tiny import TinyArch, make_chat_dataset, make_model
-    from datagen.steps import extract
+    from datagen.extraction.run import extract
 
     model = make_model(base / "model", arch=TinyArch.LLAMA, num_layers=4, seed=0)
     rows = make_chat_dataset(base / "chat.jsonl", rows=24, seed=0)
@@ -62,7 +62,7 @@ def _build(base: Path) -> Path:
     out = base / "dataset"
     spec = parse_spec({"model": str(model.resolve()), "dataset": str(rows.resolve()), "out": str(out.resolve()),
                        "samples_per_shard": ROWS_PER_SHARD, "engine": {"name": "hf"}})
-    extract.extract(spec)
+    extract(spec)
     return out
 
 
@@ -80,7 +80,7 @@ def extracted_dataset(tmp_path_factory) -> Path:
 def foreign_shard(tmp_path_factory) -> Path:
     """Shard 0 of the same model and rows extracted with other layers (same shapes): another spec."""
     from datagen.data.spec import parse_spec
-    from datagen.steps import extract
+    from datagen.extraction.run import extract
 
     ds = extracted_dataset(tmp_path_factory)
     base = ds.parent
@@ -89,7 +89,7 @@ def foreign_shard(tmp_path_factory) -> Path:
     if not shard.exists():
         spec = parse_spec({"model": str(base / "model"), "dataset": str(base / "chat.jsonl"), "out": str(out),
                            "samples_per_shard": ROWS_PER_SHARD, "layer_ids": [0, 2, 4], "engine": {"name": "hf"}})
-        extract.extract(spec, shards=(0, 1))
+        extract(spec, shards=(0, 1))
     return shard
 
 

@@ -10,6 +10,7 @@ import pytest
 from prefect import flow
 
 from tasks import artifacts
+from tasks.report import layer_report
 from tests.support.synthetic_shards import make_synthetic_dataset, manifest_of, write_manifest
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -28,7 +29,7 @@ def read_artifacts(key: str) -> list:
 def nightly(name: str):
     @flow(name=name)
     def run(dataset: str, previous: str | None = None) -> list[int]:
-        return artifacts.layer_report(dataset, previous=previous)
+        return layer_report(dataset, previous=previous)
 
     return run
 

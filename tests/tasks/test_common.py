@@ -6,7 +6,7 @@ import pytest
 from prefect import flow, task
 
 from datagen.errors import EXIT_BAD_INPUT, EXIT_CANNOT_RUN_HERE, EXIT_FAILED, EXIT_TRANSIENT, EXIT_VALIDATION
-from tasks._common import StepFailed, cache_key, retry_if_transient, step_available
+from tasks._common import StepFailed, cache_key, retry_if_transient
 from tasks.runners import StepOutcome
 
 
@@ -36,11 +36,6 @@ def test_cache_keys_are_file_names_that_depend_on_every_part():
     assert k.startswith("extract-range-") and "/" not in k
     assert k == cache_key("extract-range", ["a", "b"], "local:1", "/out")
     assert k != cache_key("extract-range", ["a", "c"], "local:1", "/out")
-
-
-def test_steps_that_this_version_lacks_are_known():
-    assert step_available("extract") and step_available("plan")
-    assert not step_available("no-such-step")
 
 
 @pytest.mark.usefixtures("prefect_harness")

@@ -20,15 +20,15 @@ def _context(fn=None):
 
 
 def test_a_call_without_a_key_is_not_cached():
-    assert _cache_key_argument(_context(), {"call": StepCall(step="extract")}) is None
+    assert _cache_key_argument(_context(), {"call": StepCall(step="extract", spec={})}) is None
 
 
 def test_the_key_is_the_argument_and_the_result_shape_of_the_step():
-    key = _cache_key_argument(_context(), {"call": StepCall(step="extract"), "cache_key": "extract-range-abc"})
+    key = _cache_key_argument(_context(), {"call": StepCall(step="extract", spec={}), "cache_key": "extract-range-abc"})
     assert key.startswith("extract-range-abc-r") and key != "extract-range-abc"
-    again = _cache_key_argument(_context(), {"call": StepCall(step="extract", label="0:2"), "cache_key": "extract-range-abc"})
+    again = _cache_key_argument(_context(), {"call": StepCall(step="extract", spec={}, label="0:2"), "cache_key": "extract-range-abc"})
     assert key == again  # the call's other fields are not part of it: the flow's key says what decides the output
-    assert key != _cache_key_argument(_context(), {"call": StepCall(step="publish"), "cache_key": "extract-range-abc"})
+    assert key != _cache_key_argument(_context(), {"call": StepCall(step="publish", spec={}), "cache_key": "extract-range-abc"})
     assert key.endswith(_result_schema_digest(result_type("extract")))
 
 

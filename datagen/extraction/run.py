@@ -1,0 +1,258 @@
+"""The extraction run: a plan's shards through an engine into the output, then the manifest.
+
+Order of work, so that bad input never costs a model load or leaves output:
+check the spec -> read the model's config -> read and tokenize every row (or load
+the range's rows from the plan an earlier run stored, ``datagen.extraction.stored``) ->
+check the output directory -> start the engine -> claim the output directory ->
+write shards -> manifest. Nothing is written into the output before the engine
+has started, so every refusal (exit 2 or 3) leaves it as it was found.
+
+Resume (``datagen.extraction.output``): re-running after a crash keeps the complete
+shards and redoes the rest; re-running a finished dataset does nothing. A shard range
+extracts only shards [A, B) and writes no manifest (the fan-out unit); a run without
+one finishes every shard and writes the manifest last (``datagen.extraction.manifest``).
+
+``extract_shards`` is the loop itself, on an engine already started: the benchmarks call
+it rather than a copy of it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from filelock import FileLock, Timeout
+
+from datagen import settings
+from datagen.data.contract import ShardRecord, shard_name
+from datagen.data.spec import EngineName, ExtractSpec
+from datagen.errors import OutputConflictError, SpecError, StorageError
+from datagen.extraction import stored
+from datagen.extraction.manifest import check_dataset_unchanged, existing_manifest, manifest_result, write_manifest
+from datagen.extraction.output import (
+    check_output, commit, completed_shards, missing_dirs, remove_empty_dirs, save_records,
+)
+from datagen.extraction.plan import Plan
+
+if TYPE_CHECKING:
+    from datagen.data.shards import ShardJob
+    from datagen.engines.base import Engine
+
+log = logging.getLogger(__name__)
+
+
+def build_job(p: Plan, k: int) -> ShardJob:
+    """Shard ``k`` of ``p`` as the engine takes it: its rows' tokens, where to write, what to store."""
+    from datagen.data.shards import ShardJob  # torch: not for those that only read the step's types
+
+    first, count = p.shard_range(k)
+    rows = [r for r in range(first, first + count) if r in p.data.samples]
+    return ShardJob(
+        index=k,
+        path=str(Path(p.spec.out).resolve() / shard_name(k)),
+        first_row=first,
+        rows=count,
+        sample_rows=tuple(rows),
+        input_ids=tuple(p.data.samples[r].input_ids for r in rows),
+        loss_masks=tuple(p.data.samples[r].loss_mask for r in rows),
+        layer_ids=p.layer_ids,
+        dtype=p.resolved_spec.storage_dtype,
+        hidden_size=p.info.hidden_size,
+        shard_key=p.shard_key(k),
+    )
+
+
+def make_engine(p: Plan) -> Engine:
+    """The engine the plan's spec names, not started."""
+    e = p.spec.engine
+    if e.name is EngineName.HF:
+        from datagen.engines.hf import HFEngine
+
+        return HFEngine(p.info.path, layer_ids=p.layer_ids, num_hidden_layers=p.info.num_hidden_layers,
+                        dtype=e.dtype, trust_remote_code=e.trust_remote_code)
+    from datagen.engines.vllm_engine import VllmEngine
+
+    return VllmEngine(p.info, layer_ids=p.layer_ids, dtype=e.dtype, max_seq_len=p.spec.max_seq_len,
+                      storage_dtype=p.resolved_spec.storage_dtype, shard_group=e.shard_group,
+                      tensor_parallel_size=e.tensor_parallel_size, max_num_batched_tokens=e.max_num_batched_tokens,
+                      max_num_seqs=e.max_num_seqs, trust_remote_code=e.trust_remote_code,
+                      attention_backend=p.engine_desc.get("attention_backend"))
+
+
+class Progress:
+    """A bar with tokens/s on a terminal, a log line every few seconds otherwise."""
+
+    def __init__(self, total_tokens: int, done_tokens: int = 0):
+        self.total, self.done = total_tokens, done_tokens
+        self.t0 = time.monotonic()
+        self.new = 0
+        self.last_log = self.t0
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_tokens, initial=done_tokens, unit="tok", unit_scale=True, desc="extract")
+
+    def advance(self, tokens: int) -> None:
+        self.done += tokens
+        self.new += tokens
+        if self.bar is not None:
+            self.bar.update(tokens)
+            return
+        now = time.monotonic()
+        if now - self.last_log >= settings.progress_interval_s() or self.done >= self.total:
+            self.last_log = now
+            log.info("progress %d/%d tokens (%.0f%%), %.0f tokens/s", self.done, self.total,
+                     100.0 * self.done / max(self.total, 1), self.rate())
+
+    def rate(self) -> float:
+        return self.new / max(time.monotonic() - self.t0, 1e-9)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def extract_shards(p: Plan, engine: Engine, shards: Iterable[int], *,
+                   progress: Progress | None = None) -> dict[int, ShardRecord]:
+    """The run loop: each of ``shards`` through ``engine`` (started), its record kept in the
+    output as it is written. The output must be claimed (``datagen.extraction.output``).
+
+    Returns:
+        The records of the shards written, by index.
+
+    Raises:
+        RuntimeError: the engine finished without writing a shard it was given.
+    """
+    out = Path(p.spec.out)
+    records: dict[int, ShardRecord] = {}
+    submitted = []
+    for k in shards:
+        job = build_job(p, k)
+        engine.submit(job)
+        submitted.append(k)
+        if progress is not None:
+            progress.advance(job.tokens)
+        save_records(out, engine.completed(), records)
+    save_records(out, engine.finish(), records)
+    missing = [k for k in submitted if k not in records]
+    if missing:
+        raise RuntimeError(f"shards {missing} were submitted but not written")
+    return records
+
+
+def extract(spec: ExtractSpec, *, shards: tuple[int, int] | None = None) -> dict:
+    """Extract (the shards in ``shards``, or all and then the manifest).
+
+    Returns:
+        The extract step's result record (``datagen.steps.extract.ExtractResult``'s fields).
+
+    Raises:
+        SpecError, ModelError, DatasetError: the spec, the model or the rows are refused (nothing written).
+        OutputConflictError: the output holds another dataset, or another run is writing it.
+        StorageError: the device is full (the shards written are kept).
+    """
+    t0 = time.monotonic()
+    p, from_store = stored.plan_shards(spec, shards)
+    out = Path(spec.out)
+    lo, hi = shards if shards is not None else (0, p.num_shards)
+    if not (0 <= lo <= hi <= p.num_shards):
+        raise SpecError(f"--shards {lo}:{hi} is outside 0:{p.num_shards}",
+                        hint=f"this dataset has {p.num_shards} shards of {spec.samples_per_shard} rows")
+    if shards is None and (m := existing_manifest(p)) is not None:
+        log.info("dataset %s is complete (fingerprint %s): nothing to do", out, p.fingerprint[:12])
+        return {**_result(p, m.totals["tokens"], extracted=[], cached=list(range(p.num_shards)),
+                          seconds=time.monotonic() - t0), **manifest_result(out, m)}
+    if out.exists() and not out.is_dir():
+        raise OutputConflictError(f"output {out} exists and is not a directory", hint="choose another --out")
+    # A failure before the first shard leaves the output location as found: nothing is written
+    # into it until the engine has started (commit), and the directories made here for the lock
+    # are removed again when they are still empty.
+    created: list[Path] = []
+    lock = None
+    if shards is None:  # a whole run holds a lock beside the output; a range (fan-out) shares it
+        try:
+            created = missing_dirs(out.parent)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            lock = FileLock(str(out.parent / f".{out.name}.lock"))
+            lock.acquire(timeout=0)
+        except Timeout:
+            raise OutputConflictError(f"another extraction is writing {out}", hint="wait for it to finish") from None
+        except OSError as e:
+            remove_empty_dirs(created)
+            raise OutputConflictError(f"cannot create the output directory {out}: {e.strerror}",
+                                      hint="choose an --out whose parent is a writable directory") from e
+    try:
+        return _run_locked(p, whole=shards is None, lo=lo, hi=hi, t0=t0, store_plan=not from_store)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StorageError(
+                f"no space left on the device of {out} ({e.strerror}); no manifest was written",
+                hint="free space there (or choose another --out), then run again: the shards already written are kept",
+            ) from e
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
+            Path(lock.lock_file).unlink(missing_ok=True)
+        remove_empty_dirs(created)  # a no-op once the output is in them
+
+
+def _run_locked(p: Plan, *, whole: bool, lo: int, hi: int, t0: float, store_plan: bool) -> dict:
+    """The part of ``extract`` that writes, under the output's lock. ``whole``: every shard, then
+    the manifest. ``store_plan``: keep the (computed) plan in the output for the ranges that follow."""
+    out = Path(p.spec.out)
+    check_output(p)  # refused before the engine starts; claimed (written) only once it has
+    done = completed_shards(p)
+    todo = [k for k in range(lo, hi) if k not in done]
+    G = p.spec.engine.shard_group
+    if G > 1 and todo:  # a group's batches depend on all its rows: recompute whole groups (in range)
+        groups = {k // G for k in todo}
+        todo = [k for k in range(lo, hi) if k // G in groups]
+    log.info("%d shards in range %d:%d, %d already complete, %d to extract", hi - lo, lo, hi,
+             hi - lo - len(todo), len(todo))
+    records = dict(done)
+    tokens_todo = sum(build_job(p, k).tokens for k in todo)
+    if not todo:
+        commit(p, done, store_plan=store_plan)
+    else:
+        progress = Progress(tokens_todo)
+        with make_engine(p) as engine:
+            engine.start()
+            commit(p, done, store_plan=store_plan)
+            records.update(extract_shards(p, engine, todo, progress=progress))
+        progress.close()
+    manifest = None
+    if whole:
+        check_dataset_unchanged(p)
+        manifest = write_manifest(p, records)
+    elapsed = time.monotonic() - t0
+    result = _result(p, sum(records[k].tokens for k in range(lo, hi)), extracted=todo,
+                     cached=[k for k in range(lo, hi) if k not in todo], seconds=elapsed,
+                     tokens_extracted=tokens_todo)
+    if manifest is not None:
+        result.update(manifest_result(out, manifest))
+    return result
+
+
+def _result(p: Plan, tokens: int, *, extracted: list[int], cached: list[int], seconds: float,
+            tokens_extracted: int = 0) -> dict:
+    return {
+        "dataset": str(Path(p.spec.out).resolve()),
+        "fingerprint": p.fingerprint,
+        "extraction_fingerprint": p.extraction_fingerprint,
+        "layer_ids": list(p.layer_ids),
+        "shards_total": p.num_shards,
+        "shards_extracted": extracted,
+        "shards_cached": cached,
+        "tokens": tokens,
+        "tokens_extracted": tokens_extracted,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens_extracted / seconds, 1) if seconds > 0 and tokens_extracted else 0.0,
+        "engine": p.engine_desc,
+    }
