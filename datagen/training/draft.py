@@ -120,11 +120,11 @@ def _check_matches(reader: DatasetReader, verifier: Path) -> None:
 
     config = AutoConfig.from_pretrained(verifier)
     config = getattr(config, "text_config", config)
-    model = reader.manifest.spec["model"]
-    if (config.hidden_size, config.num_hidden_layers) != (int(model["hidden_size"]), int(model["num_hidden_layers"])):
+    model = reader.manifest.spec.model
+    if (config.hidden_size, config.num_hidden_layers) != (model.hidden_size, model.num_hidden_layers):
         raise SpecError(
             f"the model in {verifier} (hidden {config.hidden_size}, {config.num_hidden_layers} layers) is not the "
-            f"dataset's (hidden {model['hidden_size']}, {model['num_hidden_layers']} layers)",
+            f"dataset's (hidden {model.hidden_size}, {model.num_hidden_layers} layers)",
             hint="pass --model: the checkpoint the dataset was extracted from")
 
 
@@ -222,7 +222,11 @@ def _save(model, out: Path) -> None:
 
 def model_of(dataset: str | Path) -> str:
     """The model directory a dataset's manifest names (where it was extracted from)."""
-    return str(open_dataset(dataset).manifest.spec["model"]["source"])
+    source = open_dataset(dataset).manifest.spec.model.source
+    if not source:
+        raise SpecError(f"the manifest of {dataset} names no local model directory",
+                        hint="pass --model: the checkpoint directory the dataset was extracted from")
+    return source
 
 
 def train_draft(dataset: str | Path, out: str | Path, *, verifier: str | Path,
@@ -270,7 +274,7 @@ def _make(dataset, out, *, verifier: Path, settings: DraftSettings, train: bool)
         _save(model.to("cpu"), tmp)
         lineage = DraftLineage(
             dataset=str(dataset), dataset_fingerprint=reader.manifest.fingerprint, verifier=str(verifier),
-            layer_ids=list(reader.layer_ids), storage_dtype=str(reader.manifest.spec.get("storage_dtype") or reader.manifest.spec.get("dtype")),
+            layer_ids=list(reader.layer_ids), storage_dtype=str(reader.manifest.spec.storage_dtype),
             settings=settings, steps_done=steps, train_samples=len(data), held_out_samples=held_out, losses=losses,
             speculators_version=speculators_version(),
             created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
