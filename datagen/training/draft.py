@@ -101,17 +101,17 @@ def token_frequencies(reader: DatasetReader, samples: range) -> dict[int, int]:
     return dict(counts)
 
 
-def _verifier_config(verifier: Path, settings: DraftSettings):
-    from transformers import AutoConfig
+def _draft_layer_config(verifier: Path, settings: DraftSettings):
+    """The draft's decoder config as `speculators train` makes it by default: a Llama decoder shaped from
+    the verifier (attention geometry, hidden size, vocabulary; a dense MLP for MoE targets such as
+    DeepSeek-V3 / Kimi), SiLU, speculators' default sliding window of 2048 on every layer."""
+    from speculators.train.cli import create_transformer_layer_config
 
     try:
-        config = AutoConfig.from_pretrained(verifier)
+        return create_transformer_layer_config(str(verifier), settings.num_layers, "llama", "silu", 2048, [])
     except (OSError, ValueError) as e:
-        raise ModelError(f"cannot read the target model's config.json in {verifier}: {e}",
+        raise ModelError(f"cannot shape a draft from the target model's config.json in {verifier}: {e}",
                          hint="pass --model: the checkpoint directory the dataset was extracted from") from e
-    config = getattr(config, "text_config", config)
-    config.num_hidden_layers = settings.num_layers  # the draft's decoder: the target's layer shape
-    return config
 
 
 def _check_matches(reader: DatasetReader, verifier: Path) -> None:
@@ -134,7 +134,7 @@ def build_draft(reader: DatasetReader, verifier: Path, settings: DraftSettings, 
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
     _check_matches(reader, verifier)
-    config = _verifier_config(verifier, settings)
+    config = _draft_layer_config(verifier, settings)
     d2t = t2d = None
     vocab = config.vocab_size
     if settings.draft_vocab_size is not None and settings.draft_vocab_size < config.vocab_size:
