@@ -24,6 +24,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.events import emit_event
 
 from tasks._common import cache_key, mounts_for
+from tasks.artifacts import table_history
 from tasks.pipeline_spec import Runner
 from tasks.step import STEP_CACHE, StepCall, step_task
 
@@ -79,27 +80,6 @@ def nights_key(flow_name: str | None, deployment_name: str | None) -> str:
     return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", raw)).strip("-")
 
 
-def _history(key: str, limit: int, *, exclude_flow_run) -> list[NightMeasurement]:
-    """The last ``limit`` nights recorded under ``key``, oldest first."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
-    from prefect.client.schemas.sorting import ArtifactSort
-
-    from datagen.training.nightly import NightMeasurement
-
-    with get_client(sync_client=True) as client:
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
-                                      sort=ArtifactSort.CREATED_DESC, limit=limit + 1)
-    nights = []
-    for a in found:
-        if exclude_flow_run is not None and a.flow_run_id == exclude_flow_run:
-            continue  # a retry of this run: not a night before it
-        rows = json.loads(a.data) if isinstance(a.data, str) else a.data
-        if rows:
-            nights.append(NightMeasurement.from_rows(rows))
-    return list(reversed(nights[:limit]))
-
-
 @task(name="draft-report")
 def draft_report(measured: MeasureResult, *, dataset: str, threshold: float, nights: int = REPORT_NIGHTS) -> dict:
     """Attach tonight's agreement and the last nights' plot; record tonight for the next night.
@@ -113,7 +93,8 @@ def draft_report(measured: MeasureResult, *, dataset: str, threshold: float, nig
         label=Path(dataset.rstrip("/")).name or dataset, dataset=dataset, fingerprint=measured.dataset_fingerprint,
         agreement=tuple(p.agreement for p in measured.positions), acceptance_length=measured.acceptance_length,
         spec_decode_acceptance=measured.spec_decode.acceptance_length if measured.spec_decode else None)
-    shown = _history(key, nights - 1, exclude_flow_run=flow_run.id) + [tonight]
+    shown = [NightMeasurement.from_rows(rows)
+             for rows in table_history(key, nights - 1, exclude_flow_run=flow_run.id)] + [tonight]
     drop = drop_of(shown, threshold=threshold)
     png = plot(shown, drop, title=f"{flow_run.flow_name}/{deployment.name or '-'}: draft on held-out rows")
     head = (f"# EAGLE-3 draft: acceptance DROP {drop.fall:.0%} on {dataset}" if drop and drop.failed
