@@ -45,13 +45,13 @@ SIZES = {  # rows, new tokens per reply, samples per shard, training steps, seed
 
 def _extract(model: Path, chats: Path, out: Path, *, layer_ids, storage: str, per_shard: int) -> Path:
     from datagen.data.spec import parse_spec
-    from datagen.steps import extract
+    from datagen.extraction.run import extract
 
     if not (out / "manifest.json").exists():  # an interrupted extraction resumes
         spec = parse_spec({"model": str(model), "dataset": str(chats), "out": str(out), "samples_per_shard": per_shard,
                            "layer_ids": list(layer_ids),
                            "engine": {"name": "hf", "dtype": "float32", "storage_dtype": storage}})
-        extract.extract(spec)
+        extract(spec)
     return out
 
 
