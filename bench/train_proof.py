@@ -94,7 +94,7 @@ def settings_for(mode: Mode, seed: int):
 
 def run(mode: Mode, results: Path) -> Record:
     from datagen.training.agreement import measure_agreement
-    from datagen.training.draft import train_draft, untrained_draft
+    from datagen.training.draft import LINEAGE_NAME, TrainedDraft, read_lineage, train_draft, untrained_draft
 
     size = SIZES[mode]
     work = work_dir("train-proof")
@@ -103,24 +103,29 @@ def run(mode: Mode, results: Path) -> Record:
     t = time.monotonic()
     data = prepare(mode, work)
     record.data["prepare_s"] = round(time.monotonic() - t, 1)
-    drafts = work / "drafts"
-    shutil.rmtree(drafts, ignore_errors=True)
+    drafts = work / "drafts"  # a draft there already (same settings: its lineage says so) is measured again
     measured: dict[str, list[dict]] = {}
 
     def one(case: str, make, dataset: Path, seed: int, *, layers=None) -> None:
         out = drafts / f"{case}-{seed}"
         t0 = time.monotonic()
-        d = make(dataset, out, verifier=data["model"], settings=settings_for(mode, seed))
-        train_s = time.monotonic() - t0
+        if (out / LINEAGE_NAME).exists() and read_lineage(out).settings == settings_for(mode, seed):
+            d, train_s = TrainedDraft(path=out, lineage=read_lineage(out)), None
+        else:
+            shutil.rmtree(out, ignore_errors=True)
+            d = make(dataset, out, verifier=data["model"], settings=settings_for(mode, seed))
+            train_s = time.monotonic() - t0
         if layers is not None:
             relabel(out, layers)
         r = measure_agreement(out, data["bf16"])
         measured.setdefault(case, []).append({
             "seed": seed, "agreement": [p.agreement for p in r.positions], "conditional": [p.conditional for p in r.positions],
             "acceptance_length": r.acceptance_length, "slots": [p.slots for p in r.positions],
-            "losses": d.lineage.losses, "train_s": round(train_s, 1), "held_out_samples": r.held_out_samples})
-        log.info("%s seed %d: agreement %s, acceptance %.3f (%.0f s)", case, seed,
-                 [round(a, 3) for a in measured[case][-1]["agreement"]], r.acceptance_length, train_s)
+            "losses": d.lineage.losses, "train_s": round(train_s, 1) if train_s is not None else None,
+            "held_out_samples": r.held_out_samples})
+        log.info("%s seed %d: agreement %s, acceptance %.3f (trained in %s s)", case, seed,
+                 [round(a, 3) for a in measured[case][-1]["agreement"]], r.acceptance_length,
+                 f"{train_s:.0f}" if train_s is not None else "an earlier run:")
 
     one("untrained", untrained_draft, data["bf16"], 0)
     for seed in range(size["seeds"]):
@@ -163,7 +168,6 @@ def run(mode: Mode, results: Path) -> Record:
                                detail=f"untrained {spec['untrained']['acceptance_length']:.3f}; {spec['bf16']['engine']}"))
     else:
         record.notes.append(f"vLLM speculative decoding: {spec.get('error', 'not run')}")
-    plot_record({"data": record.data}, results)
     return record
 
 
@@ -179,6 +183,7 @@ def _spec_decode(mode: Mode, data: dict, drafts: Path) -> dict:
                str(data["bf16"]), str(SIZES[mode]["vllm_prompts"])]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         lines = [x for x in p.stdout.splitlines() if x.startswith("spec-decode: ")]
+        log.info("vLLM EAGLE-3 with %s: %s", case, lines[-1] if lines else "no result")
         if p.returncode != 0 or not lines:
             out["error"] = (p.stderr.strip().splitlines() or ["no output"])[-1][:300]
             log.warning("vLLM speculative decoding failed: %s", out["error"])
@@ -213,7 +218,7 @@ def plot_record(rec: dict, out: Path) -> None:
     a1.grid(alpha=0.3)
     cases = list(measured)
     vals = [[m["acceptance_length"] for m in measured[c]] for c in cases]
-    a2.boxplot(vals, labels=cases)
+    a2.boxplot(vals, tick_labels=cases)
     if spec.get("bf16"):
         a2.scatter([cases.index("bf16") + 1, cases.index("untrained") + 1],
                    [spec["bf16"]["acceptance_length"], spec["untrained"]["acceptance_length"]],
@@ -252,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     record = run(args.mode, args.results)
     path = record.write(args.results)
+    plot_record({"data": record.data}, args.results)
     for r in record.rows:
         print(f"{r.case:75s} {r.value:8.3f} {r.unit:12s} {r.detail}")
     print(f"record: {path}")
