@@ -14,7 +14,7 @@ from pathlib import Path
 
 from bench._common import RESULTS, median
 
-ORDER = ("overhead", "engines", "cached_rerun", "validation", "publish", "memory", "reader")
+ORDER = ("overhead", "engines", "cached_rerun", "validation", "publish", "memory", "reader", "train_proof")
 
 
 def load(results: Path) -> list[dict]:
