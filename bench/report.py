@@ -14,7 +14,7 @@ from pathlib import Path
 
 from bench._common import RESULTS, median
 
-ORDER = ("overhead", "engines", "cached_rerun", "validation", "publish", "memory", "reader", "planning")
+ORDER = ("overhead", "engines", "cached_rerun", "validation", "publish", "memory", "reader", "planning", "train_proof")
 
 
 def load(results: Path) -> list[dict]:
@@ -221,9 +221,15 @@ def plot_planning(rec: dict, out: Path) -> None:
     plot(rec, out)
 
 
+def plot_train_proof(rec: dict, out: Path) -> None:
+    from bench.train_proof import plot_record  # the figure draws its own plot from its record
+
+    plot_record(rec, out)
+
+
 PLOTS = {"overhead": plot_overhead, "engines": plot_engines, "cached_rerun": plot_cached_rerun,
          "validation": plot_validation, "publish": plot_publish, "memory": plot_memory, "reader": plot_reader,
-         "planning": plot_planning}
+         "planning": plot_planning, "train_proof": plot_train_proof}
 
 
 def build(results: Path, *, failed: dict[str, str] | None = None) -> str:

@@ -23,7 +23,7 @@ from bench._common import RESULTS, ROOT, SMOKE_RESULTS, WORK, Mode
 
 # module -> the figures it writes
 FIGURES = {"overhead": (1, 2), "cached_rerun": (3,), "validation": (4,), "publish": (5,), "memory": (6,),
-           "reader": (7,), "planning": (8,)}
+           "reader": (7,), "planning": (8,), "train_proof": (9,)}
 LOGS = WORK.parent / "logs"
 
 

@@ -3,34 +3,54 @@
     deployment train/train (prefect.yaml), triggered by the event; or by hand:
     prefect deployment run train/train --param dataset=/path/to/dataset --param fingerprint=...
 
-It prepares the dataset for training (the speculators layout, next to the dataset) and logs where
-the training job finds it. Training the EAGLE-3 draft model itself is the training team's job;
-this is the hook it plugs into.
+The handoff proves the data: an EAGLE-3 draft is trained on the dataset with speculators' own
+trainer, straight from the packed shards (`datagen train`, the train image, on the deployment's
+pool: GPUs in production, the CPU miniature in tests), written in the format vLLM loads as an
+EAGLE-3 speculator next to the dataset (``<dataset>.draft-<fingerprint[:12]>``), and measured on
+the dataset's held-out rows (`datagen measure-draft`). The night's agreement is a Prefect artifact
+with the plot of the last nights (``draft-report``), `datagen.draft.ready` announces the draft,
+and a fall of the acceptance length beyond ``drop_threshold`` against the night before fails the
+run with a message that names the dataset.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from prefect import flow, get_run_logger
 
 from tasks.pipeline_spec import Runner
-from tasks.train_prep import export_cache_key, export_speculators
+from tasks.train import (
+    announce_draft,
+    check_drop,
+    draft_report,
+    measure_draft,
+    train_cache_key,
+    train_draft,
+)
+
+DEFAULT_DROP_THRESHOLD = 0.10
 
 
-@flow(name="train", description="Prepare a newly announced dataset for EAGLE-3 draft training.")
-def train(dataset: str, fingerprint: str, runner: Runner = Runner.LOCAL) -> dict:
-    """``dataset``: the announced dataset (a local directory or an s3:// URI); ``fingerprint``: its
-    identity (the event's resource)."""
+@flow(name="train", description="Train an EAGLE-3 draft on a newly announced dataset and measure it.")
+def train(dataset: str, fingerprint: str, model: str | None = None, runner: Runner = Runner.LOCAL,
+          settings: dict | None = None, acceptance: str = "agreement",
+          drop_threshold: float = DEFAULT_DROP_THRESHOLD) -> dict:
+    """``dataset``: the announced dataset (a directory or s3:// URI); ``fingerprint``: its identity (the
+    event's resource); ``model``: the target model directory (default: the one the manifest names);
+    ``settings``: ``datagen.training.settings.DraftSettings`` fields (default: its defaults);
+    ``acceptance``: ``agreement`` or ``vllm`` (also vLLM's speculative decoding, `datagen measure-draft`)."""
     logger = get_run_logger()
-    if dataset.startswith("s3://"):
-        logger.info("dataset %s is in S3: the training job reads it there (fingerprint %s)", dataset, fingerprint)
-        return {"dataset": dataset, "fingerprint": fingerprint, "speculators": None}
-    out = f"{dataset.rstrip('/')}.speculators-{fingerprint[:12]}"
-    exported = export_speculators(
-        dataset, out, cache_key=export_cache_key(fingerprint=fingerprint, out=out), runner=runner
-    )
-    # None: an earlier export kept
-    speculators = exported.out if exported is not None else (out if Path(out).exists() else None)
-    logger.info("training data for %s: %s", fingerprint[:12], speculators or dataset)
-    return {"dataset": dataset, "fingerprint": fingerprint, "speculators": speculators}
+    settings = dict(settings or {})
+    out = f"{dataset.rstrip('/')}.draft-{fingerprint[:12]}" if not dataset.startswith("s3://") else \
+        f"drafts/{fingerprint[:12]}"
+    trained = train_draft(dataset, out, model=model, settings=settings,
+                          cache_key=train_cache_key(fingerprint=fingerprint, settings=settings, out=out), runner=runner)
+    measured = measure_draft(trained.draft, dataset, model=model, acceptance=acceptance, runner=runner)
+    report = draft_report(measured, dataset=dataset, threshold=drop_threshold)
+    announce_draft(trained, measured, dataset=dataset)
+    logger.info("draft %s: agreement %s, acceptance length %.3f", trained.draft,
+                " ".join(f"{p.agreement:.3f}" for p in measured.positions), measured.acceptance_length)
+    check_drop(report, dataset=dataset, threshold=drop_threshold)
+    return {"dataset": dataset, "fingerprint": fingerprint, "draft": trained.draft,
+            "acceptance_length": measured.acceptance_length,
+            "agreement": [p.agreement for p in measured.positions],
+            "spec_decode_acceptance": measured.spec_decode.acceptance_length if measured.spec_decode else None}

