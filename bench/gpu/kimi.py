@@ -295,7 +295,7 @@ def wide_bench(args) -> None:
     from datagen.extraction.plan import plan
     from datagen.extraction.output import claim_output
     from datagen.extraction.manifest import write_manifest
-    from datagen.extraction.run import build_job, make_engine
+    from datagen.extraction.run import build_job, extract_shards, make_engine
 
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     work = Path(args.work)
@@ -349,9 +349,7 @@ def wide_bench(args) -> None:
         pi = plan(spec(work / "runs" / f"tp{args.tp}" if i == 0 else work / "runs" / f"rep{i}"))
         claim_output(pi)
         t0 = time.time()
-        for k in range(pi.num_shards):
-            eng.submit(build_job(pi, k))
-        records = {r.index: r for r in eng.finish()}
+        records = extract_shards(pi, eng, range(pi.num_shards))
         dt = time.time() - t0
         write_manifest(pi, records)
         extract.append(tokens / dt)

@@ -95,7 +95,7 @@ def bench(args) -> None:
     from datagen.extraction.plan import plan
     from datagen.extraction.output import claim_output
     from datagen.extraction.manifest import write_manifest
-    from datagen.extraction.run import build_job
+    from datagen.extraction.run import build_job, extract_shards
 
     out = Path(args.out)
     work = Path(args.work)
@@ -146,9 +146,7 @@ def bench(args) -> None:
         pi = plan(_spec(args.model, str(data), str(work / f"ds{i}"), LAYERS_8B))
         claim_output(pi)
         t0 = time.time()
-        for k in range(pi.num_shards):
-            eng.submit(build_job(pi, k))
-        records = {r.index: r for r in eng.finish()}
+        records = extract_shards(pi, eng, range(pi.num_shards))
         dt = time.time() - t0
         write_manifest(pi, records)
         extract.append(tokens / dt)

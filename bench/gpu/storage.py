@@ -252,7 +252,7 @@ def stage_datagen(args) -> dict:
     from datagen.engines.vllm_engine import VllmEngine
     from datagen.extraction.output import claim_output
     from datagen.extraction.manifest import write_manifest
-    from datagen.extraction.run import build_job
+    from datagen.extraction.run import build_job, extract_shards
 
     cfg = _cfg(args)
     root = Path(cfg["out_dir"])
@@ -281,9 +281,7 @@ def stage_datagen(args) -> dict:
             eng._last_index = -2  # noqa: SLF001 (a new run: its first shard starts a group)
             clock.take()
             t0 = time.time()
-            for k in range(p.num_shards):
-                eng.submit(build_job(p, k))
-            records = {r.index: r for r in eng.finish()}
+            records = extract_shards(p, eng, range(p.num_shards))
             dt = time.time() - t0
             driver = clock.take()
             write_manifest(p, records)

@@ -191,3 +191,29 @@ def test_the_new_dataset_triggered_the_training_deployment(server, project, retr
                     break
                 time.sleep(2)
     assert [r.parameters["fingerprint"] for r in runs] == [fingerprint], "one training run, for the new dataset only"
+
+
+def test_the_triggered_training_run_trains_and_measures_a_draft_on_its_pools_worker(server, project, retried_run):
+    """The event's train run is taken by a worker of the deployment's pool (`gpu`: in production a
+    GPU host; here a process worker on this CPU machine), trains an EAGLE-3 draft next to the
+    dataset with speculators' trainer, measures it on the held-out rows and reports it."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, DeploymentFilter, DeploymentFilterName
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    manifest = json.loads((project / "out" / "tiny" / "manifest.json").read_text())
+    gpu_worker = server.start_worker("gpu", name="gpu-1", cwd=project, env={"DATAGEN_ENFORCE_EAGER": "1"})
+    deadline = time.monotonic() + 900
+    with temporary_settings(updates={PREFECT_API_URL: server.url}):
+        with get_client(sync_client=True) as client:
+            while True:
+                [run] = client.read_flow_runs(
+                    deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["train"])))
+                if run.state.is_final() or time.monotonic() > deadline:
+                    break
+                time.sleep(3)
+            reports = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["draft-report"])))
+    assert run.state.is_completed(), f"{run.state.type}: {run.state.message}\n{gpu_worker.output()[-3000:]}"
+    lineage = json.loads(next((project / "out").glob("tiny.draft-*/datagen_draft.json")).read_text())
+    assert lineage["dataset_fingerprint"] == manifest["fingerprint"]
+    assert reports, "the night's draft report is an artifact of the run"
