@@ -180,6 +180,7 @@ def _validate(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, datas
         settings=spec.validation,
         model=xspec.model,
         source=xspec.dataset,
+        tokenizer=xspec.tokenizer,
         trust_remote_code=xspec.engine.trust_remote_code,
         gpus=spec.gpus,
         task_options=dict(refresh_cache=planned.validated_manifest_sha256 != dataset.manifest_sha256,

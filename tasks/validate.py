@@ -58,13 +58,15 @@ def validate_dataset(
     settings: ValidationSettings,
     model: str,
     source: str,
+    tokenizer: str | None = None,
     trust_remote_code: bool = False,
     gpus: int = 0,
     task_options: dict[str, Any] | None = None,
 ) -> ValidateResult:
     """`datagen validate DATASET --report FILE`: every shard, every row, against the manifest.
 
-    ``model`` (directory) and ``source`` (the dataset's JSONL) are read by the step: it
+    ``model`` (directory), ``source`` (the dataset's JSONL) and ``tokenizer`` (the directory the
+    extraction spec named instead of the model's, if any) are read by the step: it
     re-tokenizes rows and re-extracts golden samples from them, with the model's own code only
     when the pipeline spec allows it (``trust_remote_code``; Kimi's tokenizer is code). The step
     runs in the extract image with the spec's GPUs: where transformers cannot load the model, the
@@ -75,11 +77,11 @@ def validate_dataset(
     with scratch_dir() as scratch:
         report = scratch / REPORT_NAME
         step_spec = ValidateSpec(**settings.model_dump(mode="json"), dataset=dataset, report=str(report), model=model,
-                                 source=source, trust_remote_code=trust_remote_code)
+                                 source=source, tokenizer=tokenizer, trust_remote_code=trust_remote_code)
         call = StepCall(
             step=STEP,
             spec=step_spec.model_dump(mode="json"),
-            mounts=mounts_for(dataset, scratch, read_only=(model, source, *filter(None, [settings.previous]))),
+            mounts=mounts_for(dataset, scratch, read_only=(model, source, *filter(None, [tokenizer, settings.previous]))),
             gpus=gpus,
         )
         try:

@@ -413,3 +413,34 @@ def test_statistics_survive_float32_overflow_and_skip_only_non_finite_values():
     assert (got[0].sum, got[0].sumsq) == pytest.approx((float(x64.sum()), float((x64 * x64).sum())), rel=1e-6)
     assert got[0].absmax == float(x[3, 0, 5])
     assert got[1].count == 40 * 64 - 1 and got[1].absmax < 10
+
+
+def test_a_dataset_planned_with_a_spec_tokenizer_validates_against_that_tokenizer(tiny_llama, tmp_path):
+    """A spec's `tokenizer` (used instead of the model's) is what validation tokenizes the rows with
+    again: without it the fresh tokenization is of another tokenizer and is named as such."""
+    import shutil
+
+    from datagen.data.spec import parse_spec
+    from datagen.extraction.run import extract
+    from datagen.models.tiny import make_chat_dataset
+
+    tok = tmp_path / "tokenizer"
+    tok.mkdir()
+    for f in tiny_llama.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, tok / f.name)
+    config = json.loads((tok / "tokenizer_config.json").read_text())
+    template = config.get("chat_template") or (tok / "chat_template.jinja").read_text()
+    (tok / "chat_template.jinja").write_text("{#- this dataset's own template -#}\n" + template)
+    config.pop("chat_template", None)
+    (tok / "tokenizer_config.json").write_text(json.dumps(config))
+    rows = make_chat_dataset(tmp_path / "chat.jsonl", rows=4, seed=3)
+    out = tmp_path / "ds"
+    extract(parse_spec({"model": str(tiny_llama), "dataset": str(rows), "out": str(out), "tokenizer": str(tok),
+                        "layer_ids": [1, 2], "engine": {"name": "hf"}}))
+
+    without = validate(out)
+    assert not without["ok"] and kinds(without) == {"source_changed"}
+    assert "--tokenizer" in problems_of(without, "source_changed")[0]["message"]
+    named = validate(out, tokenizer=str(tok))
+    assert named["ok"] and named["checks"]["tokenization"]["status"] == "passed", named["problems"]

@@ -66,7 +66,7 @@ CHECKS: dict[str, set[ProblemKind]] = {
 
 def validate(dataset: str | Path, settings: ValidationSettings = ValidationSettings(), *, seed: int | None = None,
              workers: int | None = None, model: str | None = None, source_rows: str | None = None,
-             trust_remote_code: bool = False) -> dict:
+             tokenizer: str | None = None, trust_remote_code: bool = False) -> dict:
     """Validate the dataset at ``dataset`` and return the report (``report["ok"]``).
 
     Args:
@@ -76,6 +76,8 @@ def validate(dataset: str | Path, settings: ValidationSettings = ValidationSetti
         workers: shards scanned in parallel (default: the number of CPUs, at most 8).
         model, source_rows: the source model directory and JSONL, when they are no longer
             where the manifest's spec says.
+        tokenizer: the tokenizer directory the extraction's spec named instead of the model's own
+            (its ``tokenizer``); None when it used the model's.
         trust_remote_code: the pipeline spec's permission to run the model's own code (its
             tokenizer, the engine reference's model); never read from the manifest.
 
@@ -100,7 +102,7 @@ def validate(dataset: str | Path, settings: ValidationSettings = ValidationSetti
     lm = manifest.load(root, findings)
     if lm is not None:
         _validate(root, lm, findings, report, settings, seed=seed, workers=workers or min(8, os.cpu_count() or 1),
-                  model=model, source_rows=source_rows, trust_remote_code=trust_remote_code)
+                  model=model, source_rows=source_rows, tokenizer=tokenizer, trust_remote_code=trust_remote_code)
     for name, kinds in CHECKS.items():
         if name not in findings.checks:
             if lm is None and name != "manifest":
@@ -129,7 +131,7 @@ def validate(dataset: str | Path, settings: ValidationSettings = ValidationSetti
 
 
 def _validate(root: Path, lm: manifest.LoadedManifest, findings: Findings, report: dict, settings: ValidationSettings,
-              *, seed, workers, model, source_rows, trust_remote_code) -> None:
+              *, seed, workers, model, source_rows, tokenizer, trust_remote_code) -> None:
     m = lm.manifest
     report.update(manifest_sha256=lm.sha256, fingerprint=m.fingerprint,
                   extraction_fingerprint=m.extraction_fingerprint, layer_ids=list(lm.expected.layer_ids),
@@ -137,7 +139,7 @@ def _validate(root: Path, lm: manifest.LoadedManifest, findings: Findings, repor
                   tokens=m.totals.get("tokens"))
     manifest.check(lm, findings)
 
-    src = source.locate(lm, model=model, dataset=source_rows)
+    src = source.locate(lm, model=model, dataset=source_rows, tokenizer=tokenizer)
     report["sources"] = {"model": str(src.model), "model_found": src.model_found,
                          "dataset": str(src.dataset), "dataset_found": src.dataset_found}
     fresh = None
@@ -266,6 +268,8 @@ class Spec(ValidationSettings, StepSpec):
     workers: int | None = Field(None, ge=1, description="shards scanned in parallel (default: CPUs, at most 8)")
     model: str | None = Field(None, description="source model directory, if not where the manifest says")
     source: str | None = Field(None, description="source JSONL dataset, if not where the manifest says")
+    tokenizer: str | None = Field(
+        None, description="tokenizer directory the extraction's spec named instead of the model's (its `tokenizer`)")
 
     def settings(self) -> ValidationSettings:
         """The validation settings alone."""
@@ -299,7 +303,7 @@ def run(args: Spec) -> ValidateResult:
     """``datagen validate DATASET``: the report (``validate``); also to ``--report``; an error when
     the dataset fails."""
     report = validate(args.dataset, args.settings(), seed=args.seed, workers=args.workers, model=args.model,
-                      source_rows=args.source, trust_remote_code=args.trust_remote_code)
+                      source_rows=args.source, tokenizer=args.tokenizer, trust_remote_code=args.trust_remote_code)
     if args.report:
         atomic_write_json(Path(args.report), report)
     if not report["ok"]:

@@ -31,6 +31,7 @@ class Sources:
     dataset: Path  # source JSONL
     model_found: bool
     dataset_found: bool
+    tokenizer: Path | None = None  # the tokenizer the extraction named instead of the model's (spec `tokenizer`)
 
 
 @dataclass(frozen=True)
@@ -42,12 +43,15 @@ class FreshRows:
     model_matches: bool  # the model directory is the one extracted from (revision or content)
 
 
-def locate(lm: LoadedManifest, *, model: str | None, dataset: str | None) -> Sources:
-    """The source model and dataset: the overrides, else the paths recorded in the spec."""
+def locate(lm: LoadedManifest, *, model: str | None, dataset: str | None, tokenizer: str | None = None) -> Sources:
+    """The source model and dataset: the overrides, else the paths recorded in the spec; and the
+    tokenizer directory the extraction named instead of the model's, if it did (not recorded: only
+    its content is, in the fingerprint)."""
     spec = lm.manifest.spec
     mdir = Path(model or spec.model.source or "")
     dfile = Path(dataset or (spec.dataset.source if spec.dataset else None) or "")
-    return Sources(mdir, dfile, mdir.is_dir() and str(mdir) != ".", dfile.is_file())
+    return Sources(mdir, dfile, mdir.is_dir() and str(mdir) != ".", dfile.is_file(),
+                   Path(tokenizer) if tokenizer else None)
 
 
 def read_fresh(lm: LoadedManifest, src: Sources, findings: Findings, *,
@@ -66,6 +70,7 @@ def read_fresh(lm: LoadedManifest, src: Sources, findings: Findings, *,
         "model_revision": None if str(revision or "").startswith("content:") else revision,
         "dataset": str(src.dataset),
         "out": str(src.dataset.parent / ".datagen-validate-unused"),  # plan() writes nothing
+        "tokenizer": str(src.tokenizer) if src.tokenizer else None,
         "layer_ids": list(lm.expected.layer_ids),
         "max_seq_len": spec.preprocessing.max_seq_len,
         "samples_per_shard": lm.samples_per_shard,
@@ -88,8 +93,9 @@ def read_fresh(lm: LoadedManifest, src: Sources, findings: Findings, *,
     for key, fresh in (("chat_template_sha256", p.data.chat_template_hash),
                        ("tokenizer_sha256", p.data.tokenizer_hash)):
         if getattr(pre, key) != fresh:
-            findings.add(Problem(ProblemKind.SOURCE_CHANGED, f"the model's tokenizer differs from the one extracted "
-                                 f"with ({key})"))
+            which = f"tokenizer {src.tokenizer}" if src.tokenizer else "the model's tokenizer"
+            findings.add(Problem(ProblemKind.SOURCE_CHANGED, f"{which} differs from the one extracted with ({key}); "
+                                 "if the extraction's spec named a `tokenizer`, validate with that one (--tokenizer)"))
             return None
     model_matches = p.resolved_spec.model.revision == revision
     if not model_matches:
