@@ -103,6 +103,35 @@ def choose_attention_backend(info: ModelInfo, mla_backend: MlaBackend | None) ->
     return CPU_ATTENTION
 
 
+def check_devices(tensor_parallel_size: int) -> bool:
+    """Refuse a tensor-parallel size this machine cannot run; True when it runs on CUDA.
+
+    Raises:
+        CannotRunHereError: fewer GPUs than ranks, or ranks > 1 on the CPU engine.
+    """
+    import torch
+
+    on_cuda = torch.cuda.is_available()
+    tp = tensor_parallel_size
+    if on_cuda and torch.cuda.device_count() < tp:
+        raise CannotRunHereError(f"tensor parallel size {tp} needs {tp} GPUs; {torch.cuda.device_count()} visible",
+                                 hint="lower engine.tensor_parallel_size or run on a larger node")
+    if not on_cuda and tp > 1:
+        raise CannotRunHereError(f"tensor parallel size {tp} asks for GPUs; this machine has none",
+                                 hint="use tensor_parallel_size 1 on the CPU engine")
+    return on_cuda
+
+
+def set_process_env(*, on_cuda: bool) -> None:
+    """What vLLM reads from the environment when it starts here: spawned engine processes on CUDA
+    (CUDA is initialized in this process: device checks, the reference engine), the KV cache size on
+    the CPU build."""
+    if on_cuda:
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    else:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_gib()))
+
+
 class VllmEngine(Engine):
     name = "vllm"
 
@@ -170,19 +199,7 @@ class VllmEngine(Engine):
         return kwargs
 
     def start(self) -> None:
-        import torch
-
-        on_cuda = torch.cuda.is_available()
-        if on_cuda and torch.cuda.device_count() < self.tp:
-            raise CannotRunHereError(
-                f"tensor parallel size {self.tp} needs {self.tp} GPUs; {torch.cuda.device_count()} visible",
-                hint="lower engine.tensor_parallel_size or run on a larger node",
-            )
-        if not on_cuda and self.tp > 1:
-            raise CannotRunHereError(
-                f"tensor parallel size {self.tp} asks for GPUs; this machine has none",
-                hint="use tensor_parallel_size 1 on the CPU engine",
-            )
+        on_cuda = check_devices(self.tp)
         if self.attention_backend == MlaBackend.AMX_MLA.value and not cpu_has_amx():
             raise CannotRunHereError(
                 f"engine.mla_backend AMX_MLA needs a CPU with AMX tiles (amx_tile, amx_bf16); this one has "
@@ -201,11 +218,7 @@ class VllmEngine(Engine):
                     hint="unset VLLM_USE_V2_MODEL_RUNNER or set it to 0",
                 )
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-            # CUDA is initialized in this process (device checks, the reference engine): its
-            # engine processes must be spawned, not forked.
-            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-        else:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_gib()))
+        set_process_env(on_cuda=on_cuda)
         from vllm import LLM
 
         kwargs = self.engine_kwargs()

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from datagen import settings as env
 from datagen.engines import patches
-from datagen.errors import CannotRunHereError, ModelError
+from datagen.errors import ModelError
 from datagen.regeneration.chats import Generated
 from datagen.regeneration.settings import RegenerationSettings
 
@@ -88,20 +87,9 @@ class Generator:
         return kwargs
 
     def start(self) -> None:
-        import torch
+        from datagen.engines.vllm_engine import check_devices, set_process_env
 
-        on_cuda = torch.cuda.is_available()
-        tp = self.settings.tensor_parallel_size
-        if on_cuda and torch.cuda.device_count() < tp:
-            raise CannotRunHereError(f"tensor parallel size {tp} needs {tp} GPUs; {torch.cuda.device_count()} visible",
-                                     hint="lower tensor_parallel_size or run on a larger node")
-        if not on_cuda and tp > 1:
-            raise CannotRunHereError(f"tensor parallel size {tp} asks for GPUs; this machine has none",
-                                     hint="use tensor_parallel_size 1 on the CPU engine")
-        if on_cuda:
-            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # CUDA is initialized in this process
-        else:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(env.cpu_kvcache_gib()))
+        set_process_env(on_cuda=check_devices(self.settings.tensor_parallel_size))
         from vllm import LLM
 
         kwargs = self.engine_kwargs()
