@@ -26,7 +26,7 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 BESIDE=(tests/flows/test_scale_out.py tests/faults/test_crash_anywhere.py tests/flows/test_server_e2e.py
-        tests/test_kimi_engine.py)
+        tests/test_kimi_engine.py tests/flows/test_regenerate_flow.py)
 
 seed=${SEED:-}
 if [ -z "$seed" ] && [ -n "${SHUFFLE:-}" ]; then seed=$(od -An -N4 -tu4 /dev/urandom | tr -d ' '); fi
