@@ -82,3 +82,37 @@ def test_a_draft_trained_on_the_right_states_beats_the_untrained_one_and_the_wro
     assert got["trained"].acceptance_length > max(got["untrained"].acceptance_length, got["wrong"].acceptance_length)
     assert trained.lineage.losses[-1] < trained.lineage.losses[0]
     shutil.rmtree(base / "untrained")
+
+
+def test_the_vllm_capture_of_the_real_model_matches_its_float32_reference_layer_by_layer(smollm2, datasets, tmp_path):
+    """The data the drafts train on, from the production engine: vLLM (bf16, CPU) captures SmolLM2's
+    states of the same chats within bf16 rounding of transformers in float32 (the `right` dataset),
+    per layer by the median and the 99th percentile of the token errors, while the neighbouring layers
+    (the `wrong` dataset's 1 and 3 around 2) are far away: an off-by-one capture fails here."""
+    import torch
+
+    from datagen.data.spec import parse_spec
+    from datagen.extraction.run import extract
+    from datagen.reader import open_dataset
+
+    out = tmp_path / "vllm"
+    extract(parse_spec({"model": str(smollm2), "dataset": str(self_generated_chats(smollm2)), "out": str(out),
+                        "samples_per_shard": 8, "layer_ids": list(RIGHT), "engine": {"name": "vllm"}}))
+    got, ref, wrong = (open_dataset(str(d), dtype=torch.float32) for d in (out, datasets["right"], datasets["wrong"]))
+    errors: dict[str, list[torch.Tensor]] = {}
+    for i in range(len(ref)):
+        g, r, w = got[i], ref[i], wrong[i]
+        assert torch.equal(g.input_ids, r.input_ids) and torch.equal(g.loss_mask, r.loss_mask)
+        norm = r.hidden_states.norm(dim=-1)  # [T, L]
+        err = (g.hidden_states - r.hidden_states).norm(dim=-1) / norm
+        for j, layer in enumerate(RIGHT):
+            errors.setdefault(f"layer {layer}", []).append(err[:, j])
+        for j, neighbour in ((0, 1), (2, 3)):  # the wrong dataset's layers 1 and 3, beside layer 2
+            errors.setdefault(f"2 vs {neighbour}", []).append(
+                (g.hidden_states[:, 0] - w.hidden_states[:, j]).norm(dim=-1) / w.hidden_states[:, j].norm(dim=-1))
+    stats = {k: (torch.cat(v).median().item(), torch.cat(v).quantile(0.99).item()) for k, v in errors.items()}
+    for layer in RIGHT:
+        median, p99 = stats[f"layer {layer}"]
+        assert median < 0.03 and p99 < 0.15, stats
+    for neighbour in (1, 3):
+        assert stats[f"2 vs {neighbour}"][0] > 10 * stats["layer 2"][0], stats
