@@ -207,13 +207,15 @@ def test_the_triggered_training_run_trains_and_measures_a_draft_on_its_pools_wor
     deadline = time.monotonic() + 900
     with temporary_settings(updates={PREFECT_API_URL: server.url}):
         with get_client(sync_client=True) as client:
-            while True:
-                [run] = client.read_flow_runs(
+            while True:  # the event creates the run a few seconds after the extraction ends
+                runs = client.read_flow_runs(
                     deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["train"])))
-                if run.state.is_final() or time.monotonic() > deadline:
+                if (runs and runs[0].state.is_final()) or time.monotonic() > deadline:
                     break
                 time.sleep(3)
             reports = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["draft-report"])))
+    assert len(runs) == 1, f"{len(runs)} train runs\n{gpu_worker.output()[-3000:]}"
+    run = runs[0]
     assert run.state.is_completed(), f"{run.state.type}: {run.state.message}\n{gpu_worker.output()[-3000:]}"
     lineage = json.loads(next((project / "out").glob("tiny.draft-*/datagen_draft.json")).read_text())
     assert lineage["dataset_fingerprint"] == manifest["fingerprint"]
