@@ -87,6 +87,66 @@ def one_pass_parity(model: str, rows: list[dict], *, max_new_tokens: int, layer_
     return out
 
 
+def thinking_parity(model: str, rows: list[dict], *, reasoning_tokens: int = 48, answer_tokens: int = 48,
+                    layer_ids=(2, 15, 27)) -> dict:
+    """Would one pass hold where the template drops the reasoning of finished turns (Kimi-K2-Thinking)?
+
+    A thinking model generates ``<think>R</think>A``: the states a capture during generation would
+    store for the answer A are computed after its own reasoning R. Kimi-K2-Thinking's real template
+    renders every finished assistant turn of a chat as ``<think></think>A`` (docs/datasets.md), so
+    the extraction of the regenerated chat stores A's states after an empty think block. Both are
+    measured on the real SmolLM2 (float32 prefills, greedy R and A): the answer's states in the
+    generation's context against those of the extraction's rendering, per layer, with the golden
+    check of the extraction's rendering as the reference. The answer is held to at least half its
+    tokens (this small model tends to end a turn right after a think block).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from datagen.validation.compare import judge_layer, token_rel_err
+
+    tok = AutoTokenizer.from_pretrained(model)
+    ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    ids = lambda t: torch.tensor([tok(t, add_special_tokens=False)["input_ids"]])  # noqa: E731
+    gen = {k: [] for k in range(max(layer_ids) + 2)}
+    ext = {k: [] for k in gen}
+    for r in rows:
+        prompt = tok.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True) + "<think>"
+        with torch.no_grad():
+            p = ids(prompt)
+            reasoning = ref.generate(p, max_new_tokens=reasoning_tokens, do_sample=False,
+                                     pad_token_id=tok.eos_token_id)[0, p.shape[1]:]
+            head = torch.cat([p[0], reasoning, ids("</think>")[0]])[None]
+            answer = ref.generate(head, max_new_tokens=answer_tokens, min_new_tokens=answer_tokens // 2,
+                                  do_sample=False, pad_token_id=tok.eos_token_id)[0, head.shape[1]:]
+            plain = ids(prompt + "</think>")[0]
+            a = ref(torch.cat([head[0], answer])[None], output_hidden_states=True).hidden_states
+            b = ref(torch.cat([plain, answer])[None], output_hidden_states=True).hidden_states
+        for k in gen:
+            gen[k].append(a[k][0, head.shape[1]:])
+            ext[k].append(b[k][0, plain.shape[0]:])
+    gen = {k: torch.cat(v) for k, v in gen.items()}
+    ext = {k: torch.cat(v) for k, v in ext.items()}
+    out = {"tokens": int(gen[layer_ids[0]].shape[0]), "layers": {}}
+    for k in layer_ids:
+        e = token_rel_err(gen[k], ext[k])
+        v = judge_layer(gen[k], ext[k], {f"layer {j}": ext[j] for j in (k - 1, k + 1)}, layer_id=k)
+        out["layers"][str(k)] = {"median": float(e.median()), "p99": float(torch.quantile(e, 0.99)),
+                                 "neighbour_median": v.neighbour_median, "golden_check_passes": v.ok}
+    return out
+
+
+def thinking_table(p: dict) -> str:
+    lines = [f"One pass where the template drops finished turns' reasoning: the answer's {p['tokens']} tokens "
+             "after the model's own reasoning (what the generation computes) against the same tokens after "
+             "an empty think block (what the extraction of the chat stores), float32", "",
+             "| layer | median | p99 | the extraction's neighbour layer: median | golden check |", "|---|---|---|---|---|"]
+    for k, r in p["layers"].items():
+        lines.append(f"| {k} | {r['median']:.2%} | {r['p99']:.2%} | {r['neighbour_median']:.1%} | "
+                     f"{'passes' if r['golden_check_passes'] else 'fails'} |")
+    return "\n".join(lines)
+
+
 def parity_table(p: dict) -> str:
     lines = [f"One pass: states of generated tokens as the generation computes them (transformers bf16, KV "
              f"cache) against a float32 prefill of the same {p['tokens']} tokens, next to a bf16 prefill",
@@ -140,11 +200,12 @@ def main() -> None:
                   rows_per_chunk=args.rows_per_chunk, work=work)
     rec["device"] = "cpu"
     rec["one_pass_parity"] = one_pass_parity(str(model), questions(8), max_new_tokens=args.max_new_tokens)
+    rec["thinking_parity"] = thinking_parity(str(model), questions(8))
     rec["medians_s"] = {k: statistics.median(v) for k, v in rec["seconds"].items()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "regenerate.json").write_text(json.dumps(rec, indent=1) + "\n")
-    t = table(rec) + "\n\n" + parity_table(rec["one_pass_parity"])
+    t = "\n\n".join([table(rec), parity_table(rec["one_pass_parity"]), thinking_table(rec["thinking_parity"])])
     (out / "regenerate.md").write_text(t + "\n")
     print(t)
     plot(rec, out / "regenerate.png")

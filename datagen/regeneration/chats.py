@@ -63,6 +63,7 @@ class Generated:
 
     token_ids: tuple[int, ...]  # generated ids, the stop token left out
     finish: Finish  # "stop": the model ended the turn; "length": max_new_tokens or the window
+    stop_token: int | None = None  # the stop token that ended a "stop" turn
 
 
 @dataclass
@@ -105,6 +106,8 @@ class RowState:
                 self.skip("length", message=at)
             return
         turn = {"message": at, "finish": gen.finish, "tokens": len(gen.token_ids), "token_ids": list(gen.token_ids)}
+        if gen.stop_token is not None:
+            turn["stop_token"] = gen.stop_token
         if seed is not None:
             turn["seed"] = seed
         self.turns.append(turn)

@@ -123,10 +123,11 @@ class Generator:
         results = []
         for out in outputs:
             c = out.outputs[0]
-            ids = list(c.token_ids)
+            ids, stop = list(c.token_ids), None
             if c.finish_reason == "stop" and ids and ids[-1] in self.stop_ids:
-                ids = ids[:-1]
-            results.append(Generated(token_ids=tuple(ids), finish="length" if c.finish_reason == "length" else "stop"))
+                ids, stop = ids[:-1], ids[-1]
+            results.append(Generated(token_ids=tuple(ids), finish="length" if c.finish_reason == "length" else "stop",
+                                     stop_token=stop))
         return results
 
     def close(self) -> None:

@@ -5,6 +5,11 @@
     OUT/lineage.jsonl   line i: where chat i came from (its source row) and each generated turn's
                         token ids, finish ("stop" or "length") and seed; the assistant turns kept
                         as written
+    OUT/turns.jsonl     the as-generated layout (datagen.regeneration.turns): line j is one generated
+                        turn, ``{"input_ids": [...], "loss_mask": [...]}``, the prompt the engine
+                        was given and the ids it generated; the manifest's ``turn_rows`` says
+                        which chat and message each line is. ``dataset`` in the manifest names the
+                        file extraction reads (the spec's ``layout``)
     OUT/manifest.json   written LAST (its presence means complete): the source file's sha256, the
                         model and its revision, the sampling settings, the engine and its version,
                         the seed, the source row of every output row, the skipped rows, totals
@@ -27,6 +32,7 @@ from datagen.data.spec import sha256_hex
 from datagen.errors import OutputConflictError
 
 CHATS = "chats.jsonl"
+TURNS = "turns.jsonl"
 LINEAGE = "lineage.jsonl"
 MANIFEST = "manifest.json"
 CHUNKS = ".chunks"
@@ -57,6 +63,8 @@ class ChunkRecord(BaseModel):
     lineage: list[dict] = Field(description="Per chat: source_row, turns, kept.")
     skipped: list[SkippedChat] = Field(description="The chunk's rows left out.")
     cut: list[dict] = Field(description="on_length drop: rows cut before a turn ({row, message}).")
+    turns: list[dict] = Field(default_factory=list, description="The as-generated rows of the chunk's generated "
+                              "turns ({source_row, message, input_ids, loss_mask}), in output order.")
 
 
 class RegenerationManifest(BaseModel):
@@ -75,11 +83,15 @@ class RegenerationManifest(BaseModel):
     sampling: dict = Field(description="greedy, or temperature/top_p/top_k/seed; max_new_tokens.")
     seed: int = Field(description="The run's seed (each turn's own seed is in lineage.jsonl).")
     chunks: dict = Field(description="rows_per_chunk and the number of chunks.")
-    files: dict = Field(description="chats.jsonl and lineage.jsonl: sha256, bytes, rows.")
+    dataset: str = Field(CHATS, description="The file of this directory that extraction reads: chats.jsonl "
+                         "(layout chats) or turns.jsonl (layout as-generated).")
+    files: dict = Field(description="chats.jsonl, lineage.jsonl and turns.jsonl: sha256, bytes, rows.")
     totals: dict = Field(description="Counts: rows in and out, skipped by reason, turns, tokens, length hits.")
     rows: list[int] = Field(description="The source row of each output row (output row i = line i of chats.jsonl).")
     skipped: list[SkippedChat] = Field(description="Every source row left out, with its reason.")
     cut: list[dict] = Field(description="on_length drop: rows cut before a turn that hit the limit.")
+    turn_rows: list[list[int]] = Field(default_factory=list, description="Line j of turns.jsonl: [output chat, "
+                                       "message index] of the generated turn it holds.")
 
 
 def _line(obj) -> bytes:
@@ -125,7 +137,7 @@ class OutputDir:
         if not entries:
             return
         record = self.chunks / RUN_RECORD
-        if entries <= {CHUNKS, CHATS, LINEAGE} and record.is_file():
+        if entries <= {CHUNKS, CHATS, LINEAGE, TURNS} and record.is_file():
             try:
                 theirs = json.loads(record.read_text()).get("fingerprint")
             except ValueError:
@@ -165,17 +177,24 @@ class OutputDir:
         atomic_write_bytes(self._chunk_path(rec.chunk), rec.model_dump_json().encode())
 
     def finish(self, chunks: list[ChunkRecord], manifest: dict) -> RegenerationManifest:
-        """Write chats.jsonl and lineage.jsonl from the chunks, then the manifest, then drop the chunks."""
+        """Write chats.jsonl, lineage.jsonl and turns.jsonl from the chunks, then the manifest, then drop
+        the chunks."""
         chats = b"".join(chat_line(c["messages"]) for rec in chunks for c in rec.chats)
         lineage = b"".join(_line({"row": i, **entry})
                            for i, entry in enumerate(e for rec in chunks for e in rec.lineage))
+        rows = [e["source_row"] for rec in chunks for e in rec.lineage]
+        chat_of = {row: i for i, row in enumerate(rows)}
+        generated = [t for rec in chunks for t in rec.turns]
+        turns = b"".join(_line({"input_ids": t["input_ids"], "loss_mask": t["loss_mask"]}) for t in generated)
         atomic_write_bytes(self.root / CHATS, chats)
         atomic_write_bytes(self.root / LINEAGE, lineage)
-        rows = [e["source_row"] for rec in chunks for e in rec.lineage]
-        files = {name: {"sha256": sha256_hex(data), "bytes": len(data), "rows": len(rows)}
-                 for name, data in ((CHATS, chats), (LINEAGE, lineage))}
+        atomic_write_bytes(self.root / TURNS, turns)
+        files = {name: {"sha256": sha256_hex(data), "bytes": len(data), "rows": n}
+                 for name, data, n in ((CHATS, chats, len(rows)), (LINEAGE, lineage, len(rows)),
+                                       (TURNS, turns, len(generated)))}
         m = RegenerationManifest.model_validate({
             **manifest, "fingerprint": self.fingerprint, "files": files, "rows": rows,
+            "turn_rows": [[chat_of[t["source_row"]], t["message"]] for t in generated],
             "skipped": [s for rec in chunks for s in rec.skipped], "cut": [c for rec in chunks for c in rec.cut],
         })
         atomic_write_bytes(self.root / MANIFEST, (m.model_dump_json(indent=1) + "\n").encode())

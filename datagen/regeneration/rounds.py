@@ -14,6 +14,7 @@ import logging
 from datagen.regeneration.chats import RowState, script
 from datagen.regeneration.output import ChunkRecord, SkippedChat
 from datagen.regeneration.settings import RegenerationSettings, row_seed
+from datagen.regeneration.turns import turn_rows
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +63,12 @@ class ChunkRunner:
                 text = self.tok.decode(list(gen.token_ids), skip_special_tokens=False)
                 st.add_turn(assistant_message(text, self.splitter), gen, seed=req.seed, on_length=self.s.on_length)
         log.debug("chunk %d: %d rounds", k, rounds)
-        return _record(states, skipped, fp=fp, k=k, rows_sha256=rows_sha256)
+        return _record(states, skipped, fp=fp, k=k, rows_sha256=rows_sha256, prompt_ids=self.prompt_ids)
 
 
-def _record(states: list[RowState], skipped: list[SkippedChat], *, fp: str, k: int, rows_sha256: str) -> ChunkRecord:
-    chats, lineage, cut = [], [], []
+def _record(states: list[RowState], skipped: list[SkippedChat], *, fp: str, k: int, rows_sha256: str,
+            prompt_ids) -> ChunkRecord:
+    chats, lineage, cut, turns = [], [], [], []
     for st in states:
         if st.skipped is not None:
             skipped.append(SkippedChat(row=st.row, reason=st.skipped, **(st.skip_detail or {})))
@@ -75,6 +77,7 @@ def _record(states: list[RowState], skipped: list[SkippedChat], *, fp: str, k: i
             cut.append({"row": st.row, "message": st.cut_at})
         chats.append({"messages": st.out})
         lineage.append({"source_row": st.row, "turns": st.turns, "kept": st.kept})
+        turns.extend({"source_row": st.row, **r} for r in turn_rows(prompt_ids, st.out, st.turns))
     skipped.sort(key=lambda s: s.row)
     return ChunkRecord(fingerprint=fp, chunk=k, rows_sha256=rows_sha256, chats=chats, lineage=lineage,
-                       skipped=skipped, cut=cut)
+                       skipped=skipped, cut=cut, turns=turns)

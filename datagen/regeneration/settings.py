@@ -38,6 +38,20 @@ class OnLength(str, enum.Enum):
     DROP = "drop"
 
 
+class Layout(str, enum.Enum):
+    """Which file of the output is the dataset that extraction reads (both are always written)."""
+
+    # chats.jsonl: the regenerated chats, rendered by the chat template when extracted. Every
+    # assistant token is a target, in the context the template gives a finished chat.
+    CHATS = "chats"
+    # turns.jsonl: one pre-tokenized row per generated turn, the exact prompt the engine was given
+    # and the tokens it generated (loss mask 1 on those and the stop token): the context the target
+    # sees when it serves. For templates that rewrite finished turns (Kimi-K2-Thinking renders every
+    # finished turn with an empty think block) it is the only layout whose targets hold the
+    # generated reasoning. docs/regeneration.md, "Layout".
+    AS_GENERATED = "as-generated"
+
+
 class RegenerationSettings(BaseModel):
     """How the assistant turns are generated. Part of the regeneration's fingerprint."""
 
@@ -64,6 +78,10 @@ class RegenerationSettings(BaseModel):
     max_model_len: int | None = Field(
         None, ge=2, description="The model's window in tokens (prompt plus generated). None: the "
         "model's max_position_embeddings. A turn whose prompt fills it is skipped and listed.")
+    layout: Layout = Field(
+        Layout.CHATS, description="The dataset extraction reads: chats (chats.jsonl, rendered by the chat "
+        "template) or as-generated (turns.jsonl: per generated turn, the prompt ids the engine was given "
+        "and the ids it generated; what a thinking model's template drops from finished turns is kept).")
     rows_per_chunk: int = Field(
         256, ge=1, description="Dataset rows per chunk: rows [k*C, (k+1)*C) are generated together, "
         "written as one file, and are the unit of resume.")

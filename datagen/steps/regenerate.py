@@ -26,9 +26,9 @@ from datagen.data.dataset import _check_messages, read_rows, tokenizer_hashes
 from datagen.data.spec import sha256_hex
 from datagen.errors import DatasetError, ModelError, SpecError
 from datagen.models.modelinfo import ModelInfo, inspect_model, model_content_hash
-from datagen.regeneration.output import CHATS, MANIFEST, ChunkRecord, OutputDir, RegenerationManifest
+from datagen.regeneration.output import CHATS, MANIFEST, TURNS, ChunkRecord, OutputDir, RegenerationManifest
 from datagen.regeneration.rounds import ChunkRunner
-from datagen.regeneration.settings import FORMAT_VERSION, RegenerationSettings, fingerprint
+from datagen.regeneration.settings import FORMAT_VERSION, Layout, RegenerationSettings, fingerprint
 from datagen.steps._args import Arg, StepSpec
 
 HELP = "Regenerate the assistant turns of a chat dataset with the target model (vLLM), turn by turn."
@@ -184,7 +184,7 @@ def regenerate(spec: Spec) -> RegenerateResult:
     def result(m: RegenerationManifest, *, cached: bool, generated: int, reused: int) -> RegenerateResult:
         t = m.totals
         return RegenerateResult(
-            out=str(out.root.resolve()), dataset=str((out.root / CHATS).resolve()),
+            out=str(out.root.resolve()), dataset=str((out.root / m.dataset).resolve()),
             manifest=str((out.root / MANIFEST).resolve()), fingerprint=fp, cached=cached, source_sha256=source_sha,
             model_revision=revision, engine_version=version, rows=t["rows"], skipped=t["skipped"],
             generated_turns=t["generated_turns"], generated_tokens=t["generated_tokens"],
@@ -235,10 +235,11 @@ def regenerate(spec: Spec) -> RegenerateResult:
         "seed": s.seed,
         "chunks": {"rows_per_chunk": c, "count": len(parts)},
         "totals": _totals(records, len(chats)),
+        "dataset": TURNS if s.layout is Layout.AS_GENERATED else CHATS,
     }
     m = out.finish(records, manifest)
     log.info("regenerate: %d chats, %d turns, %d tokens -> %s", m.totals["rows"], m.totals["generated_turns"],
-             m.totals["generated_tokens"], out.root / CHATS)
+             m.totals["generated_tokens"], out.root / m.dataset)
     return result(m, cached=False, generated=len(todo), reused=reused)
 
 
