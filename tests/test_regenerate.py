@@ -322,3 +322,27 @@ def test_a_thinking_models_reasoning_goes_to_reasoning_content(tmp_path):
     assert assistant_message("It is 4.", None) == {"role": "assistant", "content": "It is 4."}
     with pytest.raises(SpecError, match="kimi_k2"):
         ReasoningSplitter("no-such-parser", tok)
+
+
+@pytest.mark.engine
+def test_the_as_generated_rows_are_the_engines_prompts_and_generated_ids(smollm2, greedy):
+    from transformers import AutoTokenizer
+
+    from datagen.data.planning import prepare_dataset
+
+    out, _ = greedy
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["dataset"] == "chats.jsonl" and m["files"]["turns.jsonl"]["sha256"] == sha256_file(out / "turns.jsonl")
+    chats, lineage, rows = _jsonl(out / "chats.jsonl"), _jsonl(out / "lineage.jsonl"), _jsonl(out / "turns.jsonl")
+    assert len(rows) == len(m["turn_rows"]) == sum(len(e["turns"]) for e in lineage) == m["totals"]["generated_turns"]
+    for row, (chat, message) in zip(rows, m["turn_rows"]):
+        turn = next(t for t in lineage[chat]["turns"] if t["message"] == message)
+        prompt = tok(tok.apply_chat_template(chats[chat]["messages"][:message], tokenize=False,
+                                             add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+        ends = [turn["stop_token"]] if turn["finish"] == "stop" else []
+        assert row["input_ids"] == prompt + turn["token_ids"] + ends
+        assert row["loss_mask"] == [0] * len(prompt) + [1] * (len(turn["token_ids"]) + len(ends))
+    # extraction reads them as pre-tokenized rows, every one kept
+    data = prepare_dataset(out / "turns.jsonl", load_tokenizer=lambda: tok, vocab_size=49152, max_seq_len=4096)
+    assert len(data.samples) == len(rows) and not data.skipped

@@ -49,7 +49,7 @@ def test_as_generated_rows_keep_the_reasoning_that_the_thinking_template_drops_f
     first, second = generated(thinking, "Two and two make four.", "4."), generated(thinking, "Three and three make six.", "6.")
     lineage = [{"message": 1, "finish": "stop", "token_ids": first, "stop_token": IM_END},
                {"message": 3, "finish": "length", "token_ids": second}]  # no stop token: it hit the limit
-    rows = turn_rows(runner.prompt_ids, chat, lineage)
+    rows = turn_rows(lambda m: runner.prompt_ids(chat[:m]), lineage)
 
     assert [r["message"] for r in rows] == [1, 3]
     for r, turn, ids in zip(rows, lineage, (first + [IM_END], second)):

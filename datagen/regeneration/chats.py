@@ -76,6 +76,7 @@ class RowState:
     out: list[dict] = field(default_factory=list)  # the regenerated chat so far
     turns: list[dict] = field(default_factory=list)  # lineage of each generated turn
     kept: list[dict] = field(default_factory=list)  # lineage of each assistant turn kept as written
+    prompts: dict[int, list[int]] = field(default_factory=dict)  # message -> the prompt ids its turn was generated from
     skipped: SkipReason | None = None
     skip_detail: dict | None = None
     cut_at: int | None = None  # on_length drop: index (in the output chat) where the chat was cut
@@ -93,8 +94,10 @@ class RowState:
     def skip(self, reason: SkipReason, **detail) -> None:
         self.skipped, self.skip_detail = reason, detail or None
 
-    def add_turn(self, message: dict, gen: Generated, *, seed: int | None, on_length: OnLength) -> None:
-        """Append a generated turn (``message``: role, content, maybe reasoning_content)."""
+    def add_turn(self, message: dict, gen: Generated, *, seed: int | None, on_length: OnLength,
+                 prompt_ids: list[int] | None = None) -> None:
+        """Append a generated turn (``message``: role, content, maybe reasoning_content) generated
+        from ``prompt_ids``."""
         at = len(self.out)
         if gen.finish == "length" and on_length is OnLength.DROP:
             self.cut_at = at
@@ -111,5 +114,7 @@ class RowState:
         if seed is not None:
             turn["seed"] = seed
         self.turns.append(turn)
+        if prompt_ids is not None:
+            self.prompts[at] = prompt_ids
         self.out.append(message)
         self.pos += 1

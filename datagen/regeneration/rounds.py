@@ -27,8 +27,12 @@ class ChunkRunner:
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """The conversation so far with the generation prompt, as extraction tokenizes a render."""
-        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+        return self.prompts_ids([messages])[0]
+
+    def prompts_ids(self, conversations: list[list[dict]]) -> list[list[int]]:
+        """``prompt_ids`` of many conversations, tokenized in one call (a fast tokenizer batches it)."""
+        texts = [self.tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in conversations]
+        return [list(ids) for ids in self.tok(texts, add_special_tokens=False)["input_ids"]] if texts else []
 
     def run(self, k: int, rows: list[tuple[int, bytes, list[dict]]], *, fp: str, rows_sha256: str) -> ChunkRecord:
         """Chunk ``k``: ``rows`` are (source row, raw line, messages), in source order."""
@@ -47,10 +51,8 @@ class ChunkRunner:
         rounds = 0
         while True:
             batch: list[tuple[RowState, TurnRequest]] = []
-            for st in states:
-                if not st.advance():
-                    continue
-                ids = self.prompt_ids(st.out)
+            going = [st for st in states if st.advance()]
+            for st, ids in zip(going, self.prompts_ids([st.out for st in going])):
                 if len(ids) >= self.window:
                     st.skip("prompt_too_long", message=len(st.out), prompt_tokens=len(ids), window=self.window)
                     continue
@@ -59,15 +61,16 @@ class ChunkRunner:
             if not batch:
                 break
             rounds += 1
-            for (st, req), gen in zip(batch, self.gen.generate([r for _, r in batch])):
-                text = self.tok.decode(list(gen.token_ids), skip_special_tokens=False)
-                st.add_turn(assistant_message(text, self.splitter), gen, seed=req.seed, on_length=self.s.on_length)
+            generated = self.gen.generate([r for _, r in batch])
+            texts = self.tok.batch_decode([list(g.token_ids) for g in generated], skip_special_tokens=False)
+            for (st, req), gen, text in zip(batch, generated, texts):
+                st.add_turn(assistant_message(text, self.splitter), gen, seed=req.seed, on_length=self.s.on_length,
+                            prompt_ids=req.prompt_ids)
         log.debug("chunk %d: %d rounds", k, rounds)
-        return _record(states, skipped, fp=fp, k=k, rows_sha256=rows_sha256, prompt_ids=self.prompt_ids)
+        return _record(states, skipped, fp=fp, k=k, rows_sha256=rows_sha256)
 
 
-def _record(states: list[RowState], skipped: list[SkippedChat], *, fp: str, k: int, rows_sha256: str,
-            prompt_ids) -> ChunkRecord:
+def _record(states: list[RowState], skipped: list[SkippedChat], *, fp: str, k: int, rows_sha256: str) -> ChunkRecord:
     chats, lineage, cut, turns = [], [], [], []
     for st in states:
         if st.skipped is not None:
@@ -77,7 +80,7 @@ def _record(states: list[RowState], skipped: list[SkippedChat], *, fp: str, k: i
             cut.append({"row": st.row, "message": st.cut_at})
         chats.append({"messages": st.out})
         lineage.append({"source_row": st.row, "turns": st.turns, "kept": st.kept})
-        turns.extend({"source_row": st.row, **r} for r in turn_rows(prompt_ids, st.out, st.turns))
+        turns.extend({"source_row": st.row, **r} for r in turn_rows(st.prompts.__getitem__, st.turns))
     skipped.sort(key=lambda s: s.row)
     return ChunkRecord(fingerprint=fp, chunk=k, rows_sha256=rows_sha256, chats=chats, lineage=lineage,
                        skipped=skipped, cut=cut, turns=turns)

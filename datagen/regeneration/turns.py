@@ -13,12 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 
-def turn_rows(prompt_ids: Callable[[list[dict]], list[int]], messages: list[dict], turns: list[dict]) -> list[dict]:
+def turn_rows(prompt_of: Callable[[int], list[int]], turns: list[dict]) -> list[dict]:
     """The rows of one regenerated chat: ``turns`` is its lineage (message index, token_ids,
-    stop_token for a turn that stopped), ``prompt_ids`` renders and tokenizes a conversation so far."""
+    stop_token for a turn that stopped); ``prompt_of(m)`` is the prompt the engine was given for the
+    turn at message m."""
     rows = []
     for t in turns:
-        prompt = list(prompt_ids(messages[: t["message"]]))
+        prompt = list(prompt_of(t["message"]))
         generated = list(t["token_ids"]) + ([t["stop_token"]] if t.get("stop_token") is not None else [])
         rows.append({"message": t["message"], "input_ids": prompt + generated,
                      "loss_mask": [0] * len(prompt) + [1] * len(generated)})
