@@ -22,6 +22,7 @@ import numpy as np
 
 from datagen.data.contract import SkippedRow, TruncatedRow
 from datagen.errors import DatasetError, ModelError
+from datagen.models.tokenizer import tiktoken_encoder
 
 log = logging.getLogger(__name__)
 
@@ -305,6 +306,8 @@ def _ids_batch(tokenizer, texts: list[str]) -> list[list[int]]:
         got = iter([])
     elif (backend := _plain_backend(tokenizer)) is not None:
         got = (e.ids for e in backend.encode_batch_fast(nonempty, add_special_tokens=False))
+    elif (encode := tiktoken_encoder(tokenizer)) is not None:  # the slow Kimi tokenizer's ids from tiktoken
+        got = iter(encode(nonempty))
     else:
         got = iter(tokenizer(nonempty, add_special_tokens=False)["input_ids"])
     return [list(next(got)) if t else [] for t in texts]

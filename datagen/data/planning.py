@@ -36,6 +36,7 @@ import numpy as np
 from datagen.data import dataset as ds
 from datagen.data.contract import SkippedRow, TruncatedRow
 from datagen.errors import DatasetError, ModelError
+from datagen.models.tokenizer import tiktoken_encoder
 
 log = logging.getLogger(__name__)
 
@@ -379,6 +380,8 @@ def prepare_dataset(path: str | Path, *, load_tokenizer: ds.TokenizerLoader, voc
             except Exception:  # noqa: BLE001 - raised again at the first row that needs it, as before
                 tokenizer = None
         split = ds.SplitTokens(tokenizer) if tokenizer is not None else None
+        if tokenizer is not None:
+            tiktoken_encoder(tokenizer)  # checked once here, not in every worker
         job = _Job(str(p), tokenizer, vocab_size, max_seq_len, split, reuse)
         batches, hashes = _plan(job, scan.ranges, workers if parallel else 1)
         if tried or not any(b.no_tokenizer for b in batches):
