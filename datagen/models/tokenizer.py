@@ -102,7 +102,7 @@ def load_tokenizer(model: str | Path, *, tokenizer: str | Path | None = None, tr
 
 # --- the slow tiktoken tokenizer's ids, from tiktoken in one step --------------------------------
 
-_TIKTOKEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> encode, or None
+_TIKTOKEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (its state, encode or None)
 # Texts on which the shortcut must give the slow tokenizer's ids before it is used.
 _PROBES = ("Hello world, it's 12345 tokens!", "中文分词 测试", "  \n\n\t x=1+2 🎉", "don't HTTPServer's")
 
@@ -122,9 +122,17 @@ def tiktoken_encoder(tokenizer):
     another, every base token's string maps back to its id, and probe texts agree."""
     if not _weakrefable(tokenizer):
         return None
-    if tokenizer not in _TIKTOKEN:
-        _TIKTOKEN[tokenizer] = _build_tiktoken_encoder(tokenizer)
-    return _TIKTOKEN[tokenizer]
+    state = _added_state(tokenizer)  # a tokenizer changed since (tokens added) is checked again
+    if tokenizer not in _TIKTOKEN or _TIKTOKEN[tokenizer][0] != state:
+        _TIKTOKEN[tokenizer] = (state, _build_tiktoken_encoder(tokenizer))
+    return _TIKTOKEN[tokenizer][1]
+
+
+def _added_state(tokenizer) -> tuple:
+    added = getattr(tokenizer, "_added_tokens_decoder", None) or {}
+    return (type(tokenizer), getattr(tokenizer, "split_special_tokens", False), getattr(tokenizer, "model", None),
+            tuple((i, str(t), *(getattr(t, k, None) for k in ("lstrip", "rstrip", "single_word", "normalized")))
+                  for i, t in sorted(added.items())))
 
 
 def _weakrefable(obj) -> bool:
