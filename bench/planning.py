@@ -129,12 +129,28 @@ def main(argv: list[str] | None = None) -> int:
     fixed_runs: dict[str, list[float]] = {"slow": [], "fast": []}
     fork_runs: list[float] = []
     outputs, tokens = {}, None
+    from datagen.data import planning
+
+    hashes_at = planning._hashes
+    in_situ: list[float] = []  # CPU s of the tokenizer's fingerprint within the last plan (its own thread)
+
+    def timed_hashes(tokenizer):
+        t = time.thread_time()
+        try:
+            return hashes_at(tokenizer)
+        finally:
+            in_situ.append(time.thread_time() - t)
+
+    planning._hashes = timed_hashes
+    hashes_cpu: dict[str, list[float]] = {k: [] for k in cases}
     for i in range(args.repeats or REPEATS[mode]):
         for case, (name, _, fn) in cases.items():
+            in_situ.clear()
             t, c = time.perf_counter(), _cpu()
             out = fn()
             runs[case].append(time.perf_counter() - t)
             cpu[case].append(tuple(b - a for a, b in zip(c, _cpu())))
+            hashes_cpu[case].append(sum(in_situ))
             tokens = out.tokens
             if case.startswith("before"):
                 outputs[name] = out
@@ -147,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         fork_runs.append(_fork_cpu_s(cores) / cores)
         log.info("round %d: %s", i + 1, {k: round(v[-1], 2) for k, v in runs.items()})
     load_after = os.getloadavg()
+    planning._hashes = hashes_at
     fixed = {k: median(v) for k, v in fixed_runs.items()}
     fork = median(fork_runs)  # CPU s here per worker started
     wall = {k: tokens / median(v) for k, v in runs.items()}
@@ -154,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     parallel = {k: median([b for _, b in v]) for k, v in cpu.items()}
     # per token: what this process did (less the once-per-plan parts) and what the workers did
     starts = {k: (w if w > 1 else 0) for k, (_, w, _) in cases.items()}
-    here = {k: max(serial[k] - fixed[cases[k][0]] - starts[k] * fork, 0.0) / tokens for k in cases}
+    # the fingerprint as it ran within the plan (the former code: measured apart, it runs alone there)
+    own = {k: median(hashes_cpu[k]) if k.startswith("after") else fixed[cases[k][0]] for k in cases}
+    here = {k: max(serial[k] - own[k] - starts[k] * fork, 0.0) / tokens for k in cases}
     there = {k: parallel[k] / tokens for k in cases}
     per_core = {k: 1 / (here[k] + there[k]) for k in cases}
 
@@ -164,34 +183,37 @@ def main(argv: list[str] | None = None) -> int:
                             f"{per_core[case] / base:.1f}x before (slow); per token {here[case] * 1e6:.2f} us here + "
                             f"{there[case] * 1e6:.2f} us in workers (CPU); wall {median(runs[case]):.2f} s for "
                             f"{tokens:,} tokens ({wall[case]:,.0f} tok/s on the shared machine)"))
-    best = f"after, fast tokenizer, {cores} process{'es' if cores > 1 else ''}"
-
-    def on(n: int, total: float) -> float:  # tokens/s planning ``total`` tokens on n idle cores
-        return total / (fixed["fast"] + n * fork + total * (here[best] + there[best] / n))
-
-    two = 1 / (here[best] + there[best] / 2)
-    rec.rows.append(Row("2 cores, fast tokenizer, vs before (slow tokenizer, 1 core), per token", round(two / base, 1),
-                        "x", ">= 10", two / base >= 10,
-                        f"{two:,.0f} vs {base:,.0f} tok/s (CPU time); with this dataset's once-per-plan parts "
-                        f"({fixed['fast']:.2f} s fingerprint, {fork * 1e3:.0f} ms per worker started) "
-                        f"{on(2, tokens):,.0f} tok/s; wall on the shared machine {wall[best]:,.0f} tok/s"))
     billion = 1e9
-    projected = on(64, billion)
-    rec.rows.append(Row("64-core host, 1B tokens, projected from CPU time (Amdahl)", round(projected), "tok/s",
-                        ">= 1,000,000", projected >= 1e6,
-                        f"per token {here[best] * 1e6:.3f} us serial (hash and cut the file, assemble) + "
-                        f"{there[best] * 1e6:.2f} us in workers (read, parse, identify, check, render, tokenize); "
-                        f"once per plan {fixed['fast']:.2f} s + 64 x {fork * 1e3:.0f} ms; bound by the serial part "
-                        f"alone {1 / here[best] if here[best] else float('inf'):,.0f} tok/s; "
-                        f"1B tokens in {billion / projected / 60:.1f} min"))
-    curve = {n: on(n, billion) for n in (1, 2, 4, 8, 16, 32, 64, 128)}
+    curves = {}
+    for name in ("slow", "fast"):
+        best = f"after, {name} tokenizer, {cores} process{'es' if cores > 1 else ''}"
+
+        def on(n: int, total: float, best=best, name=name) -> float:  # tokens/s for ``total`` tokens, n idle cores
+            return total / (fixed[name] + n * fork + total * (here[best] + there[best] / n))
+
+        two = 1 / (here[best] + there[best] / 2)
+        rec.rows.append(Row(f"2 cores, {name} tokenizer, vs before (slow tokenizer, 1 core), per token",
+                            round(two / base, 1), "x", ">= 10", two / base >= 10,
+                            f"{two:,.0f} vs {base:,.0f} tok/s (CPU time of {best}); with this dataset's "
+                            f"once-per-plan parts ({fixed[name]:.2f} s fingerprint, {fork * 1e3:.0f} ms per worker "
+                            f"started) {on(2, tokens):,.0f} tok/s; wall on the shared machine {wall[best]:,.0f} tok/s"))
+        projected = on(64, billion)
+        rec.rows.append(Row(f"64-core host, 1B tokens, {name} tokenizer, projected from CPU time (Amdahl)",
+                            round(projected), "tok/s", ">= 1,000,000", projected >= 1e6,
+                            f"per token {here[best] * 1e6:.3f} us serial (hash and cut the file, assemble) + "
+                            f"{there[best] * 1e6:.2f} us in workers (read, parse, identify, check, render, "
+                            f"tokenize); once per plan {fixed[name]:.2f} s + 64 x {fork * 1e3:.0f} ms; the serial "
+                            f"part alone bounds it at {1 / here[best] if here[best] else float('inf'):,.0f} tok/s; "
+                            f"1B tokens in {billion / projected / 60:.1f} min"))
+        curves[name] = {n: on(n, billion) for n in (1, 2, 4, 8, 16, 32, 64, 128)}
     rec.data = {"rows": rows, "tokens": tokens, "cores": cores, "runs_s": runs, "cpu_s": cpu, "per_core": per_core,
                 "per_token_here_s": here, "per_token_workers_s": there, "wall_rate": wall,
                 "today_reported_tok_s": TODAY_TOKENS_PER_S, "dataset_bytes": os.path.getsize(data),
                 "load_average_before": load_before, "load_average_after": load_after, "fixed_cpu_s": fixed,
-                "fork_cpu_s_per_worker": fork, "projected_1b_tok_s": curve,
-                "measured_processes": {str(w): per_core[f"after, fast tokenizer, {w} process{'es' if w > 1 else ''}"]
-                                       for w in counts}}
+                "fork_cpu_s_per_worker": fork, "projected_1b_tok_s": curves,
+                "measured_processes": {name: {str(w): per_core[f"after, {name} tokenizer, {w} process{'es' if w > 1 else ''}"]
+                                              for w in (counts if name == "fast" else sorted({1, cores}))}
+                                       for name in ("slow", "fast")}}
     rec.notes.append("tokens/s per core = 1 / (per-token CPU of this process + of its workers), medians, without the "
                      "once-per-plan tokenizer fingerprint and worker starts (measured apart); n cores = tokens / "
                      "(fingerprint + n x worker start + tokens x (serial + parallel / n)); the tokenizer is loaded "
@@ -222,13 +244,18 @@ def plot(rec: dict, out: Path) -> None:
     ax.tick_params(axis="y", labelsize=8)
     ax.set_title(rec["title"], fontsize=10)
     data = rec.get("data") or {}
-    curve = {int(k): v for k, v in (data.get("projected_1b_tok_s") or {}).items()}
-    if curve:
+    curves = data.get("projected_1b_tok_s") or {}
+    for name, color in (("slow", "C0"), ("fast", "C1")):
+        curve = {int(k): v for k, v in (curves.get(name) or {}).items()}
+        if not curve:
+            continue
         n = sorted(curve)
-        bx.plot(n, [curve[k] for k in n], "o-", color="C1", label="after, fast tokenizer: projected (1B tokens)")
-        measured = {int(k): v * int(k) for k, v in (data.get("measured_processes") or {}).items()}
-        bx.plot(sorted(measured), [measured[k] for k in sorted(measured)], "s", color="k", ms=7,
-                label="measured here: per-core rate x processes")
+        bx.plot(n, [curve[k] for k in n], "o-", color=color, label=f"after, {name} tokenizer: projected (1B tokens)")
+        measured = {int(k): v * int(k) for k, v in ((data.get("measured_processes") or {}).get(name) or {}).items()}
+        bx.plot(sorted(measured), [measured[k] for k in sorted(measured)], "s", color=color, mec="k", ms=7,
+                label=f"{name}: measured here, per-core rate x processes")
+    if curves:
+        n = [1, 2, 4, 8, 16, 32, 64, 128]
         before = next((r["value"] for r in rows if r["case"].startswith("before, slow")), None)
         if before:
             bx.plot(n, [before * k for k in n], ":", color="gray", label="before x cores (ideal)")
