@@ -253,7 +253,7 @@ def test_the_slow_tokenizers_ids_come_from_tiktoken_in_one_step_only_where_they_
 
     from tokenizers import AddedToken
 
-    from datagen.models.tokenizer import tiktoken_encoder
+    from datagen.data.tiktoken_ids import tiktoken_encoder
     from tests.test_planning import WORDS
 
     encode = tiktoken_encoder(instruct)

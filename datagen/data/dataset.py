@@ -22,7 +22,7 @@ import numpy as np
 
 from datagen.data.contract import SkippedRow, TruncatedRow
 from datagen.errors import DatasetError, ModelError
-from datagen.models.tokenizer import tiktoken_encoder
+from datagen.data.tiktoken_ids import tiktoken_encoder
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ import numpy as np
 from datagen.data import dataset as ds
 from datagen.data.contract import SkippedRow, TruncatedRow
 from datagen.errors import DatasetError, ModelError
-from datagen.models.tokenizer import tiktoken_encoder
+from datagen.data.tiktoken_ids import tiktoken_encoder
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import traceback
-import weakref
 from pathlib import Path
 
 from datagen.errors import ModelError
@@ -99,90 +98,3 @@ def load_tokenizer(model: str | Path, *, tokenizer: str | Path | None = None, tr
                          hint="add chat_template.jinja (or chat_template in tokenizer_config.json), or pre-tokenize the dataset")
     return tok
 
-
-# --- the slow tiktoken tokenizer's ids, from tiktoken in one step --------------------------------
-
-_TIKTOKEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (its state, encode or None)
-# Texts on which the shortcut must give the slow tokenizer's ids before it is used.
-_PROBES = ("Hello world, it's 12345 tokens!", "中文分词 测试", "  \n\n\t x=1+2 🎉", "don't HTTPServer's")
-
-
-def _same_code(a, b) -> bool:
-    a, b = getattr(a, "__code__", None), getattr(b, "__code__", None)
-    return a is not None and b is not None and (a.co_code, a.co_names, a.co_consts) == (b.co_code, b.co_names, b.co_consts)
-
-
-def tiktoken_encoder(tokenizer):
-    """For the project's slow Kimi tokenizer (``tokenization_kimi.py`` over a ``tiktoken.Encoding``):
-    a function from texts to the ids that ``tokenizer(text, add_special_tokens=False)`` gives each,
-    computed by tiktoken in one call per text (no Python pass over token strings). None for any
-    other tokenizer, and whenever the shortcut cannot be shown to give the same ids: the class's
-    tokenization is the project's own (the same code), its added tokens are exactly tiktoken's
-    special tokens it allows, with the same ids, none stripping its neighbours, none a prefix of
-    another, every base token's string maps back to its id, and probe texts agree."""
-    if not _weakrefable(tokenizer):
-        return None
-    state = _added_state(tokenizer)  # a tokenizer changed since (tokens added) is checked again
-    if tokenizer not in _TIKTOKEN or _TIKTOKEN[tokenizer][0] != state:
-        _TIKTOKEN[tokenizer] = (state, _build_tiktoken_encoder(tokenizer))
-    return _TIKTOKEN[tokenizer][1]
-
-
-def _added_state(tokenizer) -> tuple:
-    added = getattr(tokenizer, "_added_tokens_decoder", None) or {}
-    return (type(tokenizer), getattr(tokenizer, "split_special_tokens", False), getattr(tokenizer, "model", None),
-            tuple((i, str(t), *(getattr(t, k, None) for k in ("lstrip", "rstrip", "single_word", "normalized")))
-                  for i, t in sorted(added.items())))
-
-
-def _weakrefable(obj) -> bool:
-    try:
-        weakref.ref(obj)
-    except TypeError:
-        return False
-    return True
-
-
-def _build_tiktoken_encoder(tokenizer):
-    try:
-        import tiktoken
-        from transformers.tokenization_python import PythonBackend
-
-        from datagen.models._tokenization_kimi import TikTokenTokenizer
-    except ImportError:
-        return None
-    cls = type(tokenizer)
-    model = getattr(tokenizer, "model", None)
-    if not isinstance(model, tiktoken.Encoding) or getattr(tokenizer, "split_special_tokens", False):
-        return None
-    ours = ("_tokenize", "_convert_token_to_id", "__init__")
-    if not all(_same_code(getattr(cls, n, None), getattr(TikTokenTokenizer, n)) for n in ours):
-        return None
-    inherited = ("tokenize", "prepare_for_tokenization", "_encode_plus", "__call__", "convert_tokens_to_ids",
-                 "_convert_token_to_id_with_added_voc")
-    if any(getattr(cls, n, None) is not getattr(PythonBackend, n, None) for n in inherited):
-        return None
-    added = tokenizer._added_tokens_encoder
-    decoder = tokenizer._added_tokens_decoder
-    if any(getattr(t, "lstrip", False) or getattr(t, "rstrip", False) or getattr(t, "single_word", False)
-           or (getattr(t, "normalized", False) and getattr(tokenizer, "do_lower_case", False)) for t in decoder.values()):
-        return None
-    specials = dict(tokenizer.special_tokens)
-    if any(specials.get(s) != i for s, i in added.items()) or set(tokenizer.all_special_tokens) - set(added):
-        return None
-    names = sorted(added)
-    if any(b.startswith(a) for a, b in zip(names, names[1:])):  # sorted: a prefix sits right before
-        return None
-    base = model.n_vocab - len(specials)
-    if any(tokenizer.encoder.get(tokenizer.decoder.get(t)) != t or tokenizer.decoder.get(t) in added
-           for t in range(base)):
-        return None
-    allowed = frozenset(added)
-
-    def encode(texts: list[str]) -> list[list[int]]:
-        return [model.encode(t, allowed_special=allowed, disallowed_special=()) for t in texts]
-
-    probes = [*_PROBES, *(f"a{s}b {s}\n{s}{s}" for s in names[:8])]
-    if encode(probes) != [tokenizer(p, add_special_tokens=False)["input_ids"] for p in probes]:
-        return None
-    return encode
