@@ -240,3 +240,31 @@ def test_a_rows_identity_is_its_one_function_called_in_the_workers(fast_tok, tmp
     got = prepare_dataset(path, load_tokenizer=lambda: fast_tok, vocab_size=VOCAB, max_seq_len=100, workers=1)
     lines = path.read_bytes().splitlines()
     assert got.line_hashes == [hashlib.sha256(b"salt" + line).digest() for line in lines] and all(seen)
+
+
+def test_the_one_read_cuts_at_line_ends_counts_rows_and_sees_the_chat_key_whatever_the_block_size(
+        tmp_path, monkeypatch):
+    import hashlib
+
+    from datagen.data import planning
+
+    rng = random.Random(0)
+    path = tmp_path / "rows.jsonl"
+    for trial in range(200):
+        lines = [b"x" * rng.randint(0, 40) for _ in range(rng.randint(1, 30))]  # blank ones too
+        lines[-1] += b"y"  # (an empty last line would be no line)
+        key = trial % 2 == 0
+        lines[rng.randrange(len(lines))] += b'"messages"' if key else b'"messagez"'
+        raw = b"\n".join(lines) + (b"\n" if rng.random() < 0.5 else b"")
+        path.write_bytes(raw)
+        monkeypatch.setattr(planning, "READ_BLOCK", rng.randint(1, 50))
+        scan = planning._scan(path, rng.randint(1, 60))
+        assert scan.fingerprint == hashlib.sha256(raw).hexdigest() and scan.chats == key
+        assert scan.rows == len(lines) and scan.ranges[0].start == 0 and scan.ranges[-1].stop == len(raw)
+        row = 0
+        for r in scan.ranges:
+            part = raw[r.start : r.stop]
+            assert r.first == row and hashlib.sha256(part).digest() == r.sha256
+            assert part.endswith(b"\n") or r.stop == len(raw)
+            row += part.count(b"\n") + (not part.endswith(b"\n"))
+        assert row == len(lines)

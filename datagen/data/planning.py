@@ -153,9 +153,10 @@ def _scan(p: Path, target: int) -> _Scan:
         while block := f.read(READ_BLOCK):
             whole.update(block)
             view = memoryview(block)
-            if not chats:
-                chats = CHAT_KEY in block or CHAT_KEY in tail + block[: len(CHAT_KEY) - 1]
-                tail = block[-(len(CHAT_KEY) - 1):]
+            if not chats:  # (the key may span two blocks: the last bytes before this one, and its first)
+                k = len(CHAT_KEY) - 1
+                chats = CHAT_KEY in block or CHAT_KEY in tail + block[:k]
+                tail = block[-k:] if len(block) >= k else (tail + block)[-k:]
             i = 0
             while (want := start + target - pos) <= len(block):
                 j = block.find(b"\n", max(want - 1, i))
