@@ -243,3 +243,33 @@ def test_planning_in_workers_on_the_real_ranks_gives_the_former_plan_byte_for_by
     path = write_jsonl(tmp_path / "rows.jsonl", varied_rows(200, seed=2))
     kw = dict(load_tokenizer=lambda: tok, vocab_size=163840, max_seq_len=100)
     assert_same(prepare_dataset(path, workers=2, **kw), reference_prepare_dataset(path, **kw))
+
+
+def test_the_slow_tokenizers_ids_come_from_tiktoken_in_one_step_only_where_they_are_the_same(instruct, fast):
+    """Planning with the slow tokenizer asks tiktoken for the ids of a text directly (the slow call
+    goes through Python token strings); the shortcut gives the slow call's ids, and is not taken for
+    a tokenizer whose tokenization is not the project's own or whose added tokens strip spaces."""
+    import copy
+
+    from tokenizers import AddedToken
+
+    from datagen.data.tiktoken_ids import tiktoken_encoder
+    from tests.test_planning import WORDS
+
+    encode = tiktoken_encoder(instruct)
+    assert encode is not None and tiktoken_encoder(fast) is None
+    names = sorted(REAL_SPECIAL_IDS)
+    texts = [" ".join(WORDS[i % len(WORDS):] + [names[i % len(names)]] * (i % 3)) + names[i % 5] for i in range(40)]
+    texts += ["<|im_end|><|im_user|>", "<|reserved_token_300|> [BOS]x", "<|im_end", "a<|im_middle|>\n\n  b"]
+    assert encode(texts) == [instruct(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+    class Other(type(instruct)):
+        def tokenize(self, text, **kwargs):
+            return super().tokenize(text.lower(), **kwargs)
+
+    other = copy.copy(instruct)
+    other.__class__ = Other
+    assert tiktoken_encoder(other) is None
+    stripping = copy.deepcopy(instruct)
+    stripping.add_tokens([AddedToken("<|im_end|>", lstrip=True, special=True)], special_tokens=True)
+    assert tiktoken_encoder(stripping) is None

@@ -103,8 +103,11 @@ def _rows_with(bad: dict[int, str], n: int = 260) -> list:
     {200: json.dumps({"text": "neither"})},
 ])
 def test_a_bad_row_in_any_batch_raises_the_former_error(bad, kimi_tok, tmp_path):
-    path = write_jsonl(tmp_path / "bad.jsonl", _rows_with(bad))
-    kw = dict(load_tokenizer=lambda: kimi_tok, vocab_size=VOCAB, max_seq_len=100)
+    assert_same_error(write_jsonl(tmp_path / "bad.jsonl", _rows_with(bad)), kimi_tok)
+
+
+def assert_same_error(path, tok) -> None:
+    kw = dict(load_tokenizer=lambda: tok, vocab_size=VOCAB, max_seq_len=100)
     with pytest.raises(DatasetError) as want:
         reference_prepare_dataset(path, **kw)
     with pytest.raises(DatasetError) as got:
@@ -141,3 +144,127 @@ def test_a_tokenizer_named_in_the_spec_tokenizes_the_chats_and_is_in_the_fingerp
 
     kimi = AutoTokenizer.from_pretrained(other, trust_remote_code=True)
     assert kimi.convert_ids_to_tokens(int(named.data.samples[0].input_ids[0])) == "<|im_system|>"
+
+
+@pytest.fixture
+def small_ranges(monkeypatch):
+    """Ranges of about 1 KiB: a few hundred rows make dozens of ranges, so that every rule about
+    where a range starts, ends and what it raises is crossed many times."""
+    from datagen.data import planning
+
+    monkeypatch.setattr(planning, "MIN_RANGE", 1 << 10)
+
+
+def test_ranges_cut_anywhere_give_the_former_plan_crlf_a_last_line_without_its_end_and_an_escaped_key(
+        fast_tok, small_ranges, tmp_path):
+    lines = [json.dumps(r) for r in varied_rows(200, seed=3)]
+    lines[7] = lines[7].replace('"messages"', '"\\u006dessages"')  # a chat key the byte search cannot see
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b"".join(line.encode() + (b"\r\n" if i % 3 else b"\n") for i, line in enumerate(lines))[:-1])
+    kw = dict(load_tokenizer=lambda: fast_tok, vocab_size=VOCAB, max_seq_len=100)
+    want = reference_prepare_dataset(path, **kw)
+    assert want.rows == 200 and want.tokenizer_hash is not None
+    for workers in (1, 2):
+        assert_same(prepare_dataset(path, workers=workers, **kw), want)
+    only_escaped = tmp_path / "escaped.jsonl"
+    only_escaped.write_text(lines[7] + "\n" + json.dumps({"input_ids": [1, 2]}) + "\n")
+    assert_same(prepare_dataset(only_escaped, workers=2, **kw), reference_prepare_dataset(only_escaped, **kw))
+
+
+@pytest.mark.parametrize("bad", [
+    {3: "", 150: "{not json"},  # a blank line
+    {120: '{"messages": [{"role": "user", "content": 3}]}', 199: "[1, 2]"},  # the last line, no object
+    {60: b'{"input_ids": [1, 2, \xff]}'},  # not UTF-8
+    {90: '{"messages": [{"role": "robot", "content": "x"}]}', 91: json.dumps({"input_ids": [1, 2, 5000]})},
+])
+def test_a_bad_row_in_any_of_many_ranges_raises_the_former_error(bad, fast_tok, small_ranges, tmp_path):
+    lines = [json.dumps(r).encode() for r in varied_rows(200, seed=4)]
+    for i, raw in bad.items():
+        lines[i] = raw if isinstance(raw, bytes) else raw.encode()
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b"\n".join(lines))  # (no line end after the last line)
+    assert_same_error(path, fast_tok)
+
+
+def test_a_file_edited_between_its_hash_and_its_workers_read_is_refused(fast_tok, small_ranges, tmp_path,
+                                                                        monkeypatch):
+    """The fingerprint is of the bytes the workers parse: a range whose bytes are not those hashed
+    stops the plan (an append after the hash is not read, as a whole-file read did not read it)."""
+    from datagen.data import planning
+
+    path = write_jsonl(tmp_path / "rows.jsonl", varied_rows(200, seed=6))
+    original = path.read_bytes()
+    scan = planning._scan
+
+    def scan_then_edit(p, target):
+        out = scan(p, target)
+        edited = bytearray(original)
+        at = edited.index(b"the", len(edited) // 2)
+        edited[at : at + 3] = b"THE"  # the same length: only the bytes differ
+        path.write_bytes(bytes(edited))
+        return out
+
+    monkeypatch.setattr(planning, "_scan", scan_then_edit)
+    kw = dict(load_tokenizer=lambda: fast_tok, vocab_size=VOCAB, max_seq_len=100, workers=2)
+    with pytest.raises(DatasetError, match="changed while it was read") as e:
+        prepare_dataset(path, **kw)
+    assert "again once nothing writes to it" in e.value.hint
+    path.write_bytes(original)
+
+    def scan_then_append(p, target):
+        out = scan(p, target)
+        path.write_bytes(original + json.dumps({"input_ids": [1, 2]}).encode() + b"\n")
+        return out
+
+    monkeypatch.setattr(planning, "_scan", scan_then_append)
+    got = prepare_dataset(path, **kw)
+    path.write_bytes(original)
+    assert_same(got, reference_prepare_dataset(path, **{k: v for k, v in kw.items() if k != "workers"}))
+
+
+def test_a_rows_identity_is_its_one_function_called_in_the_workers(fast_tok, tmp_path, monkeypatch):
+    """The row's identity (the shard keys, the reuse of a stored plan) comes from ``row_identity``
+    alone, called with the row's bytes and its parsed object in the worker that plans it."""
+    import hashlib
+
+    from datagen.data import planning
+
+    path = write_jsonl(tmp_path / "rows.jsonl", varied_rows(50, seed=7))
+    seen = []
+
+    def identity(line, obj):
+        seen.append(isinstance(obj, dict))
+        return hashlib.sha256(b"salt" + line).digest()
+
+    monkeypatch.setattr(planning, "row_identity", identity)
+    got = prepare_dataset(path, load_tokenizer=lambda: fast_tok, vocab_size=VOCAB, max_seq_len=100, workers=1)
+    lines = path.read_bytes().splitlines()
+    assert got.line_hashes == [hashlib.sha256(b"salt" + line).digest() for line in lines] and all(seen)
+
+
+def test_the_one_read_cuts_at_line_ends_counts_rows_and_sees_the_chat_key_whatever_the_block_size(
+        tmp_path, monkeypatch):
+    import hashlib
+
+    from datagen.data import planning
+
+    rng = random.Random(0)
+    path = tmp_path / "rows.jsonl"
+    for trial in range(200):
+        lines = [b"x" * rng.randint(0, 40) for _ in range(rng.randint(1, 30))]  # blank ones too
+        lines[-1] += b"y"  # (an empty last line would be no line)
+        key = trial % 2 == 0
+        lines[rng.randrange(len(lines))] += b'"messages"' if key else b'"messagez"'
+        raw = b"\n".join(lines) + (b"\n" if rng.random() < 0.5 else b"")
+        path.write_bytes(raw)
+        monkeypatch.setattr(planning, "READ_BLOCK", rng.randint(1, 50))
+        scan = planning._scan(path, rng.randint(1, 60))
+        assert scan.fingerprint == hashlib.sha256(raw).hexdigest() and scan.chats == key
+        assert scan.rows == len(lines) and scan.ranges[0].start == 0 and scan.ranges[-1].stop == len(raw)
+        row = 0
+        for r in scan.ranges:
+            part = raw[r.start : r.stop]
+            assert r.first == row and hashlib.sha256(part).digest() == r.sha256
+            assert part.endswith(b"\n") or r.stop == len(raw)
+            row += part.count(b"\n") + (not part.endswith(b"\n"))
+        assert row == len(lines)

@@ -22,6 +22,7 @@ import numpy as np
 
 from datagen.data.contract import SkippedRow, TruncatedRow
 from datagen.errors import DatasetError, ModelError
+from datagen.data.tiktoken_ids import tiktoken_encoder
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +73,8 @@ class PreparedDataset:
 TokenizerLoader = Callable[[], object]
 
 
-def read_rows(path: str | Path, *, digest=None) -> list[tuple[int, bytes, dict]]:
-    """Parse each line of a JSONL file. Returns (row, raw bytes, object) per line.
-
-    ``digest`` (a hashlib object), when given, is fed every byte read: the fingerprint of exactly
-    the content parsed, even if the file changes while it is read.
-    """
+def check_file(path: str | Path) -> Path:
+    """The dataset path as a file, or the error that says what it is instead."""
     p = Path(path)
     if not p.is_file():
         raise DatasetError(
@@ -85,39 +82,59 @@ def read_rows(path: str | Path, *, digest=None) -> list[tuple[int, bytes, dict]]
             path=str(p),
             hint="pass a JSONL file with --dataset",
         )
+    return p
+
+
+def parse_row(raw: bytes, *, path: str, line: int) -> dict:
+    """One line of a JSONL file (with its line end, as read) as a JSON object, or the error that
+    names what is wrong with it."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DatasetError(
+            f"not valid UTF-8 (byte {e.start})", path=path, line=line,
+            hint="re-encode the file as UTF-8",
+        ) from None
+    if not text.strip():
+        raise DatasetError(
+            "blank line", path=path, line=line,
+            hint="remove blank lines: every line must be one JSON object",
+        )
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DatasetError(
+            f"malformed JSON ({e.msg} at column {e.colno})", path=path, line=line,
+            hint="each line must be one complete JSON object",
+        ) from None
+    if not isinstance(obj, dict):
+        raise DatasetError(
+            f"a row must be a JSON object, got {type(obj).__name__}", path=path,
+            line=line, hint='write {"messages": [...]} or {"input_ids": [...]}',
+        )
+    return obj
+
+
+def empty_dataset(path: str | Path) -> DatasetError:
+    return DatasetError("dataset is empty", path=str(path), hint="give at least one row")
+
+
+def read_rows(path: str | Path, *, digest=None) -> list[tuple[int, bytes, dict]]:
+    """Parse each line of a JSONL file. Returns (row, raw bytes, object) per line.
+
+    ``digest`` (a hashlib object), when given, is fed every byte read: the fingerprint of exactly
+    the content parsed, even if the file changes while it is read. (Planning reads the lines in
+    its worker processes instead: ``datagen.data.planning``.)
+    """
+    p = check_file(path)
     out = []
     with p.open("rb") as f:
         for i, raw in enumerate(f):
-            line_no = i + 1
             if digest is not None:
                 digest.update(raw)
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DatasetError(
-                    f"not valid UTF-8 (byte {e.start})", path=str(p), line=line_no,
-                    hint="re-encode the file as UTF-8",
-                ) from None
-            if not text.strip():
-                raise DatasetError(
-                    "blank line", path=str(p), line=line_no,
-                    hint="remove blank lines: every line must be one JSON object",
-                )
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise DatasetError(
-                    f"malformed JSON ({e.msg} at column {e.colno})", path=str(p), line=line_no,
-                    hint="each line must be one complete JSON object",
-                ) from None
-            if not isinstance(obj, dict):
-                raise DatasetError(
-                    f"a row must be a JSON object, got {type(obj).__name__}", path=str(p),
-                    line=line_no, hint='write {"messages": [...]} or {"input_ids": [...]}',
-                )
-            out.append((i, raw.rstrip(b"\r\n"), obj))
+            out.append((i, raw.rstrip(b"\r\n"), parse_row(raw, path=str(p), line=i + 1)))
     if not out:
-        raise DatasetError("dataset is empty", path=str(p), hint="give at least one row")
+        raise empty_dataset(p)
     return out
 
 
@@ -289,6 +306,8 @@ def _ids_batch(tokenizer, texts: list[str]) -> list[list[int]]:
         got = iter([])
     elif (backend := _plain_backend(tokenizer)) is not None:
         got = (e.ids for e in backend.encode_batch_fast(nonempty, add_special_tokens=False))
+    elif (encode := tiktoken_encoder(tokenizer)) is not None:  # the slow Kimi tokenizer's ids from tiktoken
+        got = iter(encode(nonempty))
     else:
         got = iter(tokenizer(nonempty, add_special_tokens=False)["input_ids"])
     return [list(next(got)) if t else [] for t in texts]

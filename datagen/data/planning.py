@@ -1,12 +1,15 @@
-"""Planning a dataset on every core: rows checked, rendered and tokenized in worker processes.
+"""Planning a dataset on every core: rows read, checked, rendered and tokenized in worker processes.
 
-``prepare_dataset`` is the one entry. The file is read, hashed and
-parsed once in the calling process (JSON parsing is a small share of planning); the rows are then
-planned in batches of consecutive rows by worker processes forked from it, so they share the parsed
-rows and the loaded tokenizer without copying them, and each sends back its batch's tokens packed
-in arrays. The result is the one a single process gets, byte for byte: the same samples, skipped
-and truncated rows, kinds and hashes, and on a bad row the same error (the first in file order,
-raised again in the calling process from that row alone).
+``prepare_dataset`` is the one entry. The calling process reads the file once in large blocks: it
+hashes it (the dataset's fingerprint), counts its lines and cuts it into byte ranges at line ends,
+each with the sha256 of its bytes. Worker processes forked from it (sharing the loaded tokenizer
+without copying it) each read their range themselves, check that its bytes are the ones hashed
+(else the file changed while it was read, and planning stops), parse and hash its rows
+(``row_identity``), render and tokenize its chats in batches, and send back their tokens packed in
+arrays. The calling process only assembles them. The result is the one a single process gets, byte
+for byte: the same samples, skipped and truncated rows, kinds and hashes, and on a bad row the same
+error (the first line that is not a JSON object, else the first row that fails its checks, raised
+again in the calling process from that row alone).
 
 A row of the previous plan of the same dataset path (``Reuse``: the stored plan, with the same
 tokenizer, template and settings) whose bytes did not change is not rendered or tokenized again:
@@ -19,6 +22,7 @@ import contextlib
 import dataclasses
 import gc
 import hashlib
+import json
 import logging
 import multiprocessing
 import os
@@ -32,14 +36,29 @@ import numpy as np
 from datagen.data import dataset as ds
 from datagen.data.contract import SkippedRow, TruncatedRow
 from datagen.errors import DatasetError, ModelError
+from datagen.data.tiktoken_ids import tiktoken_encoder
 
 log = logging.getLogger(__name__)
 
-# Rows per batch: large enough that a batch's pickled result is cheap next to its tokenizing, small
-# enough that every worker gets several (the last batches do not leave a core idle for long).
-MIN_BATCH, MAX_BATCH = 64, 2048
+# Bytes per range a worker reads: large enough that a range's pickled result is cheap next to its
+# tokenizing, small enough that every worker gets several (the last ranges do not leave a core idle
+# for long) and that a range's parsed rows stay small.
+MIN_RANGE, MAX_RANGE = 16 << 10, 1 << 20
+# Rows tokenized in one call (a call's texts and tokens stay bounded whatever the range holds).
+TOKENIZE_BATCH = 2048
 # Below this many rows one process plans them (starting workers costs more than it saves).
 PARALLEL_MIN_ROWS = 2000
+# The calling process reads the file in blocks of this size.
+READ_BLOCK = 8 << 20
+# A chat row's key: a file without these bytes has no chat row, and its plan loads no tokenizer.
+CHAT_KEY = b'"messages"'
+
+
+def row_identity(line: bytes, obj: dict) -> bytes:
+    """A row's identity: what the plan records of it (``PreparedDataset.line_hashes``, the shard
+    keys) and what an earlier plan's row must match to be reused. The sha256 of its bytes (without
+    the line end); ``obj`` is the row parsed from them."""
+    return hashlib.sha256(line).digest()
 
 
 @dataclass(frozen=True)
@@ -55,28 +74,53 @@ class Reuse(Protocol):
     """Outcomes of rows whose bytes an earlier plan tokenized (``datagen.extraction.stored``)."""
 
     def known(self, first: int, line_hashes: list[bytes]) -> dict[int, Known]:
-        """The known outcomes among rows ``first, first+1, ...`` of these sha256 digests (called in
-        the worker that plans them: it reads only what its batch needs). Never raises: a row it
+        """The known outcomes among rows ``first, first+1, ...`` of these identities (called in
+        the worker that plans them: it reads only what its range needs). Never raises: a row it
         cannot give is tokenized."""
         ...
 
 
-@dataclass
-class _Batch:
-    """What a worker sends back for rows [first, stop): packed samples and the rest per row."""
+@dataclass(frozen=True)
+class _Range:
+    """Bytes [start, stop) of the file: whole lines, the first of them row ``first``."""
 
     first: int
+    start: int
     stop: int
+    sha256: bytes  # of those bytes, as the calling process read them
+
+
+@dataclass(frozen=True)
+class _Scan:
+    """What the calling process learns from its one read of the file."""
+
+    fingerprint: str  # sha256 of the whole file
+    rows: int
+    ranges: list[_Range]
+    chats: bool  # CHAT_KEY occurs in it (else no row is a chat)
+
+
+@dataclass
+class _Batch:
+    """What a worker sends back for a range: packed samples and the rest per row."""
+
+    first: int
     rows: np.ndarray  # int64 [S]: the rows that became samples
     offsets: np.ndarray  # int64 [S+1]
     ids: np.ndarray  # int32 [T]
     mask: np.ndarray  # uint8 [T]
+    line_hashes: bytes = b""  # row_identity of each row of the range, 32 bytes each
     skipped: list[SkippedRow] = field(default_factory=list)
     truncated: list[TruncatedRow] = field(default_factory=list)
     kinds: set[str] = field(default_factory=set)
     tokenized: bool = False  # a chat row needed the tokenizer
-    error_row: int | None = None  # the first row that raised; the caller raises it again
     reused: int = 0  # chat rows taken from the earlier plan
+    changed: bool = False  # the range's bytes are not those the calling process hashed
+    # the first row that raised, and its line as read; the caller raises it again
+    error_row: int | None = None
+    error_line: bytes = b""
+    parse_error: bool = False  # the line is not a JSON object
+    no_tokenizer: bool = False  # a chat row needed the tokenizer and none was loaded
 
 
 @dataclass
@@ -84,12 +128,10 @@ class _Job:
     """Everything a worker reads: set before the workers fork, so they share it."""
 
     path: str
-    rows: list[tuple[int, bytes, dict]]
     tokenizer: object | None
     vocab_size: int
     max_seq_len: int
     split_tokens: ds.SplitTokens | None
-    line_hashes: list[bytes]
     reuse: Reuse | None
 
 
@@ -97,7 +139,40 @@ _JOB: _Job | None = None
 
 
 class _NoTokenizer(RuntimeError):
-    """A chat row needs the tokenizer, and loading it raised (it is loaded again to say why)."""
+    """A chat row needs the tokenizer, and none was loaded (it is loaded again to say why)."""
+
+
+def _scan(p: Path, target: int) -> _Scan:
+    """Read the file once: its sha256, its lines, and ranges of about ``target`` bytes cut at line
+    ends, each with its own sha256."""
+    whole, part = hashlib.sha256(), hashlib.sha256()
+    ranges: list[_Range] = []
+    start = first = newlines = pos = 0
+    chats, tail, last = False, b"", b""
+    with p.open("rb") as f:
+        while block := f.read(READ_BLOCK):
+            whole.update(block)
+            view = memoryview(block)
+            if not chats:  # (the key may span two blocks: the last bytes before this one, and its first)
+                k = len(CHAT_KEY) - 1
+                chats = CHAT_KEY in block or CHAT_KEY in tail + block[:k]
+                tail = block[-k:] if len(block) >= k else (tail + block)[-k:]
+            i = 0
+            while (want := start + target - pos) <= len(block):
+                j = block.find(b"\n", max(want - 1, i))
+                if j < 0:
+                    break
+                part.update(view[i : j + 1])
+                ranges.append(_Range(first, start, pos + j + 1, part.digest()))
+                first += newlines + block.count(b"\n", i, j + 1)
+                start, newlines, part, i = pos + j + 1, 0, hashlib.sha256(), j + 1
+            part.update(view[i:])
+            newlines += block.count(b"\n", i)
+            last, pos = block[-1:], pos + len(block)
+    if pos > start:
+        ranges.append(_Range(first, start, pos, part.digest()))
+        first += newlines + (last != b"\n")
+    return _Scan(whole.hexdigest(), first, ranges, chats)
 
 
 def _row(job: _Job, obj: dict, row: int, known: Known | None, state: dict):
@@ -158,25 +233,88 @@ def _finish(job: _Job, row: int, outcome, batch: _Batch, samples: list) -> None:
     samples.append((row, ids, mask))
 
 
-def _plan_batch(first: int, stop: int) -> _Batch:
-    """Rows [first, stop) of the job: checked in order, their chats tokenized in one call, then
+def _read_range(job: _Job, r: _Range) -> tuple[list[bytes], bool] | None:
+    """The range's lines (without their "\\n") and whether its last one ends with one, or None
+    when its bytes are not those hashed."""
+    with open(job.path, "rb") as f:
+        f.seek(r.start)
+        data = f.read(r.stop - r.start)
+    if hashlib.sha256(data).digest() != r.sha256:
+        return None
+    lines = data.split(b"\n")
+    ends = data.endswith(b"\n")
+    if ends:
+        lines.pop()
+    return lines, ends
+
+
+def _parse(line: bytes):
+    """The line's JSON object, or None (``ds.parse_row`` then says what is wrong with it)."""
+    try:
+        obj = json.loads(line.decode("utf-8"))
+    except Exception:  # noqa: BLE001 - said again by ds.parse_row in the calling process
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _plan_range(r: _Range) -> _Batch:
+    """The range's rows: read, parsed and identified (a line that is not a JSON object stops it
+    before any row is checked, as a whole-file parse did), then checked, tokenized in batches and
     finished in order. Stops at the first row that raises and names it."""
     job = _JOB
-    known = job.reuse.known(first, job.line_hashes[first:stop]) if job.reuse is not None else {}
-    batch = _Batch(first, stop, *_pack([]))
+    batch = _Batch(r.first, *_pack([]))
+    read = _read_range(job, r)
+    if read is None:
+        batch.changed = True
+        return batch
+    lines, ends = read
+
+    def as_read(k: int) -> bytes:  # line k with its line end
+        return lines[k] + b"\n" if k < len(lines) - 1 or ends else lines[k]
+
+    objs = []
+    for k, line in enumerate(lines):
+        obj = _parse(line)
+        if obj is None:
+            batch.error_row, batch.parse_error = r.first + k, True
+            batch.error_line = as_read(k)
+            return batch
+        objs.append(obj)
+    hashes = [row_identity(line.rstrip(b"\r\n"), obj) for line, obj in zip(lines, objs)]
+    batch.line_hashes = b"".join(hashes)
+    known = job.reuse.known(r.first, hashes) if job.reuse is not None else {}
     state = {"kinds": batch.kinds, "tokenized": False, "reused": 0}
+    samples: list = []
+    for a in range(0, len(objs), TOKENIZE_BATCH):
+        rows = range(r.first + a, r.first + min(a + TOKENIZE_BATCH, len(objs)))
+        failed_at = _plan_rows(job, rows, objs[a : a + TOKENIZE_BATCH], known, state, batch, samples)
+        if failed_at is not None:
+            batch.error_row = failed_at
+            batch.error_line = as_read(failed_at - r.first)
+            break
+    batch.rows, batch.offsets, batch.ids, batch.mask = _pack(samples)
+    batch.tokenized, batch.reused = state["tokenized"], state["reused"]
+    return batch
+
+
+def _plan_rows(job: _Job, rows: range, objs: list[dict], known: dict, state: dict, batch: _Batch,
+               samples: list) -> int | None:
+    """These rows checked in order, their chats tokenized in one call, then finished in order; the
+    first row that raised, or None."""
     outcomes, failed_at = [], None
-    for row, _raw, obj in job.rows[first:stop]:
+    for row, obj in zip(rows, objs):
         try:
             outcomes.append((row, _row(job, obj, row, known.get(row), state)))
+        except _NoTokenizer:
+            failed_at, batch.no_tokenizer = row, True
+            break
         except Exception:  # noqa: BLE001 - the caller raises it again from this row alone
             failed_at = row
             break
     chats = [(o[1], row + 1) for row, o in outcomes if o[0] == "chat"]
     how = ds.Boundaries.TRUST_SPECIAL_TOKENS if job.split_tokens else ds.Boundaries.COMPARE_WHOLE
-    tokens = iter(ds.tokenize_chats(job.tokenizer, chats, path=job.path, boundaries=how, split_tokens=job.split_tokens)
-                  if chats else [])
-    samples: list = []
+    tokens = iter(ds.tokenize_chats(job.tokenizer, chats, path=job.path, boundaries=how,
+                                    split_tokens=job.split_tokens) if chats else [])
     for row, outcome in outcomes:
         try:
             if outcome[0] == "chat":
@@ -186,12 +324,8 @@ def _plan_batch(first: int, stop: int) -> _Batch:
                 outcome = _truncate(job, row, *got)
             _finish(job, row, outcome, batch, samples)
         except Exception:  # noqa: BLE001 - as above
-            failed_at = row
-            break
-    batch.error_row = failed_at
-    batch.rows, batch.offsets, batch.ids, batch.mask = _pack(samples)
-    batch.tokenized, batch.reused = state["tokenized"], state["reused"]
-    return batch
+            return row
+    return failed_at
 
 
 def _pack(samples: list) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -202,9 +336,8 @@ def _pack(samples: list) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray
             np.concatenate([m for _, _, m in samples]).astype(np.uint8) if samples else np.zeros(0, np.uint8))
 
 
-def _batches(n: int, workers: int) -> list[tuple[int, int]]:
-    size = max(MIN_BATCH, min(MAX_BATCH, -(-n // (workers * 8))))
-    return [(a, min(a + size, n)) for a in range(0, n, size)]
+def _range_bytes(size: int, workers: int) -> int:
+    return max(MIN_RANGE, min(MAX_RANGE, -(-size // (workers * 8))))
 
 
 def default_workers() -> int:
@@ -214,17 +347,13 @@ def default_workers() -> int:
     return settings.planning_workers() or len(os.sched_getaffinity(0))
 
 
-def _needs_tokenizer(rows) -> bool:
-    return any(isinstance(obj.get("messages"), list) and obj["messages"] for _, _, obj in rows)
-
-
 def prepare_dataset(path: str | Path, *, load_tokenizer: ds.TokenizerLoader, vocab_size: int, max_seq_len: int,
                     workers: int | None = None, reuse: Reuse | None = None) -> ds.PreparedDataset:
     """Read, check and tokenize every row, on every core.
 
     Args:
         path: the JSONL dataset.
-        load_tokenizer: loads the tokenizer (called once, only when a chat row needs it).
+        load_tokenizer: loads the tokenizer (called once, only when a chat row may need it).
         vocab_size: the model's vocabulary (token ids must lie below it).
         max_seq_len: rows longer than this are truncated.
         workers: planning processes (default ``default_workers()`` from PARALLEL_MIN_ROWS rows on,
@@ -232,44 +361,52 @@ def prepare_dataset(path: str | Path, *, load_tokenizer: ds.TokenizerLoader, voc
         reuse: outcomes of unchanged rows from an earlier plan of the same tokenizer and settings.
 
     Raises:
-        DatasetError: the first bad row (in file order), or no row with a target.
+        DatasetError: the first bad row (in file order), no row with a target, or the file
+            changed while it was read.
         ModelError: the tokenizer does not load, or produces an id outside the vocabulary.
     """
-    global _JOB
-    p = Path(path)
-    # The fingerprint is of the bytes parsed, not of a second read: a file changed in between
-    # would otherwise get a fingerprint that its shards were not extracted from.
-    digest = hashlib.sha256()
-    rows = ds.read_rows(p, digest=digest)
-    fingerprint = digest.hexdigest()
-    line_hashes = [hashlib.sha256(raw).digest() for _, raw, _ in rows]
-    tokenizer = None
-    if _needs_tokenizer(rows):
-        try:
-            tokenizer = load_tokenizer()
-        except Exception:  # noqa: BLE001 - raised again at the first row that needs it, as before
-            tokenizer = None
-    split = ds.SplitTokens(tokenizer) if tokenizer is not None else None
-    job = _Job(str(p), rows, tokenizer, vocab_size, max_seq_len, split, line_hashes, reuse)
-    parallel = workers is not None or len(rows) >= PARALLEL_MIN_ROWS  # asked for, or worth it
+    p = ds.check_file(path)
+    asked = workers
     workers = workers or default_workers()
-    ranges = _batches(len(rows), workers)
+    scan = _scan(p, _range_bytes(p.stat().st_size, workers))
+    if scan.rows == 0:
+        raise ds.empty_dataset(p)
+    parallel = asked is not None or scan.rows >= PARALLEL_MIN_ROWS  # asked for, or worth it
+    tokenizer, tried = None, False
+    while True:
+        if scan.chats and not tried:
+            tried = True
+            try:
+                tokenizer = load_tokenizer()
+            except Exception:  # noqa: BLE001 - raised again at the first row that needs it, as before
+                tokenizer = None
+        split = ds.SplitTokens(tokenizer) if tokenizer is not None else None
+        if tokenizer is not None:
+            tiktoken_encoder(tokenizer)  # checked once here, not in every worker
+        job = _Job(str(p), tokenizer, vocab_size, max_seq_len, split, reuse)
+        batches, hashes = _plan(job, scan.ranges, workers if parallel else 1)
+        if tried or not any(b.no_tokenizer for b in batches):
+            break
+        # a chat row the byte search did not see (its key written with escapes): plan again with it
+        scan = dataclasses.replace(scan, chats=True)
+    return _assemble(job, scan, batches, load_tokenizer, hashes)
+
+
+def _plan(job: _Job, ranges: list[_Range], workers: int) -> tuple[list[_Batch], tuple[str | None, str | None]]:
+    global _JOB
     _JOB = job
-    # The parsed rows are many small objects that live until the plan is made: out of the garbage
-    # collector's sight meanwhile (its full passes over them cost more than the planning's own
-    # allocations, and in a forked worker they would copy every page the parent shares with it).
+    # Whatever the calling process holds (the tokenizer's many small objects) out of the garbage
+    # collector's sight meanwhile: in a forked worker its passes would copy every page it shares.
     gc.freeze()
     try:
         with _one_thread_per_process():
-            if workers <= 1 or not parallel or "fork" not in multiprocessing.get_all_start_methods():
-                batches = [_plan_batch(a, b) for a, b in ranges]
-                hashes = _hashes(tokenizer)
-            else:  # the tokenizer's hashes (a serialization of it) while the workers plan
-                batches, hashes = _in_workers(ranges, workers, lambda: _hashes(tokenizer))
+            if workers <= 1 or len(ranges) < 2 or "fork" not in multiprocessing.get_all_start_methods():
+                return [_plan_range(r) for r in ranges], _hashes(job.tokenizer)
+            # the tokenizer's hashes (a serialization of it) while the workers plan
+            return _in_workers(ranges, workers, lambda: _hashes(job.tokenizer))
     finally:
         _JOB = None
         gc.unfreeze()
-    return _assemble(job, batches, load_tokenizer, fingerprint, line_hashes, hashes)
 
 
 def _hashes(tokenizer) -> tuple[str | None, str | None]:
@@ -292,18 +429,22 @@ def _one_thread_per_process():
             os.environ["TOKENIZERS_PARALLELISM"] = before
 
 
-def _in_workers(ranges, workers: int, meanwhile):
-    """The batches planned by ``workers`` forked processes, and ``meanwhile()`` run here meanwhile."""
+def _in_workers(ranges: list[_Range], workers: int, meanwhile):
+    """The ranges planned by ``workers`` forked processes, and ``meanwhile()`` run here meanwhile."""
     ctx = multiprocessing.get_context("fork")
     with ProcessPoolExecutor(max_workers=min(workers, len(ranges)), mp_context=ctx) as ex:
-        results = ex.map(_plan_batch, [a for a, _ in ranges], [b for _, b in ranges])
+        results = ex.map(_plan_range, ranges)
         other = meanwhile()
         return list(results), other
 
 
-def _raise_row_error(job: _Job, row: int, load_tokenizer) -> None:
-    """Plan ``row`` again here, as a single process does, so that it raises its own error."""
-    _, _, obj = job.rows[row]
+def _raise_row_error(job: _Job, batch: _Batch, load_tokenizer) -> None:
+    """Plan the batch's failed row again here, as a single process does, so that it raises its own
+    error."""
+    row = batch.error_row
+    obj = ds.parse_row(batch.error_line, path=job.path, line=row + 1)  # raises for a line that is no object
+    if batch.parse_error:
+        raise RuntimeError(f"line {row + 1} failed to parse in a planning worker but parses here")
     state = {"kinds": set(), "tokenized": False, "reused": 0}
     try:
         outcome = _row(job, obj, row, None, state)
@@ -312,22 +453,31 @@ def _raise_row_error(job: _Job, row: int, load_tokenizer) -> None:
         outcome = _row(job, obj, row, None, state)
     if outcome[0] == "chat":
         outcome = _truncate(job, row, *ds.tokenize_chat(job.tokenizer, outcome[1], path=job.path, line=row + 1))
-    _finish(job, row, outcome, _Batch(row, row + 1, *_pack([])), [])
+    _finish(job, row, outcome, _Batch(row, *_pack([])), [])
     raise RuntimeError(f"row {row} failed in a planning worker but plans here")
 
 
-def _assemble(job: _Job, batches: list[_Batch], load_tokenizer, fingerprint: str, line_hashes: list[bytes],
+def _assemble(job: _Job, scan: _Scan, batches: list[_Batch], load_tokenizer,
               hashes: tuple[str | None, str | None]) -> ds.PreparedDataset:
-    errors = [b.error_row for b in batches if b.error_row is not None]
-    if errors:
-        _raise_row_error(job, min(errors), load_tokenizer)
+    changed = [b.first for b in batches if b.changed]
+    if changed:
+        raise DatasetError(
+            f"the file changed while it was read (its bytes from line {min(changed) + 1} on are not those hashed)",
+            path=job.path, hint="plan it again once nothing writes to it",
+        )
+    for errors in ([b for b in batches if b.parse_error], [b for b in batches if b.error_row is not None]):
+        if errors:  # a line that is no JSON object comes first, as a whole-file parse found it first
+            _raise_row_error(job, min(errors, key=lambda b: b.error_row), load_tokenizer)
     samples: dict[int, ds.Sample] = {}
     skipped: list[SkippedRow] = []
     truncated: list[TruncatedRow] = []
+    line_hashes: list[bytes] = []
     kinds: set[str] = set()
     for b in batches:
         for r, x, y in zip(b.rows.tolist(), b.offsets[:-1].tolist(), b.offsets[1:].tolist()):
             samples[r] = ds.Sample(row=r, input_ids=b.ids[x:y], loss_mask=b.mask[x:y])
+        h = b.line_hashes
+        line_hashes += [h[k : k + 32] for k in range(0, len(h), 32)]
         skipped += b.skipped
         truncated += b.truncated
         kinds |= b.kinds
@@ -338,7 +488,7 @@ def _assemble(job: _Job, batches: list[_Batch], load_tokenizer, fingerprint: str
         # Every row skipped: a run would start an engine, store nothing and call it complete.
         reasons = sorted({s.reason for s in skipped})
         raise DatasetError(
-            f"no row has a target token: all {len(job.rows)} rows would be skipped ({', '.join(reasons)})",
+            f"no row has a target token: all {scan.rows} rows would be skipped ({', '.join(reasons)})",
             path=job.path,
             hint="give chat rows an assistant turn, or pre-tokenized rows a loss_mask with 1s",
         )
@@ -346,8 +496,8 @@ def _assemble(job: _Job, batches: list[_Batch], load_tokenizer, fingerprint: str
     template_hash, tok_hash = hashes if used else (None, None)
     return ds.PreparedDataset(
         path=job.path,
-        rows=len(job.rows),
-        fingerprint=fingerprint,
+        rows=scan.rows,
+        fingerprint=scan.fingerprint,
         samples=samples,
         skipped=skipped,
         truncated=truncated,

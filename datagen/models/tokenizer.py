@@ -97,3 +97,4 @@ def load_tokenizer(model: str | Path, *, tokenizer: str | Path | None = None, tr
         raise ModelError(f"{whose} has no chat template",
                          hint="add chat_template.jinja (or chat_template in tokenizer_config.json), or pre-tokenize the dataset")
     return tok
+

@@ -326,18 +326,18 @@ def test_a_dataset_changed_while_it_is_read_gets_the_fingerprint_of_what_was_rea
                                                                                  case):
     """Regression: the fingerprint used to come from a second read of the file, so a change
     between the two reads gave the manifest the sha256 of content no shard was made from."""
-    from datagen.data import dataset as ds_module
+    from datagen.data import planning
 
     data = write_jsonl(tmp_path / "rows.jsonl", GOOD_ROWS)
     original = data.read_bytes()
-    read_rows = ds_module.read_rows
+    scan = planning._scan  # the one read that hashes the file (the workers then read its ranges)
 
-    def read_then_change(path, **kw):
-        out = read_rows(path, **kw)
+    def read_then_change(path, *args):
+        out = scan(path, *args)
         write_jsonl(data, GOOD_ROWS + [{"input_ids": [1, 2, 3]}])
         return out
 
-    monkeypatch.setattr(ds_module, "read_rows", read_then_change)
+    monkeypatch.setattr(planning, "_scan", read_then_change)
     from datagen.data.planning import prepare_dataset
 
     prepared = prepare_dataset(data, load_tokenizer=lambda: None, vocab_size=512, max_seq_len=64)
