@@ -30,6 +30,7 @@ from typing import Protocol
 import numpy as np
 
 from datagen.data import dataset as ds
+from datagen.data import media
 from datagen.data.contract import SkippedRow, TruncatedRow
 from datagen.errors import DatasetError, ModelError
 
@@ -77,6 +78,7 @@ class _Batch:
     tokenized: bool = False  # a chat row needed the tokenizer
     error_row: int | None = None  # the first row that raised; the caller raises it again
     reused: int = 0  # chat rows taken from the earlier plan
+    media: dict = field(default_factory=dict)  # row -> its images (media.MediaItem), image rows only
 
 
 @dataclass
@@ -110,6 +112,10 @@ def _row(job: _Job, obj: dict, row: int, known: Known | None, state: dict):
         if not msgs:
             return ("skipped", "empty")
         state["tokenized"] = True
+        if media.has_media(obj):  # images: read, counted and expanded (datagen.data.media)
+            if job.tokenizer is None:
+                raise _NoTokenizer(row)
+            return media.plan_row(job.tokenizer, msgs, row=row, path=job.path, max_seq_len=job.max_seq_len)
         if known is not None:
             state["reused"] += 1
             if known.sample is None:
@@ -143,7 +149,9 @@ def _finish(job: _Job, row: int, outcome, batch: _Batch, samples: list) -> None:
     if outcome[0] == "skipped":
         batch.skipped.append(SkippedRow(row=row, reason=outcome[1]))
         return
-    _, ids, mask, truncated = outcome
+    _, ids, mask, truncated, *images = outcome
+    if images:
+        batch.media[row] = images[0]
     if truncated is not None:
         batch.truncated.append(truncated)
     if not mask.any():
@@ -242,7 +250,7 @@ def prepare_dataset(path: str | Path, *, load_tokenizer: ds.TokenizerLoader, voc
     digest = hashlib.sha256()
     rows = ds.read_rows(p, digest=digest)
     fingerprint = digest.hexdigest()
-    line_hashes = [hashlib.sha256(raw).digest() for _, raw, _ in rows]
+    line_hashes = media.identities(rows, [hashlib.sha256(raw).digest() for _, raw, _ in rows], p.parent)
     tokenizer = None
     if _needs_tokenizer(rows):
         try:
@@ -327,7 +335,7 @@ def _assemble(job: _Job, batches: list[_Batch], load_tokenizer, fingerprint: str
     kinds: set[str] = set()
     for b in batches:
         for r, x, y in zip(b.rows.tolist(), b.offsets[:-1].tolist(), b.offsets[1:].tolist()):
-            samples[r] = ds.Sample(row=r, input_ids=b.ids[x:y], loss_mask=b.mask[x:y])
+            samples[r] = ds.Sample(row=r, input_ids=b.ids[x:y], loss_mask=b.mask[x:y], media=b.media.get(r, ()))
         skipped += b.skipped
         truncated += b.truncated
         kinds |= b.kinds
