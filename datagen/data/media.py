@@ -306,10 +306,7 @@ def expand(ids: np.ndarray, mask: np.ndarray, pad_id: int, counts: list[int]) ->
     Returns the new ids, mask and each image's first position."""
     at = np.flatnonzero(ids == pad_id)
     if len(at) != len(counts):
-        raise DatasetError(
-            f"the chat template rendered {len(at)} {PAD_TOKEN} tokens for {len(counts)} images",
-            hint="the model's chat template must render each image part as its image placeholder",
-        )
+        raise ValueError(f"the chat template rendered {len(at)} {PAD_TOKEN} tokens for {len(counts)} images")
     pieces_ids, pieces_mask, offsets, prev, pos = [], [], [], 0, 0
     for a, n in zip(at.tolist(), counts):
         pieces_ids += [ids[prev:a], np.full(n, pad_id, np.int32)]
@@ -360,8 +357,8 @@ def plan_row(tokenizer, messages: list[dict], *, row: int, path: str, max_seq_le
     ids, mask = ds.tokenize_chat(tokenizer, messages, path=path, line=line)
     try:
         ids, mask, offsets = expand(ids, mask, counter.pad_id, [n for *_, n in loaded])
-    except DatasetError as e:
-        raise DatasetError(str(e.args[0]) if e.args else str(e), path=path, line=line,
+    except ValueError as e:
+        raise DatasetError(str(e), path=path, line=line,
                            hint="the model's chat template must render each image part as its image placeholder") from None
     if len(ids) > max_seq_len:
         log.warning("%s line %d skipped: %d tokens with its images, max_seq_len %d", path, line, len(ids), max_seq_len)
@@ -369,3 +366,40 @@ def plan_row(tokenizer, messages: list[dict], *, row: int, path: str, max_seq_le
     items = tuple(MediaItem(url=u, path=p, sha256=h, offset=o, tokens=n)
                   for (u, p, h, n), o in zip(loaded, offsets))
     return ("sample", ids, mask, None, items)
+
+
+def engine_kwargs(model_dir: str, *, trust_remote_code: bool) -> dict:
+    """vLLM arguments for an engine that takes images: no processor cache (each image is seen
+    once), and a check, before the engine starts, that this vLLM can process the model's images.
+
+    Raises:
+        EngineUnsupportedError: this vLLM has no processor of its own for the model's images and
+            the checkpoint ships none it may run (vLLM 0.24 with the tiny checkpoint).
+    """
+    from datagen.errors import EngineUnsupportedError
+
+    try:
+        image_processor(model_dir, trust_remote_code=trust_remote_code)
+    except ModelError as e:
+        raise EngineUnsupportedError(f"image rows cannot run on this vLLM: {str(e).split(chr(10))[0]}",
+                                     hint=e.hint) from None
+    return {"mm_processor_cache_gb": 0}
+
+
+def collapse(ids: np.ndarray, items) -> list[int]:
+    """The sample's ids with each image's run of placeholder tokens back to the one the template
+    wrote: what vLLM's processor takes, and expands again (the worker checks that it expanded them
+    to exactly the sample's ids)."""
+    out, prev = [], 0
+    for m in items:
+        out += ids[prev : m.offset + 1].tolist()
+        prev = m.offset + m.tokens
+    return out + ids[prev:].tolist()
+
+
+def engine_prompt(ids: np.ndarray, items) -> dict:
+    """A ``TokensPrompt``'s fields for an image sample: the collapsed ids and the images as
+    ``vision_chunk`` items (Kimi-K2.5's one modality in vLLM), keyed by their sha256."""
+    return {"prompt_token_ids": collapse(ids, items),
+            "multi_modal_data": {"vision_chunk": [{"type": "image", "image": load_image(m.path, m.sha256),
+                                                   "uuid": m.sha256} for m in items]}}

@@ -64,6 +64,7 @@ def build_job(p: Plan, k: int) -> ShardJob:
         dtype=p.resolved_spec.storage_dtype,
         hidden_size=p.info.hidden_size,
         shard_key=p.shard_key(k),
+        media=tuple(p.data.samples[r].media for r in rows),
     )
 
 
