@@ -202,7 +202,7 @@ def load_image(path: str, sha256: str):
     data = Path(path).read_bytes()
     got = hashlib.sha256(data).hexdigest()
     if got != sha256:
-        raise DatasetError(f"image {path} changed since the plan (sha256 {got[:12]}, planned {sha256[:12]})",
+        raise DatasetError(f"the image changed since the plan (sha256 {got[:12]}, planned {sha256[:12]})", path=path,
                            hint="run the extraction again: the changed rows are planned and extracted anew")
     return decode(data, path)
 
