@@ -403,3 +403,12 @@ def engine_prompt(ids: np.ndarray, items) -> dict:
     return {"prompt_token_ids": collapse(ids, items),
             "multi_modal_data": {"vision_chunk": [{"type": "image", "image": load_image(m.path, m.sha256),
                                                    "uuid": m.sha256} for m in items]}}
+
+
+def media_records(data) -> list:
+    """The manifest's ``media``: every stored row of ``data`` (a PreparedDataset) that had images."""
+    from datagen.data.contract import ImageRecord, MediaRecord
+
+    return [MediaRecord(row=r, images=[ImageRecord(url=m.url, sha256=m.sha256, offset=m.offset, tokens=m.tokens)
+                                       for m in s.media])
+            for r, s in sorted(data.samples.items()) if s.media]
