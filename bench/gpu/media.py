@@ -107,7 +107,7 @@ def main() -> None:
     report["extract_rc"] = proc.returncode
     (out / "extract.stderr.txt").write_text(proc.stderr[-20000:])
     if proc.returncode != 0:
-        said = [ln for ln in proc.stderr.splitlines() if "image rows cannot run" in ln or "-> " in ln]
+        said = [ln for ln in proc.stderr.splitlines() if "image processor of its own" in ln or "-> " in ln]
         report["refused"] = said[-2:] if said else proc.stderr.splitlines()[-5:]
     else:
         from datagen.data.planning import prepare_dataset
