@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests.builders import write_jsonl
+from tests.support.s3server import s3_env, s3_server  # noqa: F401  (fixtures)
 
 VOCAB = 1024
 
@@ -201,3 +202,28 @@ def test_the_engine_prompt_gives_vllm_one_placeholder_per_image(tmp_path):
     _png(img, 30, 30, seed=3)  # changed after planning: refused, not run
     with pytest.raises(DatasetError, match="changed since the plan"):
         engine_prompt(ids, items)
+
+
+@pytest.mark.s3
+def test_s3_images_are_read_through_the_storage_layer_and_kept_by_sha256(kimi, tokenizer, tmp_path, s3_server, s3_env,
+                                                                          monkeypatch):
+    import hashlib
+
+    from datagen.data import media
+
+    monkeypatch.setenv("DATAGEN_MEDIA_CACHE", str(tmp_path / "cache"))
+    media._s3_client.cache_clear()
+    bucket = s3_server.create_bucket()
+    img = _png(tmp_path / "a.png", 90, 60)
+    s3_server.client().put_object(Bucket=bucket, Key="imgs/a.png", Body=img.read_bytes())
+    rows = [image_row(f"s3://{bucket}/imgs/a.png"), image_row(f"s3://{bucket}/imgs/none.png"), image_row("a.png")]
+    try:
+        d = _plan(kimi, tokenizer, write_jsonl(tmp_path / "d.jsonl", rows))
+    finally:
+        media._s3_client.cache_clear()
+    sha = hashlib.sha256(img.read_bytes()).hexdigest()
+    (item,) = d.samples[0].media
+    assert item.sha256 == sha and Path(item.path).parent.parent == tmp_path / "cache"
+    assert Path(item.path).read_bytes() == img.read_bytes()
+    assert {s.row: s.reason for s in d.skipped} == {1: "media_missing"}
+    assert np.array_equal(d.samples[0].input_ids, d.samples[2].input_ids)  # the same image, wherever it lies

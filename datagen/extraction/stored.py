@@ -116,6 +116,9 @@ def store_plan(p: Plan) -> Path | None:
     fingerprints. A failure is logged, never raised: the stored plan only saves time."""
     from safetensors.numpy import save
 
+    if any(s.media for s in p.data.samples.values()):  # its images are not in the stored form: planned again
+        log.info("plan not stored: the dataset has image rows (they are planned again each run)")
+        return None
     d = plan_dir(p.spec.out, p.fingerprint)
     digests: dict[str, str] = {}
 
