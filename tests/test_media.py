@@ -107,6 +107,11 @@ def test_a_changed_image_changes_its_rows_identity_and_nothing_else(kimi, tokeni
     assert before.line_hashes[1] == after.line_hashes[1]
     assert before.shard_rows_hash(0, 2) != after.shard_rows_hash(0, 2)
     assert np.array_equal(before.samples[0].input_ids, after.samples[0].input_ids)
+    (tmp_path / "a.png").unlink()  # gone: its row is skipped, and when it is back its row counts as changed
+    gone = _plan(kimi, tokenizer, data)
+    assert [s.reason for s in gone.skipped] == ["media_missing"]
+    assert gone.line_hashes[0] not in (before.line_hashes[0], after.line_hashes[0])
+    assert gone.line_hashes[1] == before.line_hashes[1]
 
 
 def test_unusable_images_skip_their_rows_with_a_reason(kimi, tokenizer, tmp_path):

@@ -216,9 +216,13 @@ def row_identity(raw_digest: bytes, image_digests: list[str]) -> bytes:
     return h.digest()
 
 
+ABSENT = "0" * 64  # the digest of an image that cannot be read (its row is skipped)
+
+
 def identities(rows: list[tuple[int, bytes, dict]], line_hashes: list[bytes], base: Path) -> list[bytes]:
-    """``line_hashes`` with each image row's replaced by ``row_identity`` (an image that cannot be
-    read keeps the row's own hash: the row is skipped when it is planned)."""
+    """``line_hashes`` with each image row's replaced by ``row_identity``. An image that cannot be
+    read counts as ``ABSENT``: once it can, its row's identity changes and its shard is extracted
+    again. A malformed row keeps its own hash (planning stops at it)."""
     out = list(line_hashes)
     for i, (_row, _raw, obj) in enumerate(rows):
         if not has_media(obj):
@@ -226,9 +230,14 @@ def identities(rows: list[tuple[int, bytes, dict]], line_hashes: list[bytes], ba
         try:
             urls = [p["image_url"]["url"] for m in obj["messages"] if isinstance(m.get("content"), list)
                     for p in m["content"] if isinstance(p, dict) and p.get("type") == "image_url"]
-            digests = [hashlib.sha256(read(u, base)[0]).hexdigest() for u in urls]
-        except (MediaProblem, KeyError, TypeError):
+        except (KeyError, TypeError):
             continue
+        digests = []
+        for u in urls:
+            try:
+                digests.append(hashlib.sha256(read(u, base)[0]).hexdigest() if isinstance(u, str) else ABSENT)
+            except MediaProblem:
+                digests.append(ABSENT)
         out[i] = row_identity(line_hashes[i], digests)
     return out
 
