@@ -73,7 +73,8 @@ def media_parity(model: str, out: str | Path, data, *, layer_ids: tuple[int, ...
     for c, k in enumerate(layer_ids):
         right = torch.cat(errs[(c, k)])
         wrong = {j: float(torch.cat(errs[(c, j)]).median()) for j in ids_all if j != k}
-        layers[str(k)] = {"median": float(right.median()), "p99": float(right.quantile(0.99)),
+        layers[str(k)] = {"median": float(right.median()), "p90": float(right.quantile(0.9)),
+                          "p99": float(right.quantile(0.99)),
                           "nearest_wrong": min(wrong.values()), "nearest_wrong_layer": min(wrong, key=wrong.get)}
     shifted = {str(s): [float(torch.cat(errs[(c, k + s)]).median()) for c, k in enumerate(layer_ids) if 0 <= k + s <= n]
                for s in (-1, 1)}
