@@ -80,7 +80,7 @@ def test_text_tokens_of_image_rows_equal_the_engine_reference_per_layer(extracte
     # the median is the capture's, and every other layer is far.
     c = GoldenCriterion()
     for k, s in r["layers"].items():
-        assert s["median"] < 0.03 and s["p90"] <= c.quantile_max, f"layer {k}: {s}"
+        assert s["median"] < 0.03 and s["p90"] <= min(c.quantile_max, 0.1), f"layer {k}: {s}"
         assert s["nearest_wrong"] > 0.25 and s["nearest_wrong"] > 20 * max(s["median"], 1e-3), f"layer {k}: {s}"
     assert r["layers"]["1"]["p99"] < 0.02  # before the first MoE layer: every text token matches
     for shift, medians in r["off_by_one_median"].items():  # the whole layer list off by one

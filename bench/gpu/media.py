@@ -125,9 +125,9 @@ def main() -> None:
     (out / "media.json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k != "parity"}, indent=1))
     if "parity" in report:
-        print("| layer | median | p99 | nearest wrong (layer) |\n| --- | --- | --- | --- |")
+        print("| layer | median | p90 | p99 | nearest wrong (layer) |\n| --- | --- | --- | --- | --- |")
         for k, s in report["parity"]["layers"].items():
-            print(f"| {k} | {s['median']:.4f} | {s['p99']:.4f} | {s['nearest_wrong']:.3f} ({s['nearest_wrong_layer']}) |")
+            print(f"| {k} | {s['median']:.4f} | {s['p90']:.4f} | {s['p99']:.4f} | {s['nearest_wrong']:.3f} ({s['nearest_wrong_layer']}) |")
         print("off by one (median per layer):", report["parity"]["off_by_one_median"])
         print("without images:", report["parity"]["without_images"])
 
