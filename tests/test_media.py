@@ -232,3 +232,18 @@ def test_s3_images_are_read_through_the_storage_layer_and_kept_by_sha256(kimi, t
     assert Path(item.path).read_bytes() == img.read_bytes()
     assert {s.row: s.reason for s in d.skipped} == {1: "media_missing"}
     assert np.array_equal(d.samples[0].input_ids, d.samples[2].input_ids)  # the same image, wherever it lies
+
+
+def test_the_transformers_engine_refuses_image_rows_and_leaves_no_output(kimi, tmp_path):
+    from datagen.data.spec import ExtractSpec
+    from tests.builders import run_datagen
+
+    _png(tmp_path / "a.png", 60, 60)
+    data = write_jsonl(tmp_path / "d.jsonl", [image_row("a.png"), TEXT_ROW])
+    spec = ExtractSpec(model=str(kimi), dataset=str(data), out=str(tmp_path / "out"), layer_ids=[1, 2],
+                       max_seq_len=256, engine={"name": "hf", "trust_remote_code": True})
+    (tmp_path / "spec.json").write_text(spec.model_dump_json())
+    proc = run_datagen("extract", "--spec", str(tmp_path / "spec.json"), timeout=300)
+    assert proc.returncode != 0
+    assert "image rows and the transformers engine runs no vision tower" in proc.stderr
+    assert not (tmp_path / "out").exists()

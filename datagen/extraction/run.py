@@ -74,6 +74,12 @@ def make_engine(p: Plan) -> Engine:
     if e.name is EngineName.HF:
         from datagen.engines.hf import HFEngine
 
+        if any(s.media for s in p.data.samples.values()):
+            from datagen.errors import EngineUnsupportedError
+
+            raise EngineUnsupportedError("the dataset has image rows and the transformers engine runs no vision tower",
+                                         hint="extract image rows with --engine vllm")
+
         return HFEngine(p.info.path, layer_ids=p.layer_ids, num_hidden_layers=p.info.num_hidden_layers,
                         dtype=e.dtype, trust_remote_code=e.trust_remote_code)
     from datagen.engines.vllm_engine import VllmEngine
