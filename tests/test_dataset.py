@@ -198,7 +198,8 @@ def prepare(path, *, vocab_size=VOCAB, max_seq_len=64, load_tokenizer=_no_tokeni
     (b'{"messages": "hi"}\n', 1, "messages must be a list"),
     (b'{"messages": [{"role": "user"}]}\n', 1, "message 0 must be an object with exactly 'role' and 'content'"),
     (b'{"messages": [{"role": "narrator", "content": "x"}]}\n', 1, "message 0 has unknown role 'narrator'"),
-    (b'{"messages": [{"role": "user", "content": ["x"]}]}\n', 1, "message 0 content must be a string, got list"),
+    (b'{"messages": [{"role": "user", "content": ["x"]}]}\n', 1, "message 0 part 0 must be an object with type text or image_url"),
+    (b'{"messages": [{"role": "user", "content": 3}]}\n', 1, "message 0 content must be a string, got int"),
     (b'{"messages": [], "id": 3}\n', 1, r"unknown fields \['id'\] in a chat row"),
 ])
 def test_a_bad_row_is_refused_with_its_line_and_a_hint(tmp_path, content, line, error):

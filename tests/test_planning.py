@@ -232,7 +232,7 @@ def test_a_rows_identity_is_its_one_function_called_in_the_workers(fast_tok, tmp
     path = write_jsonl(tmp_path / "rows.jsonl", varied_rows(50, seed=7))
     seen = []
 
-    def identity(line, obj):
+    def identity(line, obj, *_):
         seen.append(isinstance(obj, dict))
         return hashlib.sha256(b"salt" + line).digest()
 

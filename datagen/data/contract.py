@@ -107,7 +107,28 @@ class SkippedRow(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     row: int = Field(description="Dataset row (0-based line number of a non-blank line).")
-    reason: str = Field(description="Why it was skipped: 'empty' or 'no_target'.")
+    reason: str = Field(description="Why it was skipped: 'empty', 'no_target', or for an image row "
+                                    "'media_missing', 'media_unreadable', 'media_too_long'.")
+
+
+class ImageRecord(BaseModel):
+    """One image of a row: which file, and the placeholder tokens it became in ``input_ids``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(description="The image's url as the row wrote it.")
+    sha256: str = Field(description="sha256 of the image file's bytes.")
+    offset: int = Field(description="Position of its first placeholder token in the sample.")
+    tokens: int = Field(description="Placeholder tokens it expanded to (vLLM's count; loss_mask 0 there).")
+
+
+class MediaRecord(BaseModel):
+    """A stored row that had images."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    row: int = Field(description="Dataset row.")
+    images: list[ImageRecord]
 
 
 class TruncatedRow(BaseModel):
@@ -229,6 +250,8 @@ class Manifest(BaseModel):
     skipped: list[SkippedRow]
     truncated: list[TruncatedRow]
     layer_stats: list[LayerStats] = Field(description="Per-layer statistics over the dataset.")
+    media: list[MediaRecord] = Field(default_factory=list,
+                                     description="The stored rows that had images, in row order (none: a text dataset).")
     created_at: str = Field(description="UTC time the manifest was written (ISO 8601).")
 
 

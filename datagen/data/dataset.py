@@ -2,7 +2,8 @@
 
 A row is either a chat ``{"messages": [{"role", "content"}, ...]}``, tokenized
 with the model's chat template (``loss_mask`` = 1 on the tokens the assistant
-produced), or pre-tokenized ``{"input_ids": [...], "loss_mask": [...]}``.
+produced), or pre-tokenized ``{"input_ids": [...], "loss_mask": [...]}``. A user
+message's content may be a list of text and image parts (``datagen.data.media``).
 
 Every row is read and checked before any model weight is loaded: a bad row
 stops the run with its line number and what to fix, before anything is written.
@@ -37,6 +38,7 @@ class Sample:
     row: int  # 0-based line number in the dataset file
     input_ids: np.ndarray  # int32 [T]
     loss_mask: np.ndarray  # uint8 [T]
+    media: tuple = ()  # datagen.data.media.MediaItem per image of the row, in token order
 
 
 @dataclass
@@ -210,10 +212,15 @@ def _check_messages(obj: dict, *, path: str, line: int) -> list[dict]:
                 f"message {j} ({m['role']}) has unknown fields {sorted(extra)}", path=path, line=line,
                 hint=f"a {m['role']} message has role, content and optionally {allowed}",
             )
-        if not isinstance(m["content"], str):
+        if isinstance(m["content"], list):
+            from datagen.data import media
+
+            media.check_parts(m["content"], j=j, role=m["role"], path=path, line=line)
+        elif not isinstance(m["content"], str):
             raise DatasetError(
                 f"message {j} content must be a string, got {type(m['content']).__name__}",
-                path=path, line=line, hint="write the text of the message as a JSON string",
+                path=path, line=line,
+                hint="write the text of the message as a JSON string (or a user message as a list of text and image_url parts)",
             )
         for key in ("reasoning_content", "tool_call_id", "name"):
             if key in m and not isinstance(m[key], str):

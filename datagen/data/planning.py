@@ -34,6 +34,7 @@ from typing import Protocol
 import numpy as np
 
 from datagen.data import dataset as ds
+from datagen.data import media
 from datagen.data.contract import SkippedRow, TruncatedRow
 from datagen.errors import DatasetError, ModelError
 from datagen.data.tiktoken_ids import tiktoken_encoder
@@ -54,11 +55,13 @@ READ_BLOCK = 8 << 20
 CHAT_KEY = b'"messages"'
 
 
-def row_identity(line: bytes, obj: dict) -> bytes:
+def row_identity(line: bytes, obj: dict, base: Path | None = None) -> bytes:
     """A row's identity: what the plan records of it (``PreparedDataset.line_hashes``, the shard
     keys) and what an earlier plan's row must match to be reused. The sha256 of its bytes (without
-    the line end); ``obj`` is the row parsed from them."""
-    return hashlib.sha256(line).digest()
+    the line end); ``obj`` is the row parsed from them. A row with images hashes their bytes in too
+    (``media.identity``; relative paths from ``base``, the dataset's directory): a changed image
+    re-extracts its shard."""
+    return media.identity(hashlib.sha256(line).digest(), obj, base or Path("."))
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,7 @@ class _Batch:
     error_line: bytes = b""
     parse_error: bool = False  # the line is not a JSON object
     no_tokenizer: bool = False  # a chat row needed the tokenizer and none was loaded
+    media: dict = field(default_factory=dict)  # row -> its images (media.MediaItem), image rows only
 
 
 @dataclass
@@ -185,6 +189,11 @@ def _row(job: _Job, obj: dict, row: int, known: Known | None, state: dict):
         if not msgs:
             return ("skipped", "empty")
         state["tokenized"] = True
+        if media.has_media(obj):  # images: read, counted and expanded (datagen.data.media)
+            if job.tokenizer is None:
+                raise _NoTokenizer(row)
+            return media.plan_row(job.tokenizer, msgs, row=row, path=job.path, max_seq_len=job.max_seq_len,
+                                  tokenize_chat=ds.tokenize_chat)
         if known is not None:
             state["reused"] += 1
             if known.sample is None:
@@ -218,7 +227,9 @@ def _finish(job: _Job, row: int, outcome, batch: _Batch, samples: list) -> None:
     if outcome[0] == "skipped":
         batch.skipped.append(SkippedRow(row=row, reason=outcome[1]))
         return
-    _, ids, mask, truncated = outcome
+    _, ids, mask, truncated, *images = outcome
+    if images:
+        batch.media[row] = images[0]
     if truncated is not None:
         batch.truncated.append(truncated)
     if not mask.any():
@@ -280,7 +291,8 @@ def _plan_range(r: _Range) -> _Batch:
             batch.error_line = as_read(k)
             return batch
         objs.append(obj)
-    hashes = [row_identity(line.rstrip(b"\r\n"), obj) for line, obj in zip(lines, objs)]
+    base = Path(job.path).parent
+    hashes = [row_identity(line.rstrip(b"\r\n"), obj, base) for line, obj in zip(lines, objs)]
     batch.line_hashes = b"".join(hashes)
     known = job.reuse.known(r.first, hashes) if job.reuse is not None else {}
     state = {"kinds": batch.kinds, "tokenized": False, "reused": 0}
@@ -475,7 +487,7 @@ def _assemble(job: _Job, scan: _Scan, batches: list[_Batch], load_tokenizer,
     kinds: set[str] = set()
     for b in batches:
         for r, x, y in zip(b.rows.tolist(), b.offsets[:-1].tolist(), b.offsets[1:].tolist()):
-            samples[r] = ds.Sample(row=r, input_ids=b.ids[x:y], loss_mask=b.mask[x:y])
+            samples[r] = ds.Sample(row=r, input_ids=b.ids[x:y], loss_mask=b.mask[x:y], media=b.media.get(r, ()))
         h = b.line_hashes
         line_hashes += [h[k : k + 32] for k in range(0, len(h), 32)]
         skipped += b.skipped

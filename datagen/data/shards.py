@@ -46,6 +46,8 @@ class ShardJob:
     dtype: str  # storage dtype of hidden_states (a STORAGE_DTYPES name)
     hidden_size: int  # H
     shard_key: str  # cache key of this shard
+    # per stored row: its images (datagen.data.media.MediaItem), () for a text row; () for none at all
+    media: tuple = ()
 
     @property
     def tokens(self) -> int:
@@ -58,6 +60,7 @@ class ShardJob:
         d["loss_masks"] = [x.tolist() for x in self.loss_masks]
         d["sample_rows"] = list(self.sample_rows)
         d["layer_ids"] = list(self.layer_ids)
+        d["media"] = [[m.to_wire() for m in items] for items in self.media]
         return d
 
     @classmethod
@@ -68,7 +71,16 @@ class ShardJob:
             "loss_masks": tuple(np.asarray(x, dtype=np.uint8) for x in d["loss_masks"]),
             "sample_rows": tuple(int(r) for r in d["sample_rows"]),
             "layer_ids": tuple(int(i) for i in d["layer_ids"]),
+            "media": _media_from_wire(d.get("media") or []),
         })
+
+
+def _media_from_wire(rows: list) -> tuple:
+    if not any(rows):
+        return tuple(() for _ in rows)
+    from datagen.data.media import MediaItem
+
+    return tuple(tuple(MediaItem.from_wire(m) for m in items) for items in rows)
 
 
 def token_stats(states: torch.Tensor) -> torch.Tensor:

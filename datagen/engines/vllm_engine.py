@@ -132,6 +132,17 @@ def set_process_env(*, on_cuda: bool) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_gib()))
 
 
+def prompt(tokens, images=()):
+    """The request's prompt: its token ids, and its images as vLLM multimodal inputs beside them."""
+    from vllm.inputs import TokensPrompt
+
+    if not images:
+        return TokensPrompt(prompt_token_ids=tokens.tolist())
+    from datagen.data.media import engine_prompt
+
+    return TokensPrompt(**engine_prompt(tokens, images))
+
+
 class VllmEngine(Engine):
     name = "vllm"
 
@@ -178,7 +189,8 @@ class VllmEngine(Engine):
             max_model_len = self.info.max_position_embeddings
         kwargs = dict(
             model=self.info.path,
-            skip_tokenizer_init=True,  # prompts arrive as token ids
+            # prompts arrive as token ids; images need vLLM's multimodal processor, which reads the tokenizer
+            skip_tokenizer_init=not c.media,
             dtype=c.dtype,
             tensor_parallel_size=c.tensor_parallel_size,
             max_model_len=max_model_len,
@@ -196,6 +208,10 @@ class VllmEngine(Engine):
         )
         if c.attention_backend is not None:
             kwargs["attention_config"] = {"backend": c.attention_backend}
+        if c.media:
+            from datagen.data.media import engine_kwargs as media_kwargs
+
+            kwargs.update(media_kwargs(self.info.path, trust_remote_code=c.trust_remote_code))
         return kwargs
 
     def start(self) -> None:
@@ -267,7 +283,7 @@ class VllmEngine(Engine):
             self._submitted += 1  # request ids unique for the engine's life, whatever shards come again
             ids = [f"dg{self._run}.{self._submitted}-{job.index}-{i}" for i in range(len(job.input_ids))]
             wires.append({**job.to_wire(), "request_ids": ids})
-            requests.extend(zip(ids, job.input_ids))
+            requests.extend(zip(ids, job.input_ids, job.media or [()] * len(ids)))
         self._take(self.llm.collective_rpc("datagen_announce", args=(wires,)))
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         # The scheduler holds while the group's requests arrive: the first step sees them all, so
@@ -276,8 +292,8 @@ class VllmEngine(Engine):
         # dies of SIGILL there).
         paused = self._pause(engine)
         try:
-            for rid, tokens in requests:
-                engine.add_request(rid, TokensPrompt(prompt_token_ids=tokens.tolist()), params)
+            for rid, tokens, images in requests:
+                engine.add_request(rid, prompt(tokens, images), params)
         finally:
             if paused:
                 engine.engine_core.call_utility("resume_scheduler")

@@ -122,7 +122,8 @@ class VllmReference:
     kind = "vllm-eager-hooks"
 
     def __init__(self, model_dir: str, *, num_hidden_layers: int, wanted: tuple[int, ...], dtype: str,
-                 max_seq_len: int, trust_remote_code: bool = False, tensor_parallel_size: int = 1):
+                 max_seq_len: int, trust_remote_code: bool = False, tensor_parallel_size: int = 1,
+                 media: bool = False):
         from vllm import LLM
 
         self.n = num_hidden_layers
@@ -133,7 +134,7 @@ class VllmReference:
         budget = max(max_seq_len + 1, 16)
         try:
             self.llm = LLM(
-                model=model_dir, skip_tokenizer_init=True, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+                model=model_dir, skip_tokenizer_init=not media, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
                 max_model_len=budget, enable_prefix_caching=False, enable_chunked_prefill=False,
                 max_num_batched_tokens=budget, max_num_seqs=1, enforce_eager=True,
                 worker_extension_cls=EXTENSION, trust_remote_code=trust_remote_code,
@@ -147,13 +148,21 @@ class VllmReference:
         log.info("golden reference: eager vLLM with layer hooks started in %.1fs", self.start_seconds)
 
     @torch.inference_mode()
-    def states(self, input_ids) -> dict[int, torch.Tensor]:
+    def states(self, input_ids, media=()) -> dict[int, torch.Tensor]:
+        """[T, H] per layer id; ``media``: the sample's images (``MediaItem``), handed to vLLM as
+        the engine hands them (``input_ids`` hold their expanded placeholders)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         ids = [int(t) for t in input_ids]
         self.llm.collective_rpc("datagen_ref_take")  # drop anything a warm-up left
-        self.llm.generate([TokensPrompt(prompt_token_ids=ids)],
+        if media:
+            from datagen.data.media import engine_prompt
+
+            prompt = TokensPrompt(**engine_prompt(torch.tensor(ids).numpy(), media))
+        else:
+            prompt = TokensPrompt(prompt_token_ids=ids)
+        self.llm.generate([prompt],
                           SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
         [reply] = [r for r in self.llm.collective_rpc("datagen_ref_take") if r is not None]
         got = {int(k): [_from_wire(w) for w in v] for k, v in reply["states"]}

@@ -95,6 +95,7 @@ class VllmSettings:
     attention_backend: str | None = None  # asked for (choose_attention_backend); None: vLLM's pick
     writers: int | None = None  # shard writers per rank; None: DATAGEN_WRITERS or from the cores
     host_budget_bytes: int | None = None  # None: DATAGEN_CAPTURE_HOST_GIB or 8 GiB
+    media: bool = False  # some rows hold images: the engine loads the tokenizer and the image processor
 
     @property
     def step_tokens(self) -> int:
@@ -110,9 +111,12 @@ class VllmSettings:
     @classmethod
     def from_plan(cls, p) -> "VllmSettings":
         """From an extraction plan (its spec's engine section and what the plan resolved)."""
+        from datagen.data.media import media_samples
+
         e = p.spec.engine
         return cls(layer_ids=tuple(p.layer_ids), dtype=e.dtype, max_seq_len=p.spec.max_seq_len,
                    storage_dtype=p.resolved_spec.storage_dtype, tensor_parallel_size=e.tensor_parallel_size,
                    max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs,
                    trust_remote_code=e.trust_remote_code, shard_group=e.shard_group,
-                   attention_backend=p.engine_desc.get("attention_backend"))
+                   attention_backend=p.engine_desc.get("attention_backend"),
+                   media=bool(media_samples(p.data)))

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from datagen.data.contract import FORMAT_VERSION, MANIFEST_NAME, Manifest, ShardRecord
 from datagen.data.dataset import file_fingerprint
 from datagen.data.files import atomic_write_json
+from datagen.data.media import media_records
 from datagen.data.spec import sha256_hex
 from datagen.errors import DatasetError
 from datagen.extraction.plan import Plan
@@ -73,6 +74,7 @@ def write_manifest(p: Plan, records: dict[int, ShardRecord]) -> Manifest:
         skipped=p.data.skipped,
         truncated=p.data.truncated,
         layer_stats=stats,
+        media=media_records(p.data),
         created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     )
     atomic_write_json(Path(p.spec.out) / MANIFEST_NAME, manifest.model_dump(mode="json"))

@@ -11,6 +11,7 @@ from pathlib import Path
 from datagen.data.contract import LAYER_NUMBERING, ResolvedSpec
 from datagen.data.dataset import PreparedDataset
 from datagen.data.planning import prepare_dataset
+from datagen.storage import s3 as _s3_images  # noqa: F401 (registers the reader of s3:// image urls)
 from datagen.data.spec import DEFAULT_MAX_SEQ_LEN, EngineName, ExtractSpec, canonical_json, default_layer_ids, sha256_hex
 from datagen.errors import SpecError
 from datagen.models.modelinfo import ModelInfo, check_layer_ids, inspect_model, model_content_hash

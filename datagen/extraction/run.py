@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from filelock import FileLock, Timeout
 
 from datagen import settings
+from datagen.data import media
 from datagen.data.contract import ShardRecord, shard_name
 from datagen.data.spec import EngineName, ExtractSpec
 from datagen.errors import OutputConflictError, SpecError, StorageError
@@ -64,6 +65,7 @@ def build_job(p: Plan, k: int) -> ShardJob:
         dtype=p.resolved_spec.storage_dtype,
         hidden_size=p.info.hidden_size,
         shard_key=p.shard_key(k),
+        media=tuple(p.data.samples[r].media for r in rows),
     )
 
 
@@ -72,6 +74,12 @@ def make_engine(p: Plan) -> Engine:
     e = p.spec.engine
     if e.name is EngineName.HF:
         from datagen.engines.hf import HFEngine
+
+        if media.media_samples(p.data):
+            from datagen.errors import EngineUnsupportedError
+
+            raise EngineUnsupportedError("the dataset has image rows and the transformers engine runs no vision tower",
+                                         hint="extract image rows with --engine vllm")
 
         return HFEngine(p.info.path, layer_ids=p.layer_ids, num_hidden_layers=p.info.num_hidden_layers,
                         dtype=e.dtype, trust_remote_code=e.trust_remote_code)

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from datagen.data.contract import STATE_DIR, SkippedRow, TruncatedRow
+from datagen.data.media import media_samples
 from datagen.data.dataset import PreparedDataset, Sample, file_fingerprint, tokenizer_hashes
 from datagen.data.planning import prepare_dataset
 from datagen.data.files import atomic_write_bytes
@@ -82,6 +83,8 @@ class RangeSamples(Mapping):
     """The samples of some shards of a stored plan. A row outside them is an error, not a skipped
     row: a job built from rows that were never loaded must not look like a shard of skipped rows."""
 
+    without_media = True  # a plan with image rows is never stored (store_plan): no sample has images
+
     def __init__(self, samples: dict[int, Sample], rows: range):
         self._samples, self._rows = samples, rows
 
@@ -116,6 +119,9 @@ def store_plan(p: Plan) -> Path | None:
     fingerprints. A failure is logged, never raised: the stored plan only saves time."""
     from safetensors.numpy import save
 
+    if media_samples(p.data):  # its images are not in the stored form: planned again
+        log.info("plan not stored: the dataset has image rows (they are planned again each run)")
+        return None
     d = plan_dir(p.spec.out, p.fingerprint)
     digests: dict[str, str] = {}
 

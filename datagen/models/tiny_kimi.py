@@ -25,7 +25,8 @@ The checkpoint has what the real Kimi-K2.5 has, scaled down:
 - Tensor names of the real checkpoint: ``language_model.model.*``, ``language_model.lm_head.weight``,
   ``vision_tower.*`` (patch embedding, position embedding, encoder blocks) and ``mm_projector.*``
   (``pre_norm``, ``proj.0``, ``proj.2``); the tiny vision tower is never run for text prompts but is
-  loaded and checked like the language model.
+  loaded and checked like the language model, and run for image rows (``preprocessor_config.json``
+  holds the image processor's settings in the released layout, with a small patch budget).
 - The twin (``<out_dir>-bf16`` unless ``twin_dir`` is given): ``DeepseekV3ForCausalLM``,
   ``model_type: deepseek_v3``, the same text config without quantization, tensors ``model.*`` and
   ``lm_head.weight``.
@@ -180,6 +181,31 @@ def vision_config(*, hidden_size: int, num_layers: int, num_heads: int, intermed
         "pos_emb_height": pos_emb,
         "pos_emb_width": pos_emb,
         "pos_emb_time": 4,
+    }
+
+
+def preprocessor_config(*, in_patch_limit: int = 256, patch_limit_on_one_side: int = 32) -> dict:
+    """``preprocessor_config.json``: the released checkpoint's ``media_proc_cfg`` keys, with a
+    small patch budget (the tiny tower: an image becomes at most ``in_patch_limit / 4`` tokens).
+
+    No ``auto_map``: the released processor is remote code this checkpoint does not carry; vLLM
+    0.32 reads these settings with its own processor (``KimiK25FusedVisionProcessor``)."""
+    return {
+        "media_proc_cfg": {
+            "in_patch_limit": in_patch_limit,
+            "patch_size": 14,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "merge_kernel_size": 2,
+            "fixed_output_tokens": None,
+            "patch_limit_on_one_side": patch_limit_on_one_side,
+            "in_patch_limit_each_frame": in_patch_limit,
+            "in_patch_limit_video": None,
+            "sample_fps": 2.0,
+            "max_num_frames_each_video": None,
+            "temporal_merge_kernel_size": 4,
+            "timestamp_mode": "hh:mm:ss.fff",
+        },
     }
 
 
@@ -366,6 +392,7 @@ def make_tiny_kimi(
     }
     _save_sharded(out, kimi, save_file)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (out / "preprocessor_config.json").write_text(json.dumps(preprocessor_config(), indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": text["bos_token_id"], "eos_token_id": text["eos_token_id"], "max_length": 262144}) + "\n")
 
@@ -410,4 +437,4 @@ def expert_bytes_int4(hidden_size: int, moe_intermediate_size: int) -> int:
 
 
 __all__ = ["make_tiny_kimi", "kimi_width", "quantization_config", "text_config", "TinyKimiPaths",
-           "GROUP_SIZE", "IGNORE", "expert_bytes_int4"]
+           "GROUP_SIZE", "IGNORE", "expert_bytes_int4", "preprocessor_config"]

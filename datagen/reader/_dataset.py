@@ -42,6 +42,9 @@ class Sample:
     input_ids: torch.Tensor  # int64 [T]
     loss_mask: torch.Tensor  # int64 [T], 1 on assistant tokens
     hidden_states: torch.Tensor  # [T, L, H] in the reader's dtype (bf16 by default), layers in layer_ids order
+    # the row's images (contract.ImageRecord: url, sha256, offset, tokens), () for a text row; their
+    # placeholder tokens are in input_ids (loss_mask 0 there), as the decoder saw them
+    images: tuple = ()
 
 
 def _expected(m: Manifest, where: str) -> Expected:
@@ -102,6 +105,7 @@ class DatasetReader:
         self._locks_guard = threading.Lock()
         self._by_pos: list[list[int]] | None = None
         self._offsets = [s.offsets.tolist() for s in self.shards]  # plain ints: indexing a tensor costs microseconds
+        self.images = {m.row: tuple(m.images) for m in self.manifest.media}  # row -> its images (image rows only)
         log.info("opened %s: %d samples in %d shards (verify=%s)", self.location, len(refs), len(self.shards),
                  verify.value)
 
@@ -183,7 +187,8 @@ class DatasetReader:
             hs = hs.to(self.dtype)
         i = self.positions_index(k, p)
         return Sample(row=self.rows[i], input_ids=s.input_ids[a:b].to(torch.int64),
-                      loss_mask=s.loss_mask[a:b].to(torch.int64), hidden_states=hs)
+                      loss_mask=s.loss_mask[a:b].to(torch.int64), hidden_states=hs,
+                      images=self.images.get(self.rows[i], ()))
 
     def positions_index(self, k: int, p: int) -> int:
         """Sample number of position p of shard k."""

@@ -148,6 +148,8 @@ def export(dataset: str | Path, out: str | Path, *, fmt: ExportFormat = ExportFo
             "samples": len(rows),
             "tokens": int(m.totals.get("tokens", 0)),
             "rows": rows,
+            # image rows: hs_<index>'s input_ids hold each image's placeholder tokens (loss_mask 0)
+            "media": _media(m, rows),
             "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         }
         (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=1) + "\n")
@@ -162,7 +164,14 @@ def export(dataset: str | Path, out: str | Path, *, fmt: ExportFormat = ExportFo
 
 
 def _result(record: dict, out: Path) -> dict:
-    return {k: v for k, v in record.items() if k != "rows"} | {"out": str(out.resolve())}
+    return {k: v for k, v in record.items() if k not in ("rows", "media")} | {"out": str(out.resolve())}
+
+
+def _media(m: Manifest, rows: list[int]) -> list[dict]:
+    """The manifest's image rows under their export index: which images, where, how many tokens."""
+    images = {r.row: r.images for r in m.media}
+    return [{"index": i, "row": row, "images": [x.model_dump() for x in images[row]]}
+            for i, row in enumerate(rows) if row in images]
 
 
 def _prior_export(out: Path) -> dict | None:

@@ -23,6 +23,7 @@ removed before validation starts.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import logging
 import os
@@ -222,6 +223,11 @@ def _check_dataset_stats(lm: manifest.LoadedManifest, scans: list[scan.ShardScan
 def _golden(root, lm, scans, findings, report, *, n, seed, src, tolerance, fresh, reference, criterion,
             trust_remote_code) -> None:
     plan = golden.choose(scans, n, seed)
+    # image rows are re-extracted with their images (from the fresh plan), and left out without one
+    images = {r: s.media for r, s in fresh.samples.items() if s.media} if fresh is not None else {}
+    blind = {m.row for m in lm.manifest.media} - set(images)
+    if blind & set(plan.rows):
+        plan = dataclasses.replace(plan, rows=tuple(r for r in plan.rows if r not in blind))
     report["golden"] = {"seed": seed, "rows": list(plan.rows), "tolerance": tolerance}
     if not src.model_found:
         findings.add(Problem(ProblemKind.GOLDEN_UNAVAILABLE, f"model {src.model} is not reachable here, so "
@@ -236,7 +242,7 @@ def _golden(root, lm, scans, findings, report, *, n, seed, src, tolerance, fresh
         trust_remote_code=trust_remote_code,
         tolerance=tolerance, findings=findings, reference=reference, criterion=criterion,
         max_seq_len=lm.manifest.spec.preprocessing.max_seq_len or DEFAULT_MAX_SEQ_LEN,
-        tensor_parallel_size=lm.manifest.spec.engine.tensor_parallel_size or 1)
+        tensor_parallel_size=lm.manifest.spec.engine.tensor_parallel_size or 1, media=images)
     if fresh is not None and not fresh.model_matches:
         report["golden"]["note"] = "the model found is not the one extracted from (see source_changed)"
     ref = report["golden"].get("reference") or {}

@@ -22,6 +22,7 @@ verifiable.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -32,8 +33,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator
 
 from datagen import settings
+from datagen.data import media
 from datagen.errors import CannotRunHereError, SpecError, StorageError
-from datagen.storage.sources import S3Source
+from datagen.storage.sources import S3Source, parse_s3_uri
 
 if TYPE_CHECKING:
     from datagen.data.contract import ShardRecord
@@ -385,3 +387,19 @@ def verify_uploaded(client, dest: S3Source, shards: list["ShardRecord"], *,
                 f"({'missing' if head is None else f'{head.size} bytes, sha256 {head.sha256}'})",
                 hint=hint,
             )
+
+
+# --- images of chat rows (datagen.data.media reads s3:// urls through this) ---------------------
+
+@functools.lru_cache(maxsize=1)
+def _media_client():
+    return make_client()
+
+
+def read_url(url: str) -> bytes:
+    """The bytes of the object at an s3:// url (StorageError when it cannot be read)."""
+    src = parse_s3_uri(url)
+    return get_bytes(_media_client(), src.bucket, src.prefix)
+
+
+media.register_remote_reader("s3", read_url)

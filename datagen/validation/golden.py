@@ -94,7 +94,8 @@ class _Reference:
     """A started reference engine: ``states(ids) -> {layer id: [T, H]}``."""
 
     def __init__(self, kind: GoldenReference, *, model_dir: Path, num_hidden_layers: int, wanted: tuple[int, ...],
-                 dtype: str, max_seq_len: int, trust_remote_code: bool, tensor_parallel_size: int):
+                 dtype: str, max_seq_len: int, trust_remote_code: bool, tensor_parallel_size: int,
+                 media: bool = False):
         self.kind = kind
         self.wanted = wanted
         t0 = time.monotonic()
@@ -111,13 +112,13 @@ class _Reference:
             self._hf = None
             self._engine = VllmReference(str(model_dir), num_hidden_layers=num_hidden_layers, wanted=wanted,
                                          dtype=dtype, max_seq_len=max_seq_len, trust_remote_code=trust_remote_code,
-                                         tensor_parallel_size=tensor_parallel_size)
+                                         tensor_parallel_size=tensor_parallel_size, media=media)
         self.start_seconds = time.monotonic() - t0
 
-    def states(self, ids: torch.Tensor) -> dict[int, torch.Tensor]:
+    def states(self, ids: torch.Tensor, images=()) -> dict[int, torch.Tensor]:
         if self._hf is not None:
             return self._hf.states_by_id(ids, self.wanted)
-        return self._engine.states(ids)
+        return self._engine.states(ids, images) if images else self._engine.states(ids)
 
     def close(self) -> None:
         if self._engine is not None:
@@ -141,11 +142,13 @@ def run(root: Path, scans: list[ShardScan], plan: GoldenPlan, *, model_dir: Path
         num_hidden_layers: int, dtype: str, trust_remote_code: bool, tolerance: float, findings: Findings,
         reference: GoldenReference = GoldenReference.AUTO,
         criterion: GoldenCriterionName = GoldenCriterionName.ROBUST, max_seq_len: int = 4096,
-        tensor_parallel_size: int = 1, thresholds: GoldenCriterion = GoldenCriterion()) -> dict:
+        tensor_parallel_size: int = 1, thresholds: GoldenCriterion = GoldenCriterion(),
+        media: dict | None = None) -> dict:
     """Re-extract ``plan.rows`` with the reference and judge them. Returns details for the report.
 
     ``trust_remote_code`` is the caller's (the pipeline spec's), never the manifest's; only the
-    engine reference uses it (transformers runs its own classes only).
+    engine reference uses it (transformers runs its own classes only). ``media``: row -> its images
+    (``MediaItem``, from the fresh plan) for image rows, handed to the engine reference with the ids.
     """
     from datagen.data.shards import FP8_REL_ERROR, dequantize_fp8, fp8_allowance
     from datagen.errors import ModelError
@@ -162,7 +165,7 @@ def run(root: Path, scans: list[ShardScan], plan: GoldenPlan, *, model_dir: Path
     try:
         ref, why = _open_reference(reference, model_dir, num_hidden_layers=num_hidden_layers, wanted=wanted,
                                    dtype=dtype, max_seq_len=max_seq_len, trust_remote_code=trust_remote_code,
-                                   tensor_parallel_size=tensor_parallel_size)
+                                   tensor_parallel_size=tensor_parallel_size, media=bool(media))
     except (ModelError, ImportError) as e:
         msg = e.message if isinstance(e, ModelError) else f"{e} (the engine reference needs vLLM)"
         findings.add(Problem(ProblemKind.GOLDEN_UNAVAILABLE, f"the reference engine cannot load {model_dir}: {msg}"))
@@ -181,7 +184,7 @@ def run(root: Path, scans: list[ShardScan], plan: GoldenPlan, *, model_dir: Path
                 fp8 = "hidden_states_scale" in m.header.tensors
                 if fp8:  # fp8 storage: compare the stored values, allowing for e4m3's rounding
                     stored = dequantize_fp8(stored, m.rows("hidden_states_scale", a, b))
-            refs = ref.states(ids)
+            refs = ref.states(ids, (media or {}).get(row, ()))
             tokens += len(ids)
             _judge_row(row, sc, stored, refs, layer_ids, num_hidden_layers, details, findings,
                        criterion=criterion, tolerance=tolerance + FP8_REL_ERROR if fp8 else tolerance,

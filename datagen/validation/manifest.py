@@ -10,13 +10,14 @@ import numpy as np
 from pydantic import ValidationError
 
 from datagen.data.contract import FORMAT_VERSION, MANIFEST_NAME, Manifest
+from datagen.data.media import REASONS as MEDIA_SKIP_REASONS
 from datagen.data.shards import combine_stats
 from datagen.data.spec import canonical_json, sha256_hex
 from datagen.validation.report import Findings, Problem, ProblemKind
 from datagen.validation.scan import Expected, ShardScan, compare_stats
 from datagen.validation.shardfile import SPEC_DTYPE_CODES
 
-SKIP_REASONS = frozenset({"empty", "no_target"})
+SKIP_REASONS = frozenset({"empty", "no_target", *MEDIA_SKIP_REASONS})
 
 
 @dataclass(frozen=True)
