@@ -162,7 +162,12 @@ def test_an_output_directory_of_something_else_is_left_as_found(smollm2, rows_fi
 @pytest.mark.engine
 def test_greedy_regeneration_equals_transformers_generate_turn_for_turn(smollm2, greedy):
     """Every generated turn equals transformers' greedy continuation of the same prompt in float32,
-    or differs first where the reference's two best tokens are a near-tie (counted)."""
+    or differs first where the reference's two best tokens are a near-tie (counted).
+
+    One float32 forward pass over the prompt and the generated turn gives the reference's next-token
+    logits at every position of the turn: up to the first token where they differ, greedy decoding
+    would have fed the reference the same prefix, so its first different token and that token's
+    margin are those of transformers' ``generate`` (without a decoding step per token)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -177,17 +182,15 @@ def test_greedy_regeneration_equals_transformers_generate_turn_for_turn(smollm2,
                                            add_generation_prompt=True)
             ids = tok(text, add_special_tokens=False)["input_ids"]
             ours = turn["token_ids"] + ([eos] if turn["finish"] == "stop" else [])
-            with torch.no_grad():
-                g = ref.generate(torch.tensor([ids]), max_new_tokens=len(ours), do_sample=False, output_scores=True,
-                                 return_dict_in_generate=True, eos_token_id=eos, pad_token_id=eos)
-            theirs = g.sequences[0, len(ids):].tolist()
+            with torch.no_grad():  # the logits of the reference's next token after ids + ours[:i], for every i
+                logits = ref(torch.tensor([ids + ours[:-1]])).logits[0, len(ids) - 1:]
+            theirs = logits.argmax(-1).tolist()
+            assert len(theirs) == len(ours), (lin["source_row"], turn["message"])
             j = next((i for i, (x, y) in enumerate(zip(theirs, ours)) if x != y), None)
             if j is None:
-                assert len(theirs) == len(ours), (lin["source_row"], turn["message"])
                 exact += 1
                 continue
-            logits = g.scores[j][0]
-            margin = float(logits[theirs[j]] - logits[ours[j]])
+            margin = float(logits[j, theirs[j]] - logits[j, ours[j]])
             flips.append((lin["source_row"], turn["message"], j, round(margin, 3)))
             assert margin < NEAR_TIE, f"row {lin['source_row']} turn {turn['message']}: token {j} differs by {margin}"
     print(f"greedy parity: {exact} turns equal, {len(flips)} near-tie flips (row, message, token, margin): {flips}")
