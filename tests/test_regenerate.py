@@ -262,10 +262,21 @@ def test_extraction_reads_the_regenerated_chats_with_the_generated_tokens_as_tar
 
 
 @pytest.mark.engine
-def test_a_finished_regeneration_is_not_generated_again(smollm2, rows_file, greedy):
+def test_a_finished_regeneration_is_not_generated_again(smollm2, rows_file, greedy, monkeypatch):
+    """The same command again, in this process (no interpreter and imports to start, no engine to
+    start: starting one fails the test)."""
+    from types import SimpleNamespace
+
+    from datagen.regeneration.generator import Generator
+    from tests.faults._refusal import run_cli
+
     out, first = greedy
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    again = _regenerate(smollm2, rows_file, out, "--max-new-tokens", "24")
+    monkeypatch.setattr(Generator, "start", lambda self: pytest.fail("an engine started for a finished regeneration"))
+    o = run_cli("regenerate", "--model", smollm2, "--dataset", rows_file, "--out", out, "--max-model-len", str(WINDOW),
+                "--rows-per-chunk", str(PER_CHUNK), "--max-new-tokens", "24")
+    assert o.code == 0, o.err[-4000:]
+    again = result_of(SimpleNamespace(stdout=o.out, returncode=o.code, stderr=o.err))
     assert again["cached"] and again["fingerprint"] == first["fingerprint"] and again["chunks_generated"] == 0
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
