@@ -6,8 +6,8 @@
 # and use little CPU, so they cost the suite no core. BESIDE runs in a second process next to the
 # rest: modules that share no fixture with any other (the crash campaign: one long test, a vLLM
 # extraction killed and resumed again and again; the server end-to-end tests with their own Prefect
-# server and workers; the Kimi engine tests; the regeneration tests and flow with their own models
-# and harness), chosen so that it and the main process end at about the same time on two cores.
+# server and workers; the Kimi engine and golden-validation tests with their own tiny checkpoints
+# and engines; the regeneration tests and flow with their own models and harness), chosen so that it and the main process end at about the same time on two cores.
 # Each process starts its own S3 and Prefect servers on free ports and builds its own models under
 # its own pytest temp dir, so they share nothing but the Docker engine (the tests in BESIDE and
 # WAITING use none) and the SmolLM2 checkpoint built once under .cache (a file lock).
@@ -28,7 +28,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 WAITING=(tests/flows/test_scale_out.py)
 BESIDE=(tests/faults/test_crash_anywhere.py tests/flows/test_server_e2e.py tests/test_kimi_engine.py
-        tests/test_regenerate.py tests/flows/test_regenerate_flow.py)
+        tests/test_validate_golden.py tests/test_regenerate.py tests/flows/test_regenerate_flow.py)
 
 seed=${SEED:-}
 if [ -z "$seed" ] && [ -n "${SHUFFLE:-}" ]; then seed=$(od -An -N4 -tu4 /dev/urandom | tr -d ' '); fi
