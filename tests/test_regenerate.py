@@ -161,13 +161,15 @@ def test_an_output_directory_of_something_else_is_left_as_found(smollm2, rows_fi
 
 @pytest.mark.engine
 def test_greedy_regeneration_equals_transformers_generate_turn_for_turn(smollm2, greedy):
-    """Every generated turn equals transformers' greedy continuation of the same prompt in float32,
-    or differs first where the reference's two best tokens are a near-tie (counted).
+    """Every generated token is transformers' greedy choice (float32) after the same prompt and the
+    turn's tokens before it, or a near-tie of the reference's two best tokens (counted, rare).
 
     One float32 forward pass over the prompt and the generated turn gives the reference's next-token
-    logits at every position of the turn: up to the first token where they differ, greedy decoding
-    would have fed the reference the same prefix, so its first different token and that token's
-    margin are those of transformers' ``generate`` (without a decoding step per token)."""
+    logits at every position of the turn. Up to a turn's first near-tie flip this is transformers'
+    ``generate`` of the prompt (it would have fed itself the same prefix): the same first different
+    token and margin, without a decoding step per token. After a flip, the rest of the turn is checked
+    too, as the greedy continuation of its own prefix (the engine's batching under load decides
+    which near-ties flip, so the flips are counted per token, not per turn)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -175,7 +177,7 @@ def test_greedy_regeneration_equals_transformers_generate_turn_for_turn(smollm2,
     tok = AutoTokenizer.from_pretrained(smollm2)
     ref = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
     eos = tok.eos_token_id
-    exact, flips = 0, []
+    turns, tokens, flips = 0, 0, []
     for chat, lin in zip(_jsonl(out / "chats.jsonl"), _jsonl(out / "lineage.jsonl")):
         for turn in lin["turns"]:
             text = tok.apply_chat_template(chat["messages"][: turn["message"]], tokenize=False,
@@ -184,17 +186,18 @@ def test_greedy_regeneration_equals_transformers_generate_turn_for_turn(smollm2,
             ours = turn["token_ids"] + ([eos] if turn["finish"] == "stop" else [])
             with torch.no_grad():  # the logits of the reference's next token after ids + ours[:i], for every i
                 logits = ref(torch.tensor([ids + ours[:-1]])).logits[0, len(ids) - 1:]
-            theirs = logits.argmax(-1).tolist()
-            assert len(theirs) == len(ours), (lin["source_row"], turn["message"])
-            j = next((i for i, (x, y) in enumerate(zip(theirs, ours)) if x != y), None)
-            if j is None:
-                exact += 1
-                continue
-            margin = float(logits[j, theirs[j]] - logits[j, ours[j]])
-            flips.append((lin["source_row"], turn["message"], j, round(margin, 3)))
-            assert margin < NEAR_TIE, f"row {lin['source_row']} turn {turn['message']}: token {j} differs by {margin}"
-    print(f"greedy parity: {exact} turns equal, {len(flips)} near-tie flips (row, message, token, margin): {flips}")
-    assert exact >= 2 * len(flips) and exact >= 5
+            best = logits.argmax(-1).tolist()
+            assert len(best) == len(ours), (lin["source_row"], turn["message"])
+            turns, tokens = turns + 1, tokens + len(ours)
+            for i, (theirs, mine) in enumerate(zip(best, ours)):
+                if theirs == mine:
+                    continue
+                margin = float(logits[i, theirs] - logits[i, mine])
+                flips.append((lin["source_row"], turn["message"], i, round(margin, 3)))
+                assert margin < NEAR_TIE, f"row {lin['source_row']} turn {turn['message']}: token {i} differs by {margin}"
+    print(f"greedy parity: {tokens} tokens of {turns} turns, {len(flips)} near-tie flips "
+          f"(row, message, token, margin): {flips}")
+    assert turns >= 6 and tokens >= 100 and 20 * len(flips) <= tokens
 
 
 @pytest.mark.engine
