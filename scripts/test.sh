@@ -7,7 +7,8 @@
 # rest: modules that share no fixture with any other (the crash campaign: one long test, a vLLM
 # extraction killed and resumed again and again; the server end-to-end tests with their own Prefect
 # server and workers; the Kimi engine and golden-validation tests with their own tiny checkpoints
-# and engines; the regeneration tests and flow with their own models and harness), chosen so that it and the main process end at about the same time on two cores.
+# and engines; the regeneration tests and flow with their own models and harness), chosen so that
+# it and the main process end at about the same time on two cores.
 # Each process starts its own S3 and Prefect servers on free ports and builds its own models under
 # its own pytest temp dir, so they share nothing but the Docker engine (the tests in BESIDE and
 # WAITING use none) and the SmolLM2 checkpoint built once under .cache (a file lock).
