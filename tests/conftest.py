@@ -10,6 +10,10 @@ from tests.builders import make_model_dir
 
 # The CPU engine's KV cache: small, the tests' sequences are short.
 os.environ.setdefault("DATAGEN_CPU_KVCACHE_GIB", "1")
+# vLLM engines start eager (no torch.compile warm-up: about half the start on the CPU) unless a test
+# asks for the compiled engine (DATAGEN_ENFORCE_EAGER=0, as tests/test_extract_vllm.py does for the
+# runs it compares byte for byte). Subprocesses and flow steps inherit it.
+os.environ.setdefault("DATAGEN_ENFORCE_EAGER", "1")
 
 
 @pytest.fixture(scope="session")
