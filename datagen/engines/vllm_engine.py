@@ -328,7 +328,8 @@ class VllmEngine(Engine):
                     raise StorageError(f"writing a shard failed: {first.splitlines()[0]}",
                                        hint="free space at the output location, then re-run to resume")
                 raise RuntimeError("writing a shard failed in the worker:\n" + "\n".join(reply["errors"]))
-            records.extend(ShardRecord.model_validate(r["record"]) for r in reply["records"])
+            records.extend(ShardRecord.model_validate({**r["record"], "written_by": int(reply["rank"])})
+                           for r in reply["records"])
         return records
 
     def completed(self) -> list[ShardRecord]:
