@@ -495,7 +495,8 @@ def run_all(args) -> None:
     model = args.model or str(work / ("tiny" if args.smoke else "kimi" if args.shape == "kimi" else "m8b"))
     cfg = {"shape": args.shape, "hidden": 64 if args.smoke else 7168 if args.shape == "kimi" else 4096,
            "model": model, "data": str(data), "rows": args.rows, "row_len": args.row_len, "vocab": args.vocab,
-           "per_shard": args.per_shard, "group": args.group, "passes": args.passes, "layers": list(args.layers), "hf_shards": args.hf_shards,
+           "per_shard": args.per_shard, "group": args.group, "passes": args.passes, "layers": list(args.layers),
+           "hf_shards": args.hf_shards,
            "out_dir": str(Path(args.shards_dir or work / "shards"))}
     (work / "config.json").write_text(json.dumps(cfg))
     try:

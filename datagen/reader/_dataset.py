@@ -228,7 +228,8 @@ def _place_volumes(store, manifest: Manifest, location: str) -> None:
             try:
                 placed[r.path] = volume_root(location, manifest.volumes, r.volume)
             except ValueError as e:
-                raise DatasetError(f"shard {r.index}: {e}", path=location, hint="run `datagen validate` for details") from e
+                raise DatasetError(f"shard {r.index}: {e}", path=location,
+                                   hint="run `datagen validate` for details") from e
     if placed and not isinstance(store, LocalStore):
         raise DatasetError("the dataset's shards lie on several output volumes; only a local dataset can be read "
                            "that way", path=location, hint="read it from the machine that holds the volumes")
