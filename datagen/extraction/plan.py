@@ -36,6 +36,19 @@ class Plan:
         first = k * s
         return first, min(s, self.data.rows - first)
 
+    @property
+    def volume_dirs(self) -> tuple[Path, ...]:
+        """The output volumes, absolute: ``out`` first, then the spec's further volumes."""
+        return (Path(self.spec.out).absolute(), *(Path(v).absolute() for v in self.spec.volumes))
+
+    def volume_of(self, k: int) -> int:
+        """The volume shard k is written to: k mod the number of volumes."""
+        return k % (1 + len(self.spec.volumes))
+
+    def shard_dir(self, k: int) -> Path:
+        """The volume root shard k's record path is relative to."""
+        return self.volume_dirs[self.volume_of(k)]
+
     def shard_key(self, k: int) -> str:
         first, count = self.shard_range(k)
         return sha256_hex(f"{self.extraction_fingerprint}:{k}:{first}:{count}:{self.data.shard_rows_hash(first, count)}")

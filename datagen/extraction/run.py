@@ -55,7 +55,7 @@ def build_job(p: Plan, k: int) -> ShardJob:
     rows = [r for r in range(first, first + count) if r in p.data.samples]
     return ShardJob(
         index=k,
-        path=str(Path(p.spec.out).resolve() / shard_name(k)),
+        path=str(p.shard_dir(k).resolve() / shard_name(k)),
         first_row=first,
         rows=count,
         sample_rows=tuple(rows),
@@ -143,12 +143,17 @@ def extract_shards(p: Plan, engine: Engine, shards: Iterable[int], *,
         submitted.append(k)
         if progress is not None:
             progress.advance(job.tokens)
-        save_records(out, engine.completed(), records)
-    save_records(out, engine.finish(), records)
+        save_records(out, _placed(p, engine.completed()), records)
+    save_records(out, _placed(p, engine.finish()), records)
     missing = [k for k in submitted if k not in records]
     if missing:
         raise RuntimeError(f"shards {missing} were submitted but not written")
     return records
+
+
+def _placed(p: Plan, recs: list[ShardRecord]) -> list[ShardRecord]:
+    """The records with the volume their shard was written to (the job's path named it)."""
+    return [r.model_copy(update={"volume": p.volume_of(r.index)}) for r in recs]
 
 
 def extract(spec: ExtractSpec, *, shards: tuple[int, int] | None = None) -> dict:

@@ -87,6 +87,7 @@ class DatasetReader:
                                path=self.location, hint="use the datagen release that wrote the dataset")
         self.expected = _expected(self.manifest, self.location)
         records = [r for r in self.manifest.shards if r.samples]
+        _place_volumes(self.store, self.manifest, self.location)
         with ThreadPoolExecutor(max(1, min(open_threads, len(records))), thread_name_prefix="reader-open") as ex:
             self.shards: list[OpenShard] = list(ex.map(
                 lambda r: open_shard(self.store, r, self.expected,
@@ -220,3 +221,23 @@ def open_dataset(location, *, verify: Verify = Verify.AUTO, dtype: torch.dtype =
             (when opening), or its sha256 (when first read, per ``verify``).
     """
     return DatasetReader(str(location), verify=verify, dtype=dtype)
+
+
+def _place_volumes(store, manifest: Manifest, location: str) -> None:
+    """Shards on further output volumes are read there (the manifest names each shard's volume)."""
+    from datagen.data.contract import volume_root
+
+    placed = {}
+    for r in manifest.shards:
+        if r.volume:
+            try:
+                placed[r.path] = volume_root(location, manifest.volumes, r.volume)
+            except ValueError as e:
+                raise DatasetError(f"shard {r.index}: {e}", path=location,
+                                   hint="run `datagen validate` for details") from e
+    if placed and not isinstance(store, LocalStore):
+        raise DatasetError("the dataset's shards lie on several output volumes; only a local dataset can be read "
+                           "that way", path=location, hint="read it from the machine that holds the volumes")
+    if placed:
+        store.place(placed)
+

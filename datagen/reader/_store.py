@@ -58,15 +58,20 @@ def _inside(rel: str) -> str:
 class LocalStore:
     """A dataset directory on a local or network filesystem, read with ``pread``."""
 
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, placed: dict[str, Path] | None = None) -> None:
         self.root = Path(root).resolve()
         self.uri = str(self.root)
+        self.placed: dict[str, Path] = dict(placed or {})  # shard path -> the volume it lies on (not the root)
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self._pid = os.getpid()
 
+    def place(self, placed: dict[str, Path]) -> None:
+        """Shard paths that are relative to another output volume than the dataset directory."""
+        self.placed.update({rel: Path(root).resolve() for rel, root in placed.items()})
+
     def _path(self, rel: str) -> Path:
-        return self.root / _inside(rel)
+        return self.placed.get(rel, self.root) / _inside(rel)
 
     def read_text(self, rel: str) -> bytes:
         try:
@@ -110,10 +115,10 @@ class LocalStore:
         return h.hexdigest()
 
     def __getstate__(self) -> dict:
-        return {"root": self.root}
+        return {"root": self.root, "placed": self.placed}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["root"])
+        self.__init__(state["root"], state.get("placed"))
 
 
 class S3Store:

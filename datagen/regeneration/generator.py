@@ -89,7 +89,8 @@ class Generator:
     def start(self) -> None:
         from datagen.engines.vllm_engine import check_devices, set_process_env
 
-        set_process_env(on_cuda=check_devices(self.settings.tensor_parallel_size))
+        set_process_env(on_cuda=check_devices(self.settings.tensor_parallel_size),
+                        tensor_parallel_size=self.settings.tensor_parallel_size)
         from vllm import LLM
 
         kwargs = self.engine_kwargs()

@@ -199,7 +199,8 @@ def _scan_all(root: Path, lm: manifest.LoadedManifest, fresh: source.FreshRows |
 
     def one(rec):
         return scan.scan_shard(root, rec, lm.expected, fresh=fresh.samples if fresh else None,
-                               fresh_key=fresh.shard_keys.get(rec.index) if fresh else None)
+                               fresh_key=fresh.shard_keys.get(rec.index) if fresh else None,
+                               volumes=lm.manifest.volumes)
 
     out = []
     with _torch_threads(1), ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="validate") as ex:

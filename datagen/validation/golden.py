@@ -176,7 +176,7 @@ def run(root: Path, scans: list[ShardScan], plan: GoldenPlan, *, model_dir: Path
         for row in plan.rows:
             i, s = plan.where[row]
             sc = scans[i]
-            full = resolve_inside(root, sc.path)
+            full = resolve_inside(sc.root or root, sc.path)
             with MappedShard(full, read_header(full)) as m:
                 a, b = int(sc.offsets[s]), int(sc.offsets[s + 1])
                 ids = m.rows("input_ids", a, b).to(torch.long).clone()

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from datagen.data.contract import FP8_SCALE_TENSORS, SHARD_TENSORS, LayerStats, ShardRecord
+from datagen.data.contract import FP8_SCALE_TENSORS, SHARD_TENSORS, LayerStats, ShardRecord, volume_root
 from datagen.data.dataset import Sample
 from datagen.data.shards import SHARD_FORMAT, stats_from_sums
 from datagen.errors import ValidationFailed
@@ -55,6 +55,7 @@ class ShardScan:
 
     index: int  # shard index in the manifest
     path: str  # as the manifest lists it
+    root: Path | None = None  # the output volume the path is relative to (set by scan_shard)
     readable: bool = False  # tensors conform to the contract: rows and stats below are meaningful
     problems: list[Problem] = field(default_factory=list)
     bytes_read: int = 0
@@ -82,7 +83,8 @@ def resolve_inside(root: Path, rel: str) -> Path | None:
 
 
 def scan_shard(root: Path, rec: ShardRecord, exp: Expected, *,
-               fresh: dict[int, Sample] | None = None, fresh_key: str | None = None) -> ShardScan:
+               fresh: dict[int, Sample] | None = None, fresh_key: str | None = None,
+               volumes: list[str] | tuple[str, ...] = ()) -> ShardScan:
     """Run every per-shard check on shard ``rec`` of the dataset at ``root``.
 
     Args:
@@ -91,7 +93,12 @@ def scan_shard(root: Path, rec: ShardRecord, exp: Expected, *,
         fresh_key: the shard's cache key recomputed from the spec and the source rows.
     """
     out = ShardScan(index=rec.index, path=rec.path)
-    full = resolve_inside(root, rec.path)
+    try:
+        out.root = volume_root(root, volumes, rec.volume)
+    except ValueError as e:
+        out.problem(ProblemKind.SHARD_MISSING, f"{rec.path}: {e}")
+        return out
+    full = resolve_inside(out.root, rec.path)
     if full is None:
         out.problem(ProblemKind.UNSAFE_PATH, f"path {rec.path!r} escapes the dataset directory; refused")
         return out
