@@ -81,7 +81,8 @@ class AgreementReport(BaseModel):
     features: Features = Field(Features.TARGET, description="whose states the draft was fed")
     feature_error: list[FeatureError] = Field(
         default_factory=list,
-        description="per draft layer and the final one: the dataset's states against the target's (features=target)")
+        description="per layer the draft's config names, and the final one: the dataset's stored states in the "
+                    "order the draft takes them against the target's states of that layer (features=target)")
 
 
 def draft_layer_ids(draft: str | Path) -> list[int]:
@@ -120,20 +121,22 @@ class TargetStates:
 
 def _target_fed(data, target: TargetStates, layer_ids: list[int], errors: dict[int, list[torch.Tensor]]):
     """``data`` (a SpeculatorsDataset) with its states replaced by the target's at ``layer_ids`` + the
-    final layer; the stored states' distance to them collected into ``errors`` by layer."""
+    final layer. The distance of the stored states to them, column by column in the order the draft
+    takes them (the j-th stored aux layer trained the draft's j-th input), is collected into ``errors``
+    by the draft's layer id: a dataset that stored other layers than the draft's config names is far off."""
     final = data.reader.layer_ids[-1]
-    stored_ids = list(data.reader.layer_ids)
+    wanted = [*layer_ids, final]
+    comparable = len(data.reader.layer_ids) == len(wanted)  # the stored states in the order the draft takes them
     get = data._get_raw_data  # noqa: SLF001 (speculators' BaseDataset hook)
 
     def fed(index: int) -> dict:
         raw = get(index)
-        true = target.states(raw["input_ids"], [*layer_ids, final])  # [T, L, H]
-        stored = data.reader[data.indices[index]].hidden_states.float()
-        for j, k in enumerate([*layer_ids, final]):
-            if k in stored_ids:
+        true = target.states(raw["input_ids"], wanted)  # [T, L, H]
+        if comparable:
+            stored = data.reader[data.indices[index]].hidden_states.float()
+            for j, k in enumerate(wanted):
                 t = true[:, j]
-                errors.setdefault(k, []).append(
-                    (stored[:, stored_ids.index(k)] - t).norm(dim=-1) / t.norm(dim=-1).clamp_min(1e-6))
+                errors.setdefault(k, []).append((stored[:, j] - t).norm(dim=-1) / t.norm(dim=-1).clamp_min(1e-6))
         hs = true.to(data.hidden_states_dtype)
         return {**raw, "hidden_states": hs[:, :-1].flatten(1), "verifier_last_hidden_states": hs[:, -1]}
 
