@@ -139,9 +139,9 @@ def run(mode: Mode, results: Path) -> Record:
             target_view = measure_agreement(out, dataset, target=target)  # its dataset against the target
             measured[case][-1]["dataset_feature_error"] = {e.layer: round(e.median, 4)
                                                            for e in target_view.feature_error}
-        log.info("%s seed %d: agreement %s, acceptance %.3f (trained in %s s)", case, seed,
+        log.info("%s seed %d: agreement %s, acceptance %.3f (trained %s)", case, seed,
                  [round(a, 3) for a in measured[case][-1]["agreement"]], r.acceptance_length,
-                 f"{train_s:.0f}" if train_s is not None else "an earlier run:")
+                 f"in {train_s:.0f} s" if train_s is not None else "in an earlier run")
 
     one("untrained", untrained_draft, data["bf16"], 0)
     for seed in range(size["seeds"]):
