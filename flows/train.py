@@ -7,7 +7,9 @@ The handoff proves the data: an EAGLE-3 draft is trained on the dataset with spe
 trainer, straight from the packed shards (`datagen train`, the train image, on the deployment's
 pool: GPUs in production, the CPU miniature in tests), written in the format vLLM loads as an
 EAGLE-3 speculator next to the dataset (``<dataset>.draft-<fingerprint[:12]>``), and measured on
-the dataset's held-out rows (`datagen measure-draft`). The night's agreement is a Prefect artifact
+the dataset's held-out rows (`datagen measure-draft`: the draft is fed the target's own states of
+the layers its config names, as vLLM feeds it, so a dataset of mislabelled layers makes a bad
+draft, and the stored states are compared with the target's). The night's agreement is a Prefect artifact
 with the plot of the last nights (``draft-report``), `datagen.draft.ready` announces the draft,
 and a fall of the acceptance length beyond ``drop_threshold`` against the night before fails the
 run with a message that names the dataset.

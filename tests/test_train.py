@@ -18,7 +18,7 @@ from datagen.training.agreement import measure_agreement
 from datagen.training.draft import LINEAGE_NAME, read_lineage, train_draft, untrained_draft
 from datagen.training.nightly import NightMeasurement, drop_of, markdown_table, plot
 from datagen.training.settings import DraftSettings
-from tests.support.extracted import extracted_dataset
+from tests.support.extracted import copy_dataset, extracted_dataset, fix_checksums, manifest, rewrite_shard
 from tests.support.synthetic_shards import make_synthetic_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,6 +132,35 @@ def test_an_empty_training_split_is_refused(tiny_dataset, tmp_path):
         train_draft(tiny_dataset, tmp_path / "d", verifier=tiny_dataset.parent / "model",
                     settings=TINY.model_copy(update={"train_ratio": 0.01}))
     assert not list(tmp_path.iterdir())
+
+
+def test_the_draft_is_fed_the_targets_own_states_so_a_mislabelled_dataset_is_caught(trained, tiny_dataset, tmp_path):
+    """measure-draft feeds the draft the target's states at the layers its config names (what vLLM
+    feeds it), not the dataset's: the stored states of a correct dataset match the target's within
+    bf16 rounding, those of a dataset whose layers are mislabelled are far off, and a draft measured
+    on target states differs from the same draft fed states of other layers."""
+    import shutil
+
+    from datagen.training.agreement import Features, TargetStates, draft_layer_ids
+
+    target = TargetStates(tiny_dataset.parent / "model")
+    right = measure_agreement(trained.path, tiny_dataset, target=target)
+    layers = draft_layer_ids(trained.path)
+    assert right.features is Features.TARGET and [e.layer for e in right.feature_error] == [*layers, 4]
+    assert all(e.median < 0.01 for e in right.feature_error), right.feature_error
+    stored = measure_agreement(trained.path, tiny_dataset, features=Features.DATASET)
+    assert stored.feature_error == [] and stored.held_out_samples == right.held_out_samples
+
+    # a dataset whose states of layers 0 and 2 are stored under each other's ids (a capture that
+    # mislabelled them): judged on its own states, a draft cannot tell; the target's states show it
+    swapped = copy_dataset(tiny_dataset, tmp_path / "swapped")
+    for k in range(len(manifest(swapped)["shards"])):
+        rewrite_shard(swapped, k, lambda t: {**t, "hidden_states": t["hidden_states"][:, [1, 0, 2]]})
+    fix_checksums(swapped)
+    mis = measure_agreement(trained.path, swapped, target=target)
+    errors = {e.layer: e.median for e in mis.feature_error}
+    assert errors[layers[0]] > 0.3 and errors[layers[1]] > 0.3 and errors[4] < 0.01, errors
+    assert mis.positions == right.positions  # the draft is fed the target's states either way
 
 
 def test_the_held_out_agreement_is_measured_per_position(trained, tiny_dataset, capsys):

@@ -16,10 +16,22 @@ target's bonus token (speculators' ``compute_accepted_length_counts``, vLLM's co
 Where the dataset's tokens are the target's own greedy output (chats whose assistant turns it
 generated), the dataset's token at each step is the token the target accepted, so this is what
 vLLM's EAGLE-3 would accept with greedy verification, up to numerics.
+
+What the draft is fed (``features``): by default (``target``) the TARGET's own states of the held-out
+rows, for the layers the draft's config names, computed here by the transformers reference
+(``datagen.engines.hf``, float32), and the target's greedy tokens from its own final state. That is
+what vLLM feeds the draft in production (its config's ``eagle_aux_hidden_state_layer_ids``, taken from
+the target as it runs), so a dataset whose states are not the layers it claims (an off-by-one
+capture) makes a draft that is judged in the world it will serve in, not in its own. The report also
+holds, per layer, how far the dataset's stored states are from the target's (``feature_error``): the
+direct check of the dataset's labels. ``dataset`` feeds the stored states instead (no target forward;
+it cannot catch a mislabelled dataset: the draft is judged in its own world).
 """
 
 from __future__ import annotations
 
+import enum
+import json
 import logging
 from pathlib import Path
 
@@ -41,6 +53,21 @@ class PositionAgreement(BaseModel):
     slots: int = Field(description="slots j measured (held-out assistant positions with a target token there)")
 
 
+class Features(str, enum.Enum):
+    """Whose hidden states the draft is fed when measured."""
+
+    TARGET = "target"  # the target's own states of the held-out rows, at the draft's config layers
+    DATASET = "dataset"  # the dataset's stored states (cannot catch a mislabelled dataset)
+
+
+class FeatureError(BaseModel):
+    """How far the dataset's stored states of a layer are from the target's own, on the held-out rows."""
+
+    layer: int = Field(description="the layer id the dataset and the draft claim")
+    median: float = Field(description="median over tokens of |stored - target| / |target|")
+    p99: float = Field(description="99th percentile of the same")
+
+
 class AgreementReport(BaseModel):
     """A draft measured on a dataset's held-out rows."""
 
@@ -51,6 +78,70 @@ class AgreementReport(BaseModel):
     positions: list[PositionAgreement] = Field(description="positions 1..k, in order")
     acceptance_length: float = Field(
         description="mean accepted tokens per verification step implied (agreeing run + the bonus token)")
+    features: Features = Field(Features.TARGET, description="whose states the draft was fed")
+    feature_error: list[FeatureError] = Field(
+        default_factory=list,
+        description="per layer the draft's config names, and the final one: the dataset's stored states in the "
+                    "order the draft takes them against the target's states of that layer (features=target)")
+
+
+def draft_layer_ids(draft: str | Path) -> list[int]:
+    """The aux layers the draft's config names: what vLLM feeds it (``eagle_aux_hidden_state_layer_ids``)."""
+    config = json.loads((Path(draft) / "config.json").read_text())
+    return list(config["eagle_aux_hidden_state_layer_ids"])
+
+
+class TargetStates:
+    """The target's own states of token rows, by layer id (the project's convention,
+    ``datagen.engines.hf``): one model load for every draft measured, each row computed once."""
+
+    def __init__(self, verifier: str | Path, *, dtype: str = "float32") -> None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(verifier)
+        self.num_hidden_layers = getattr(config, "text_config", config).num_hidden_layers
+        self.verifier, self.dtype = str(verifier), dtype
+        self._ref = None
+        self._cache: dict[tuple[int, ...], dict[int, torch.Tensor]] = {}
+
+    def states(self, input_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+        """[T, len(layer_ids), H] float32."""
+        if self._ref is None:
+            from datagen.engines.hf import HFReference
+
+            self._ref = HFReference(self.verifier, layer_ids=(self.num_hidden_layers,),
+                                    num_hidden_layers=self.num_hidden_layers, dtype=self.dtype, device="cpu")
+        key = tuple(input_ids.tolist())
+        have = self._cache.setdefault(key, {})
+        missing = [k for k in layer_ids if k not in have]
+        if missing:
+            have.update({k: v.float() for k, v in self._ref.states_by_id(input_ids, missing).items()})
+        return torch.stack([have[k] for k in layer_ids], dim=1)
+
+
+def _target_fed(data, target: TargetStates, layer_ids: list[int], errors: dict[int, list[torch.Tensor]]):
+    """``data`` (a SpeculatorsDataset) with its states replaced by the target's at ``layer_ids`` + the
+    final layer. The distance of the stored states to them, column by column in the order the draft
+    takes them (the j-th stored aux layer trained the draft's j-th input), is collected into ``errors``
+    by the draft's layer id: a dataset that stored other layers than the draft's config names is far off."""
+    final = data.reader.layer_ids[-1]
+    wanted = [*layer_ids, final]
+    comparable = len(data.reader.layer_ids) == len(wanted)  # the stored states in the order the draft takes them
+    get = data._get_raw_data  # noqa: SLF001 (speculators' BaseDataset hook)
+
+    def fed(index: int) -> dict:
+        raw = get(index)
+        true = target.states(raw["input_ids"], wanted)  # [T, L, H]
+        if comparable:
+            stored = data.reader[data.indices[index]].hidden_states.float()
+            for j, k in enumerate(wanted):
+                t = true[:, j]
+                errors.setdefault(k, []).append((stored[:, j] - t).norm(dim=-1) / t.norm(dim=-1).clamp_min(1e-6))
+        hs = true.to(data.hidden_states_dtype)
+        return {**raw, "hidden_states": hs[:, :-1].flatten(1), "verifier_last_hidden_states": hs[:, -1]}
+
+    data._get_raw_data = fed  # noqa: SLF001
+    return data
 
 
 def _target_head(verifier: str):
@@ -74,11 +165,13 @@ def load_draft(draft: str | Path, *, verifier: str | Path | None = None):
 
 @torch.no_grad()
 def measure_agreement(draft: str | Path, dataset: str | Path, *, verifier: str | Path | None = None,
-                      train_ratio: float | None = None, max_samples: int | None = None) -> AgreementReport:
+                      train_ratio: float | None = None, max_samples: int | None = None,
+                      features: Features = Features.TARGET, target: TargetStates | None = None) -> AgreementReport:
     """Measure ``draft`` on ``dataset``'s held-out split (its lineage's ``train_ratio`` unless given).
 
-    ``dataset`` may be another extraction of the same rows (e.g. the bf16 one for a draft trained
-    on fp8 storage): the split is by sample, so the rows are the same.
+    ``features``: the target's own states of the held-out rows at the draft's layers (default; pass
+    ``target`` to share one loaded target between drafts), or the dataset's stored ones (module
+    docstring). ``dataset`` may be another extraction of the same rows: the split is by sample.
     """
     from speculators.models.metrics import compute_accepted_length_counts
 
@@ -94,6 +187,11 @@ def measure_agreement(draft: str | Path, dataset: str | Path, *, verifier: str |
     if max_samples is not None:
         data.indices = data.indices[:max_samples]
         data.approx_lengths = data._compute_approx_lengths()  # noqa: SLF001 (BaseDataset computes it once)
+    features = Features(features)
+    errors: dict[int, list[torch.Tensor]] = {}
+    if features is Features.TARGET:
+        target = target or TargetStates(verifier or lineage.verifier)
+        data = _target_fed(data, target, draft_layer_ids(draft), errors)
     head = _target_head(str(verifier or lineage.verifier))
     d2t = getattr(model, "d2t", None)
     correct_all, valid_all = [], []
@@ -129,7 +227,13 @@ def measure_agreement(draft: str | Path, dataset: str | Path, *, verifier: str |
     total, blocks = compute_accepted_length_counts(correct, valid)
     report = AgreementReport(
         draft=str(draft), dataset=str(dataset), dataset_fingerprint=reader.manifest.fingerprint,
-        held_out_samples=len(data), positions=positions, acceptance_length=float(total / blocks) if blocks else 1.0)
-    log.info("draft %s on %s: agreement %s, acceptance length %.3f", draft, reader.manifest.fingerprint[:12],
-             " ".join(f"{p.agreement:.3f}" for p in positions), report.acceptance_length)
+        held_out_samples=len(data), positions=positions, acceptance_length=float(total / blocks) if blocks else 1.0,
+        features=features, feature_error=[
+            FeatureError(layer=k, median=float(torch.cat(v).median()), p99=float(torch.cat(v).quantile(0.99)))
+            for k, v in errors.items()])
+    log.info("draft %s on %s (%s states): agreement %s, acceptance length %.3f%s", draft,
+             reader.manifest.fingerprint[:12], features.value, " ".join(f"{p.agreement:.3f}" for p in positions),
+             report.acceptance_length,
+             "; stored vs target states " + ", ".join(f"{e.layer}: {e.median:.3f}" for e in report.feature_error)
+             if report.feature_error else "")
     return report

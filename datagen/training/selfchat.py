@@ -2,8 +2,10 @@
 
 A draft learns to predict the target; on chats the target wrote itself, the dataset's next token
 is the target's greedy token, so held-out agreement measures what speculative decoding accepts.
-The user turns are made from a fixed list of tasks and topics (seeded); the assistant turn is the
-target's greedy continuation under its own chat template, with transformers (float32 on the CPU).
+The user turns are made from a fixed list of tasks and topics (seeded); the assistant turns are
+written by the project's own regeneration step (`datagen regenerate`, vLLM, greedy), run as a
+command so that its engine lives and dies in its own process. A finished regeneration is not run
+again (the step's own resume), so the chats are made once per output directory.
 """
 
 from __future__ import annotations
@@ -12,8 +14,6 @@ import json
 import logging
 import random
 from pathlib import Path
-
-import torch
 
 log = logging.getLogger(__name__)
 
@@ -39,31 +39,30 @@ def prompts(n: int, *, seed: int = 0) -> list[str]:
     return every[:n]
 
 
-@torch.no_grad()
 def write_self_generated_chats(model_dir: str | Path, out: str | Path, *, rows: int, max_new_tokens: int = 48,
-                               seed: int = 0, batch_size: int = 16) -> Path:
-    """Write ``rows`` chats (JSONL ``{"messages": [user, assistant]}``) whose assistant turn is the
-    model's greedy reply to the user turn. Returns ``out``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+                               seed: int = 0) -> Path:
+    """Regenerate ``rows`` one-turn chats with ``model_dir`` into the directory ``out`` (`datagen
+    regenerate`: greedy, ``max_new_tokens`` a turn). Returns the chats file the extraction reads,
+    ``out/chats.jsonl``. Raises ``RuntimeError`` with the step's error when it fails."""
+    import os
+    import subprocess
+    import sys
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    users = prompts(rows, seed=seed)
+    from datagen.regeneration.output import CHATS, MANIFEST
+
     out = Path(out)
+    if (out / CHATS).exists() and (out / MANIFEST).exists():
+        return out / CHATS
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    with tmp.open("w") as f:
-        for i in range(0, rows, batch_size):
-            chunk = users[i:i + batch_size]
-            texts = [tok.apply_chat_template([{"role": "user", "content": u}], tokenize=False,
-                                             add_generation_prompt=True) for u in chunk]
-            enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-            gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-            for u, g in zip(chunk, gen[:, enc["input_ids"].shape[1]:]):
-                reply = tok.decode(g, skip_special_tokens=True).strip()
-                f.write(json.dumps({"messages": [{"role": "user", "content": u},
-                                                 {"role": "assistant", "content": reply}]}) + "\n")
-            log.info("self-generated chats: %d/%d", min(i + batch_size, rows), rows)
-    tmp.replace(out)
-    return out
+    users = out.with_name(out.name + ".users.jsonl")
+    users.write_text("".join(json.dumps({"messages": [{"role": "user", "content": u}]}) + "\n"
+                             for u in prompts(rows, seed=seed)))
+    env = {**os.environ, "DATAGEN_ENFORCE_EAGER": "1"}  # a few hundred turns: no compile warm-up
+    cmd = [sys.executable, "-m", "datagen", "regenerate", "--model", str(model_dir), "--dataset", str(users),
+           "--out", str(out), "--max-new-tokens", str(max_new_tokens), "--temperature", "0",
+           "--max-model-len", "1024"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"datagen regenerate failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    log.info("self-generated chats: %d rows in %s", rows, out)
+    return out / CHATS
