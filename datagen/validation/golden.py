@@ -184,7 +184,11 @@ def run(root: Path, scans: list[ShardScan], plan: GoldenPlan, *, model_dir: Path
                 fp8 = "hidden_states_scale" in m.header.tensors
                 if fp8:  # fp8 storage: compare the stored values, allowing for e4m3's rounding
                     stored = dequantize_fp8(stored, m.rows("hidden_states_scale", a, b))
-            refs = ref.states(ids, (media or {}).get(row, ()))
+            images = (media or {}).get(row, ())
+            refs = ref.states(ids, images)
+            if images:  # an image row is judged on its text tokens (docs/decisions.md)
+                text = text_positions(len(ids), images)
+                stored, refs = stored[text], {k: v[text] for k, v in refs.items()}
             tokens += len(ids)
             _judge_row(row, sc, stored, refs, layer_ids, num_hidden_layers, details, findings,
                        criterion=criterion, tolerance=tolerance + FP8_REL_ERROR if fp8 else tolerance,
@@ -193,6 +197,14 @@ def run(root: Path, scans: list[ShardScan], plan: GoldenPlan, *, model_dir: Path
         ref.close()
     details["reference"].update(seconds=round(time.monotonic() - t0, 3), tokens=tokens)
     return details
+
+
+def text_positions(n: int, images) -> torch.Tensor:
+    """[n] True at the tokens of a sample that are not its images' placeholders."""
+    keep = torch.ones(n, dtype=torch.bool)
+    for m in images:
+        keep[m.offset:m.offset + m.tokens] = False
+    return keep
 
 
 def _judge_row(row, sc, stored, refs, layer_ids, n, details, findings, *, criterion, tolerance, thresholds) -> None:
