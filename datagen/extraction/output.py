@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from datagen.data.contract import MANIFEST_NAME, SHARDS_DIR, STATE_DIR, ShardRecord, shard_name
+from datagen.data.spec import EngineName
 from datagen.data.files import atomic_write_json
 from datagen.errors import OutputConflictError
 from datagen.extraction import stored
@@ -217,8 +218,15 @@ def recover_record(p: Plan, k: int) -> ShardRecord | None:
     return ShardRecord(
         index=k, path=shard_name(k), first_sample=first, rows=count, samples=samples, tokens=hs.shape[0],
         bytes=f.stat().st_size, sha256=sha256_file(f), shard_key=p.shard_key(k),
-        layer_stats=layer_stats(hs, p.layer_ids, per_token), volume=p.volume_of(k),
+        layer_stats=layer_stats(hs, p.layer_ids, per_token), volume=p.volume_of(k), written_by=writer_of(p, k),
     )
+
+
+def writer_of(p: Plan, k: int) -> int | None:
+    """The tensor-parallel rank that writes shard k: k mod TP on the vLLM engine
+    (``datagen.engines.capture``); None for the transformers engine, which has no ranks."""
+    e = p.spec.engine
+    return k % e.tensor_parallel_size if e.name is EngineName.VLLM else None
 
 
 def remove_stale(p: Plan) -> None:
