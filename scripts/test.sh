@@ -27,7 +27,7 @@
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-WAITING=(tests/flows/test_scale_out.py tests/test_media_engine.py)
+WAITING=(tests/flows/test_scale_out.py tests/test_media_engine.py tests/images/test_train_image.py)
 BESIDE=(tests/faults/test_crash_anywhere.py tests/flows/test_server_e2e.py tests/test_kimi_engine.py
         tests/test_validate_golden.py tests/test_regenerate.py tests/flows/test_regenerate_flow.py)
 
