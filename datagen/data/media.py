@@ -220,16 +220,11 @@ def row_identity(raw_digest: bytes, image_digests: list[str]) -> bytes:
 ABSENT = "0" * 64  # the digest of an image that cannot be read (its row is skipped)
 
 
-def identities(rows: list[tuple[int, bytes, dict]], line_hashes: list[bytes], base: Path) -> list[bytes]:
-    """``line_hashes`` with each image row's replaced by ``row_identity``. An image that cannot be
-    read counts as ``ABSENT``: once it can, its row's identity changes and its shard is extracted
-    again. A malformed row keeps its own hash (planning stops at it)."""
-    return [identity(h, obj, base) for h, (_row, _raw, obj) in zip(line_hashes, rows)]
-
-
 def identity(raw_digest: bytes, obj: dict, base: Path) -> bytes:
     """One row's identity: ``raw_digest`` (its bytes' sha256) for a row without images, else
-    ``row_identity`` of it and its images' (``identities``)."""
+    ``row_identity`` of it and its images'. An image that cannot be read counts as ``ABSENT``: once
+    it can, its row's identity changes and its shard is extracted again. A malformed row keeps its
+    own hash (planning stops at it)."""
     if not has_media(obj):
         return raw_digest
     try:

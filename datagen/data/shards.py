@@ -75,6 +75,12 @@ class ShardJob:
         })
 
 
+def writer_rank(index: int, tensor_parallel_size: int) -> int:
+    """The tensor-parallel rank that writes shard ``index``: every rank holds the full states after
+    the all-reduce, so the writes are shared out by index."""
+    return index % tensor_parallel_size
+
+
 def _media_from_wire(rows: list) -> tuple:
     if not any(rows):
         return tuple(() for _ in rows)

@@ -33,6 +33,7 @@ from datagen.data.shards import (
     stats_into,
     work_rows,
     write_shard,
+    writer_rank,
 )
 from datagen.engines.vllm_settings import CaptureConfig
 
@@ -160,7 +161,7 @@ class Capture:
         for d in wires:
             ids = list(d.pop("request_ids"))
             job = ShardJob.from_wire(d)
-            if job.index % self.world != self.rank:
+            if writer_rank(job.index, self.world) != self.rank:
                 self.others.update(ids)
                 continue
             if len(ids) != len(job.input_ids):

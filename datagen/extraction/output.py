@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from datagen.data.contract import MANIFEST_NAME, SHARDS_DIR, STATE_DIR, ShardRecord, shard_name
+from datagen.data.shards import writer_rank
 from datagen.data.spec import EngineName
 from datagen.data.files import atomic_write_json
 from datagen.errors import OutputConflictError
@@ -223,10 +224,10 @@ def recover_record(p: Plan, k: int) -> ShardRecord | None:
 
 
 def writer_of(p: Plan, k: int) -> int | None:
-    """The tensor-parallel rank that writes shard k: k mod TP on the vLLM engine
-    (``datagen.engines.capture``); None for the transformers engine, which has no ranks."""
+    """The tensor-parallel rank that writes shard k on the vLLM engine (``writer_rank``); None for
+    the transformers engine, which has no ranks."""
     e = p.spec.engine
-    return k % e.tensor_parallel_size if e.name is EngineName.VLLM else None
+    return writer_rank(k, e.tensor_parallel_size) if e.name is EngineName.VLLM else None
 
 
 def remove_stale(p: Plan) -> None:
