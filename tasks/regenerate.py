@@ -49,9 +49,10 @@ def settings_of(spec: PipelineSpec, model_dir: str) -> RegenerationSettings:
     return s.model_copy(update={"max_model_len": min(window, positions) if positions else window})
 
 
-def regenerate_call(spec: PipelineSpec, *, model_dir: str, model_revision: str | None) -> StepCall:
-    """`datagen regenerate` of the spec's dataset into ``spec.regenerated_output()``, on the spec's GPUs."""
-    settings = settings_of(spec, model_dir)
+def regenerate_call(spec: PipelineSpec, settings: RegenerationSettings, *, model_dir: str,
+                    model_revision: str | None) -> StepCall:
+    """`datagen regenerate` of the spec's dataset into ``spec.regenerated_output()`` with ``settings``
+    (``settings_of``), on the spec's GPUs."""
     out = Path(spec.regenerated_output())
     out.parent.mkdir(parents=True, exist_ok=True)  # a bind mount needs its source
     step_spec = Spec(model=model_dir, model_revision=model_revision, dataset=spec.dataset, out=str(out),
@@ -60,10 +61,11 @@ def regenerate_call(spec: PipelineSpec, *, model_dir: str, model_revision: str |
                     mounts=mounts_for(out.parent, read_only=(model_dir, spec.dataset)), gpus=spec.regenerate_gpus)
 
 
-def regenerate_cache_key(spec: PipelineSpec, *, model_revision: str | None, model_dir: str, identity: str) -> str:
+def regenerate_cache_key(spec: PipelineSpec, settings: RegenerationSettings, *, model_revision: str | None,
+                         model_dir: str, identity: str) -> str:
     """The cache key (module docstring). A model without a resolved revision is keyed by its directory."""
     return cache_key(STEP, model_revision or model_dir, sha256_file(spec.dataset),
-                     settings_of(spec, model_dir).model_dump(mode="json"), identity, spec.regenerated_output())
+                     settings.model_dump(mode="json"), identity, spec.regenerated_output())
 
 
 def regenerate_dataset(spec: PipelineSpec, *, model_dir: str, model_revision: str | None, identity: str,
@@ -71,8 +73,10 @@ def regenerate_dataset(spec: PipelineSpec, *, model_dir: str, model_revision: st
     """Run (or find in the cache) the regeneration of ``spec``; its result names the chats to extract."""
     out = Path(spec.regenerated_output())
     options = {"refresh_cache": not (out / MANIFEST).is_file(), **(task_options or {})}
+    settings = settings_of(spec, model_dir)
     return regenerate.with_options(**options)(
-        regenerate_call(spec, model_dir=model_dir, model_revision=model_revision),
-        cache_key=regenerate_cache_key(spec, model_revision=model_revision, model_dir=model_dir, identity=identity),
+        regenerate_call(spec, settings, model_dir=model_dir, model_revision=model_revision),
+        cache_key=regenerate_cache_key(spec, settings, model_revision=model_revision, model_dir=model_dir,
+                                       identity=identity),
         runner=spec.runner,
     )
