@@ -113,11 +113,8 @@ def measure(model: str, rows: list[dict], *, max_new_tokens: int, repeats: int, 
             t = time.monotonic()
             od = OutputDir(out, "bench")
             od.begin()
-            records = []
-            for k, part in enumerate(chunks):
-                rec = runner.run(k, part, fp="bench", rows_sha256="")
-                od.write_chunk(rec)
-                records.append(rec)
+            records = list(runner.run_all([(k, part, "") for k, part in enumerate(chunks)], fp="bench",
+                                          write=od.write_chunk))
             m = od.finish(records, _manifest_stub(s, len(rows), len(chunks)))
             times["regenerate"].append(time.monotonic() - t)
             tokens["regenerate"].append(sum(t["tokens"] for rec in records for e in rec.lineage for t in e["turns"]))

@@ -5,11 +5,20 @@ template and generation prompt, and generates all those turns in one batch; the 
 are decoded by the same tokenizer (and split into reasoning and content for a thinking model).
 A prompt that leaves no room in the model's window skips its row (listed); a turn gets at most
 ``max_new_tokens``, or what the window leaves.
+
+``ChunkRunner.run_all`` keeps the engine busy between chunks: while chunk k generates, a thread
+prepares chunk k+1 (its scripts and its first round's prompts: the chat template and the
+tokenizer) and writes chunk k-1's file. The engine runs in its own process, so the host work
+overlaps the GPU's; what each chunk holds does not depend on it.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from datagen.regeneration.chats import RowState, script
 from datagen.regeneration.output import ChunkRecord, SkippedChat
@@ -19,11 +28,27 @@ from datagen.regeneration.turns import turn_rows
 log = logging.getLogger(__name__)
 
 
+Rows = list[tuple[int, bytes, list[dict]]]  # (source row, raw line, messages), in source order
+
+
+@dataclass
+class Prepared:
+    """A chunk before its first generation: each row's state, the rows skipped by their script, the
+    rows with a turn to generate, and their first round's prompt ids (one per row of ``going``)."""
+
+    states: list[RowState]
+    skipped: list[SkippedChat]
+    going: list[RowState]
+    first_ids: list[list[int]]
+
+
 class ChunkRunner:
     """Regenerates chunks of rows with a started ``Generator``."""
 
     def __init__(self, settings: RegenerationSettings, tokenizer, generator, splitter, window: int):
         self.s, self.tok, self.gen, self.splitter, self.window = settings, tokenizer, generator, splitter, window
+        # one tokenizer, two threads (run_all): a fast tokenizer is not safe to call from both at once
+        self._tok_lock = threading.Lock()
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """The conversation so far with the generation prompt, as extraction tokenizes a render."""
@@ -31,15 +56,14 @@ class ChunkRunner:
 
     def prompts_ids(self, conversations: list[list[dict]]) -> list[list[int]]:
         """``prompt_ids`` of many conversations, tokenized in one call (a fast tokenizer batches it)."""
-        texts = [self.tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in conversations]
-        return [list(ids) for ids in self.tok(texts, add_special_tokens=False)["input_ids"]] if texts else []
+        if not conversations:
+            return []
+        with self._tok_lock:
+            texts = [self.tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in conversations]
+            return [list(ids) for ids in self.tok(texts, add_special_tokens=False)["input_ids"]]
 
-    def run(self, k: int, rows: list[tuple[int, bytes, list[dict]]], *, fp: str, rows_sha256: str) -> ChunkRecord:
-        """Chunk ``k``: ``rows`` are (source row, raw line, messages), in source order."""
-        from datagen.regeneration.generator import TurnRequest
-        from datagen.regeneration.reasoning import assistant_message
-
-        self.gen.new_chunk()
+    def prepare(self, rows: Rows) -> Prepared:
+        """A chunk's scripts and its first round's prompts: host work only, no engine."""
         states: list[RowState] = []
         skipped: list[SkippedChat] = []
         for row, _raw, messages in rows:
@@ -48,11 +72,21 @@ class ChunkRunner:
                 skipped.append(SkippedChat(row=row, reason=steps))
             else:
                 states.append(RowState(row=row, steps=steps))
+        going = [st for st in states if st.advance()]
+        return Prepared(states, skipped, going, self.prompts_ids([st.out for st in going]))
+
+    def run(self, k: int, rows: Rows, *, fp: str, rows_sha256: str, prepared: Prepared | None = None) -> ChunkRecord:
+        """Chunk ``k`` (``prepared``: ``prepare(rows)``, made beforehand)."""
+        from datagen.regeneration.generator import TurnRequest
+        from datagen.regeneration.reasoning import assistant_message
+
+        p = prepared if prepared is not None else self.prepare(rows)
+        self.gen.new_chunk()
+        states, going, ids_of_round = p.states, p.going, p.first_ids
         rounds = 0
         while True:
             batch: list[tuple[RowState, TurnRequest]] = []
-            going = [st for st in states if st.advance()]
-            for st, ids in zip(going, self.prompts_ids([st.out for st in going])):
+            for st, ids in zip(going, ids_of_round):
                 if len(ids) >= self.window:
                     st.skip("prompt_too_long", message=len(st.out), prompt_tokens=len(ids), window=self.window)
                     continue
@@ -62,12 +96,36 @@ class ChunkRunner:
                 break
             rounds += 1
             generated = self.gen.generate([r for _, r in batch])
-            texts = self.tok.batch_decode([list(g.token_ids) for g in generated], skip_special_tokens=False)
+            with self._tok_lock:
+                texts = self.tok.batch_decode([list(g.token_ids) for g in generated], skip_special_tokens=False)
             for (st, req), gen, text in zip(batch, generated, texts):
                 st.add_turn(assistant_message(text, self.splitter), gen, seed=req.seed, on_length=self.s.on_length,
                             prompt_ids=req.prompt_ids)
+            going = [st for st in states if st.advance()]
+            ids_of_round = self.prompts_ids([st.out for st in going])
         log.debug("chunk %d: %d rounds", k, rounds)
-        return _record(states, skipped, fp=fp, k=k, rows_sha256=rows_sha256)
+        return _record(states, list(p.skipped), fp=fp, k=k, rows_sha256=rows_sha256)
+
+    def run_all(self, chunks: Sequence[tuple[int, Rows, str]], *, fp: str,
+                write: Callable[[ChunkRecord], None]) -> Iterator[ChunkRecord]:
+        """Chunks ``(k, rows, rows_sha256)`` in order, each record yielded once ``write`` (its file) has
+        returned; chunk k+1 is prepared and chunk k's file written while the engine generates."""
+        if not chunks:
+            return
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="regenerate-host") as pool:
+            nxt: Future = pool.submit(self.prepare, chunks[0][1])
+            pending: tuple[Future, ChunkRecord] | None = None
+            for i, (k, rows, key) in enumerate(chunks):
+                prepared = nxt.result()
+                if i + 1 < len(chunks):
+                    nxt = pool.submit(self.prepare, chunks[i + 1][1])
+                rec = self.run(k, rows, fp=fp, rows_sha256=key, prepared=prepared)
+                if pending is not None:
+                    pending[0].result()
+                    yield pending[1]
+                pending = (pool.submit(write, rec), rec)
+            pending[0].result()
+            yield pending[1]
 
 
 def _record(states: list[RowState], skipped: list[SkippedChat], *, fp: str, k: int, rows_sha256: str) -> ChunkRecord:

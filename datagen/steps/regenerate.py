@@ -213,13 +213,13 @@ def regenerate(spec: Spec) -> RegenerateResult:
         try:
             out.begin()
             chunks = ChunkRunner(s, tokenizer, generator, splitter, window)
-            for n, k in enumerate(todo, 1):
-                t0 = time.monotonic()
-                records[k] = chunks.run(k, parts[k], fp=fp, rows_sha256=keys[k])
-                out.write_chunk(records[k])
-                tokens = sum(t["tokens"] for e in records[k].lineage for t in e["turns"])
-                log.info("regenerate: chunk %d (%d/%d): %d tokens in %.1f s", k, n, len(todo), tokens,
-                         time.monotonic() - t0)
+            t0 = time.monotonic()
+            for n, rec in enumerate(chunks.run_all([(k, parts[k], keys[k]) for k in todo], fp=fp,
+                                                   write=out.write_chunk), 1):
+                records[rec.chunk] = rec
+                tokens = sum(t["tokens"] for e in rec.lineage for t in e["turns"])
+                log.info("regenerate: chunk %d (%d/%d): %d tokens, %.1f s since the engine started", rec.chunk, n,
+                         len(todo), tokens, time.monotonic() - t0)
         finally:
             generator.close()
     manifest = {
