@@ -125,6 +125,8 @@ def run_shape(hidden: int, storage: str, root: Path, *, rows: int, row_len: int,
     t0 = time.time()
     for so, aux in fed:
         runner.input_batch.req_ids = so.req_ids
+        if dev.type == "cuda":
+            cap.before_step()  # as the worker does before each forward
         cap.on_step(so, aux)
     reply = cap.collect(True)
     dt = time.time() - t0

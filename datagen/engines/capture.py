@@ -15,6 +15,7 @@ the budget is spent and a write that will free some is pending.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import queue
 import threading
@@ -128,7 +129,7 @@ class Capture:
             self.stats = torch.empty((M, 3, L), dtype=torch.float32, device=self.device)
             self.scales = torch.empty((M, L), dtype=torch.float32, device=self.device) if self.fp8 else None
         self.work = torch.empty((work_rows(hidden_size, M), hidden_size), dtype=torch.float32, device=self.device)
-        self.copy_done = None  # the last step's device-to-host copy: the staging buffers are free after it
+        self.read_done = None  # CUDA: the capture's kernels have read the last step's states
         self.requests: dict[str, _RequestStates] = {}  # external id -> states (announced, this rank's)
         self.others: set[str] = set()  # announced, written by another rank
         self.shards: dict[int, _Shard] = {}
@@ -230,15 +231,56 @@ class Capture:
         m = sum(c for _, _, c in mine)
         L, H = len(self.layer_ids), self.hidden
         if self.cuda:
+            # The capture's kernels run on its own stream, after the forward: the step's sampling
+            # (on vLLM's stream) does not wait for them, so they overlap the gap until the next
+            # step. The next forward waits for them (before_step), as it may overwrite the states
+            # (CUDA graphs' static buffers); the caching allocator keeps the states' memory until
+            # this stream has read it (record_stream). Staging and copies share this one stream,
+            # so a step's staging starts after the previous step's copy out of the buffers.
             cur = torch.cuda.current_stream(self.device)
-            if self.copy_done is not None:
-                cur.wait_event(self.copy_done)  # the previous step's copy out of the buffers
+            self.stream.wait_stream(cur)
+            for h in aux_hidden_states:
+                h.record_stream(self.stream)
             staged, stats = self.staged[:m], self.stats[:m]  # contiguous: one copy to the host
             scales = self.scales[:m] if self.fp8 else None
         else:  # new memory each step: these are the chunks the writer packs
             staged = torch.empty((m, L, H), dtype=self.store)
             stats = torch.empty((m, 3, L), dtype=torch.float32)
             scales = torch.empty((m, L), dtype=torch.float32) if self.fp8 else None
+        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+            self._stage(aux_hidden_states, runs, staged, stats, scales)
+        if self.cuda:
+            self.read_done = torch.cuda.Event()
+            self.read_done.record(self.stream)
+        block = None
+        if self.cuda:
+            nbytes = staged.numel() * staged.element_size() + stats.numel() * 4 + (m * L * 4 if self.fp8 else 0)
+            self.backpressure_s += self.budget.take(nbytes, lambda: self.inflight > 0)
+            block = _HostBlock(self.budget, nbytes, len(mine))
+            host = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
+            host_stats = torch.empty(stats.shape, dtype=torch.float32, pin_memory=True)
+            host_scale = torch.empty(scales.shape, dtype=torch.float32, pin_memory=True) if self.fp8 else None
+            with torch.cuda.stream(self.stream):
+                host.copy_(staged, non_blocking=True)
+                host_stats.copy_(stats, non_blocking=True)
+                if host_scale is not None:
+                    host_scale.copy_(scales, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        else:
+            host, host_stats, host_scale, event = staged, stats, scales, None
+        self._hand_out(mine, host, host_stats, host_scale, event, block)
+
+    def before_step(self) -> None:
+        """Called before each forward: it waits (on the GPU) until the capture has read the last
+        step's states."""
+        if self.read_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.read_done)
+            self.read_done = None
+
+    def _stage(self, aux_hidden_states, runs, staged, stats, scales) -> None:
+        """The step's states of this rank's requests (``runs`` of the batch) into ``staged``, with
+        their statistics (and fp8 scales)."""
         for j, h in enumerate(aux_hidden_states):
             off = 0
             for a, b in runs:
@@ -251,25 +293,10 @@ class Capture:
                     staged[off:off + k, j].copy_(x)
                     stats_into(staged[off:off + k, j], stats[off:off + k, :, j].t(), self.work)
                 off += k
-        block = None
-        if self.cuda:
-            nbytes = staged.numel() * staged.element_size() + stats.numel() * 4 + (m * L * 4 if self.fp8 else 0)
-            self.backpressure_s += self.budget.take(nbytes, lambda: self.inflight > 0)
-            block = _HostBlock(self.budget, nbytes, len(mine))
-            host = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
-            host_stats = torch.empty(stats.shape, dtype=torch.float32, pin_memory=True)
-            host_scale = torch.empty(scales.shape, dtype=torch.float32, pin_memory=True) if self.fp8 else None
-            self.stream.wait_stream(cur)
-            with torch.cuda.stream(self.stream):
-                host.copy_(staged, non_blocking=True)
-                host_stats.copy_(stats, non_blocking=True)
-                if host_scale is not None:
-                    host_scale.copy_(scales, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.stream)
-            self.copy_done = event
-        else:
-            host, host_stats, host_scale, event = staged, stats, scales, None
+
+    def _hand_out(self, mine, host, host_stats, host_scale, event, block) -> None:
+        """Each request's piece of the step's host copy; a shard whose last request is complete
+        is queued for writing."""
         off = 0
         for ext, _, c in mine:
             st = self.requests[ext]

@@ -65,15 +65,17 @@ def _enable_capture(runner) -> None:
 
     timed = capture.cuda and settings.gpu_step_times()  # profiles only (bench/gpu)
 
-    def event():
+    def event(stream=None):
         if not timed:
             return None
         e = torch.cuda.Event(enable_timing=True)
-        e.record()
+        e.record(stream)
         return e
 
     @functools.wraps(original)
     def execute_model(scheduler_output, *args, **kwargs):
+        if capture.cuda:
+            capture.before_step()  # the forward must not overwrite states the capture still reads
         e0 = event()
         t0 = time.perf_counter()
         out = original(scheduler_output, *args, **kwargs)
@@ -82,8 +84,9 @@ def _enable_capture(runner) -> None:
         state = getattr(runner, "execute_model_state", None)
         if state is not None:
             capture.on_step(state.scheduler_output, state.aux_hidden_states)
+        # the capture's kernels run on its own stream: the third event ends them there
         capture.trace.append((t0, t1, int(scheduler_output.total_num_scheduled_tokens), time.perf_counter(),
-                              e0, e1, event()))
+                              e0, e1, event(capture.stream)))
         return out
 
     runner.execute_model = execute_model
