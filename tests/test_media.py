@@ -290,3 +290,49 @@ def test_the_steps_mount_the_directories_of_the_images_the_rows_reference(tmp_pa
     for call in (plan_call(s3_spec), range_call(s3_spec, ShardRange(first=0, stop=1))):
         assert call.secret_env_names == ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
         assert call.env["AWS_ENDPOINT_URL"] == "http://s3.example:8333"
+
+
+@pytest.mark.docker
+def test_a_plan_step_in_its_container_sees_every_image_and_an_output_inside_stays_writable(kimi, tokenizer, tmp_path):
+    """The mounts as Docker makes them: `datagen plan` in the extract image plans the image rows as
+    this process does (an image it could not see would skip its row), and inside the read-only
+    dataset directory the output directory is writable and nothing else is."""
+    from datagen.data.spec import ExtractSpec
+    from images.tags import ImageName
+    from tasks._common import spec_file
+    from tasks.docker_runner import DockerRunner
+    from tasks.extract import extract_mounts, plan_call
+    from tasks.runners import Mount, StepInvocation
+    from tests.support.docker_engine import built_images
+
+    data_dir, elsewhere = tmp_path / "data", tmp_path / "elsewhere"
+    (data_dir / "imgs").mkdir(parents=True)
+    elsewhere.mkdir()
+    _png(data_dir / "imgs" / "a.png", 90, 60)
+    _png(elsewhere / "b.png", 40, 30, seed=1)
+    data = write_jsonl(data_dir / "d.jsonl", [image_row("imgs/a.png", (elsewhere / "b.png").as_uri()), TEXT_ROW,
+                                              image_row("imgs/gone.png")])
+    (data_dir / "out").mkdir()
+    spec = ExtractSpec(model=str(kimi), dataset=str(data), out=str(data_dir / "out" / "ds"), layer_ids=[1, 2],
+                       max_seq_len=512, engine={"name": "vllm", "trust_remote_code": True})
+    here = _plan(kimi, tokenizer, data)
+    assert {s.row: s.reason for s in here.skipped} == {2: "media_missing"}
+
+    tags = built_images(ImageName.STEPS, ImageName.EXTRACT_CPU)
+    runner = DockerRunner({"*": tags[ImageName.STEPS], "plan": tags[ImageName.EXTRACT_CPU]})
+    call = plan_call(spec)
+    with spec_file(call.spec) as path:
+        outcome = runner.run(StepInvocation(step="plan", args=("--spec", str(path)),
+                                            mounts=(*call.mounts, Mount(str(path.parent), read_only=True))),
+                             lambda line: None)
+    assert outcome.ok, outcome.last_lines
+    assert outcome.result["tokens"] == here.tokens and outcome.result["rows"] == 3
+
+    def make_tiny(out: Path):
+        return runner.run(StepInvocation(step="make-tiny", args=("--out", str(out), "--arch", "llama", "--layers", "1",
+                                                                  "--rows", "1"), mounts=extract_mounts(spec)),
+                          lambda line: None)
+
+    assert make_tiny(data_dir / "out" / "tiny").ok  # the read-write output inside the read-only directory
+    assert (data_dir / "out" / "tiny" / "chat.jsonl").is_file()
+    assert not make_tiny(data_dir / "tiny").ok and not (data_dir / "tiny").exists()  # the directory itself is not
