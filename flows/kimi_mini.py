@@ -82,8 +82,8 @@ def image_rows(images: Path) -> list[dict]:
 
     def user(*parts: str) -> dict:  # a part naming an image file (.png, .jpg) is that image's url
         return {"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": p}} if p.endswith((".png", ".jpg")) else {"type": "text", "text": p}
-            for p in parts]}
+            {"type": "image_url", "image_url": {"url": p}} if p.endswith((".png", ".jpg"))
+            else {"type": "text", "text": p} for p in parts]}
 
     rel = f"{IMAGES_DIR}/"
     return [

@@ -174,8 +174,8 @@ def test_image_rows_hold_vllms_image_tokens_masked_out_and_the_missing_image_is_
     model = Path(manifest["spec"]["model"]["source"])
     images = project / ".cache" / "kimi-mini" / IMAGES_DIR
     vllm_processor = KimiK25FusedVisionProcessor.from_pretrained(str(model))
-    count = {name: vllm_processor.media_tokens_calculator({"type": "image", "image": Image.open(images / name).convert("RGB")})
-             for name in IMAGES}
+    count = {name: vllm_processor.media_tokens_calculator(
+        {"type": "image", "image": Image.open(images / name).convert("RGB")}) for name in IMAGES}
     assert len(set(count.values())) == len(IMAGES), count  # three sizes, three counts
     first = CHAT_ROWS  # the image rows follow the chat rows
     media = {e["row"]: e["images"] for e in manifest["media"]}
