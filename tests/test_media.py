@@ -247,3 +247,92 @@ def test_the_transformers_engine_refuses_image_rows_and_leaves_no_output(kimi, t
     assert proc.returncode != 0
     assert "image rows and the transformers engine runs no vision tower" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_the_steps_mount_the_directories_of_the_images_the_rows_reference(tmp_path, monkeypatch):
+    from datagen.data.media import sources
+    from datagen.data.spec import ExtractSpec
+    from tasks.extract import extract_mounts, plan_call, range_call
+    from tasks.pipeline_spec import ShardRange
+
+    data_dir, elsewhere, linked = tmp_path / "data", tmp_path / "elsewhere", tmp_path / "linked"
+    for d in (data_dir / "imgs" / "a", data_dir / "imgs" / "b", elsewhere, linked):
+        d.mkdir(parents=True)
+    _png(data_dir / "imgs" / "a" / "1.png", 8, 8)
+    _png(elsewhere / "2.png", 8, 8)
+    (data_dir / "imgs" / "b" / "3.png").symlink_to(_png(linked / "3.png", 8, 8))
+    text = write_jsonl(data_dir / "text.jsonl", [TEXT_ROW] * 3)
+    assert sources(text).dirs == () and not sources(text).remote  # a text dataset mounts nothing more
+    rows = [image_row("imgs/a/1.png"), image_row((elsewhere / "2.png").as_uri(), "imgs/b/3.png"), TEXT_ROW,
+            image_row(str(tmp_path / "gone" / "4.png")), image_row("imgs/missing.png"), "not json image_url"]
+    data = write_jsonl(data_dir / "d.jsonl", rows)
+    # the dataset's directory once (every relative path lies under it), the file:// image's, a
+    # symlink's target; not the directory of an image that is gone (a bind mount needs its source)
+    assert sources(data).dirs == tuple(sorted(map(str, (data_dir, elsewhere, linked))))
+    assert not sources(data).remote
+
+    out = data_dir / "out" / "ds"  # the output inside a mounted read-only directory stays read-write
+    spec = ExtractSpec(model=str(tmp_path / "m"), dataset=str(data), out=str(out), layer_ids=[1])
+    # out's parent does not exist yet: its nearest ancestor, the dataset's directory, is mounted read-write
+    mounts = {m.path: m.read_only for m in extract_mounts(spec)}
+    assert mounts == {str(data_dir): False, str(elsewhere): True, str(linked): True, str(data): True,
+                      str(tmp_path / "m"): True}, mounts
+    (data_dir / "out").mkdir()
+    mounts = {m.path: m.read_only for m in extract_mounts(spec)}
+    assert mounts[str(data_dir / "out")] is False and mounts[str(data_dir)] is True
+
+    # s3:// images: the steps that read the rows get the S3 settings and the credentials by name
+    assert plan_call(spec).secret_env_names == ()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://s3.example:8333")
+    s3_data = write_jsonl(tmp_path / "s3.jsonl", [image_row("s3://bucket/a.png")])
+    assert sources(s3_data) == sources(s3_data) and sources(s3_data).remote and sources(s3_data).dirs == ()
+    s3_spec = spec.model_copy(update={"dataset": str(s3_data)})
+    for call in (plan_call(s3_spec), range_call(s3_spec, ShardRange(first=0, stop=1))):
+        assert call.secret_env_names == ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+        assert call.env["AWS_ENDPOINT_URL"] == "http://s3.example:8333"
+
+
+@pytest.mark.docker
+def test_a_plan_step_in_its_container_sees_every_image_and_an_output_inside_stays_writable(kimi, tokenizer, tmp_path):
+    """The mounts as Docker makes them: `datagen plan` in the extract image plans the image rows as
+    this process does (an image it could not see would skip its row), and inside the read-only
+    dataset directory the output directory is writable and nothing else is."""
+    from datagen.data.spec import ExtractSpec
+    from images.tags import ImageName
+    from tasks._common import spec_file
+    from tasks.docker_runner import DockerRunner
+    from tasks.extract import extract_mounts, plan_call
+    from tasks.runners import Mount, StepInvocation
+    from tests.support.docker_engine import built_images
+
+    data_dir, elsewhere = tmp_path / "data", tmp_path / "elsewhere"
+    (data_dir / "imgs").mkdir(parents=True)
+    elsewhere.mkdir()
+    _png(data_dir / "imgs" / "a.png", 90, 60)
+    _png(elsewhere / "b.png", 40, 30, seed=1)
+    data = write_jsonl(data_dir / "d.jsonl", [image_row("imgs/a.png", (elsewhere / "b.png").as_uri()), TEXT_ROW,
+                                              image_row("imgs/gone.png")])
+    (data_dir / "out").mkdir()
+    spec = ExtractSpec(model=str(kimi), dataset=str(data), out=str(data_dir / "out" / "ds"), layer_ids=[1, 2],
+                       max_seq_len=512, engine={"name": "vllm", "trust_remote_code": True})
+    here = _plan(kimi, tokenizer, data)
+    assert {s.row: s.reason for s in here.skipped} == {2: "media_missing"}
+
+    tags = built_images(ImageName.STEPS, ImageName.EXTRACT_CPU)
+    runner = DockerRunner({"*": tags[ImageName.STEPS], "plan": tags[ImageName.EXTRACT_CPU]})
+    call = plan_call(spec)
+    with spec_file(call.spec) as path:
+        outcome = runner.run(StepInvocation(step="plan", args=("--spec", str(path)),
+                                            mounts=(*call.mounts, Mount(str(path.parent), read_only=True))),
+                             lambda line: None)
+    assert outcome.ok, outcome.last_lines
+    assert outcome.result["tokens"] == here.tokens and outcome.result["rows"] == 3
+
+    def make_tiny(out: Path):
+        return runner.run(StepInvocation(step="make-tiny", args=("--out", str(out), "--arch", "llama", "--layers", "1",
+                                                                  "--rows", "1"), mounts=extract_mounts(spec)),
+                          lambda line: None)
+
+    assert make_tiny(data_dir / "out" / "tiny").ok  # the read-write output inside the read-only directory
+    assert (data_dir / "out" / "tiny" / "chat.jsonl").is_file()
+    assert not make_tiny(data_dir / "tiny").ok and not (data_dir / "tiny").exists()  # the directory itself is not

