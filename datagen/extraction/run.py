@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import logging
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -134,21 +135,61 @@ def extract_shards(p: Plan, engine: Engine, shards: Iterable[int], *,
     Raises:
         RuntimeError: the engine finished without writing a shard it was given.
     """
-    out = Path(p.spec.out)
     records: dict[int, ShardRecord] = {}
     submitted = []
-    for k in shards:
-        job = build_job(p, k)
-        engine.submit(job)
-        submitted.append(k)
-        if progress is not None:
-            progress.advance(job.tokens)
-        save_records(out, _placed(p, engine.completed()), records)
-    save_records(out, _placed(p, engine.finish()), records)
+    saver = _RecordSaver(p, engine, records)
+    try:
+        for k in shards:
+            job = build_job(p, k)
+            engine.submit(job)
+            submitted.append(k)
+            if progress is not None:
+                progress.advance(job.tokens)
+        finished = engine.finish()
+    except BaseException:
+        saver.close(raise_error=False)  # what the engine handed out is kept, on a failure too
+        raise
+    saver.close()
+    saver.save(finished)
     missing = [k for k in submitted if k not in records]
     if missing:
         raise RuntimeError(f"shards {missing} were submitted but not written")
     return records
+
+
+class _RecordSaver:
+    """Keeps the records of the shards the engine has written (``save_records``), from a thread of
+    its own while the run goes on. A record's fsyncs wait behind the shard writers' I/O on the
+    same volume; in the thread that feeds the engine they held up its next group's requests."""
+
+    INTERVAL_S = 0.05
+
+    def __init__(self, p: Plan, engine: Engine, records: dict[int, ShardRecord]):
+        self.p, self.engine, self.records = p, engine, records
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="datagen-records", daemon=True)
+        self._thread.start()
+
+    def save(self, recs: list[ShardRecord]) -> None:
+        save_records(self.p.spec.out, _placed(self.p, recs), self.records)
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                stopping = self._stop.wait(self.INTERVAL_S)
+                self.save(self.engine.completed())
+                if stopping:
+                    return
+        except BaseException as e:  # noqa: BLE001 (raised again in the run's thread by close)
+            self.error = e
+
+    def close(self, *, raise_error: bool = True) -> None:
+        """Save what is handed out by now and stop; a failure to save is raised here."""
+        self._stop.set()
+        self._thread.join()
+        if self.error is not None and raise_error:
+            raise self.error
 
 
 def _placed(p: Plan, recs: list[ShardRecord]) -> list[ShardRecord]:
