@@ -145,6 +145,17 @@ def test_pre_tokenized_rows_are_refused_with_their_line(smollm2, tmp_path):
     assert not out.exists()
 
 
+def test_image_rows_are_refused_with_their_line(smollm2, tmp_path):
+    image = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this"},
+                                                        {"type": "image_url", "image_url": {"url": "a.png"}}]}]}
+    data = write_jsonl(tmp_path / "in.jsonl", [regen_rows()[6], image])
+    out = tmp_path / "out"
+    proc = run_datagen("regenerate", "--model", str(smollm2), "--dataset", str(data), "--out", str(out))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "in.jsonl:2" in proc.stderr and "regeneration takes text chats only" in proc.stderr
+    assert not out.exists()
+
+
 def test_an_output_directory_of_something_else_is_left_as_found(smollm2, rows_file, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

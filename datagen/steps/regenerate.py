@@ -124,7 +124,12 @@ def _read_chats(path: str) -> tuple[list[tuple[int, bytes, list[dict]]], str]:
             raise DatasetError(f"row has no 'messages' (fields: {sorted(obj)}): only chat rows can be regenerated",
                                path=path, line=row + 1,
                                hint="give chat rows; pre-tokenized rows go to `datagen extract` as they are")
-        chats.append((row, raw, _check_messages(obj, path=path, line=row + 1)))
+        messages = _check_messages(obj, path=path, line=row + 1)
+        if any(isinstance(m.get("content"), list) for m in messages):
+            raise DatasetError("row has image parts: regeneration takes text chats only (the engine generates "
+                               "from token ids; no image reaches it)", path=path, line=row + 1,
+                               hint="regenerate the text rows apart and extract the image rows as written")
+        chats.append((row, raw, messages))
     return chats, digest.hexdigest()
 
 
