@@ -41,7 +41,7 @@ from bench._common import RESULTS, ROOT, Mode, Record, Row, engine_env, work_dir
 log = logging.getLogger("bench.train_proof")
 
 # the drafts' training (every case the same): see docs/performance.md, figure 9
-STEPS_FULL = 40
+STEPS_FULL = 200
 TOTAL_SEQ_LEN = 1024
 DRAFT_VOCAB = 2048
 LR = 1e-3

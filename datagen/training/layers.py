@@ -36,7 +36,7 @@ class LayerView:
         self.taken = tuple(take)
         self._labels = tuple(labels)
         self._columns = [have.index(k) for k in take]
-        self.location = reader.location if self._labels == tuple(have) else (
+        self.location = reader.location if self.taken == self._labels == tuple(have) else (
             f"{reader.location} (layers {list(take)}" + ("" if self.taken == self._labels else f" as {labels}") + ")")
 
     @property
