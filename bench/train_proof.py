@@ -132,7 +132,7 @@ def run(mode: Mode, results: Path) -> Record:
     data = prepare(mode, work)
     record.data["prepare_s"] = round(time.monotonic() - t_all, 1)
     record.data["timings"] = data["timings"]
-    drafts = work / "drafts"  # a draft there already (same settings and data: its lineage says so) is measured again
+    drafts = work / f"drafts-{mode.value}"  # a draft there already (same settings and data: its lineage says so) is measured again
     target = TargetStates(data["model"])  # the target's own states of the held-out rows, computed once
     measured: dict[str, list[dict]] = {}
 
@@ -167,7 +167,7 @@ def run(mode: Mode, results: Path) -> Record:
         log.info("%s seed %d: agreement %s, acceptance %.3f (trained %s)", case, seed,
                  [round(a, 3) for a in measured[case][-1]["agreement"]], r.acceptance_length,
                  f"in {train_s:.0f} s" if train_s is not None else "in an earlier run")
-        (work / "measured-so-far.json").write_text(json.dumps(measured, indent=1))  # a run cut short keeps these
+        (work / f"measured-so-far-{mode.value}.json").write_text(json.dumps(measured, indent=1))  # a run cut short keeps these
 
     t = time.monotonic()
     one("untrained", untrained_draft, 0)
@@ -184,7 +184,7 @@ def run(mode: Mode, results: Path) -> Record:
     record.data["settings"] = settings_for(mode, 0).model_dump(mode="json")
     record.data["sizes"] = size
 
-    (work / "measured-so-far.json").write_text(json.dumps(measured, indent=1))
+    (work / f"measured-so-far-{mode.value}.json").write_text(json.dumps(measured, indent=1))
     t = time.monotonic()
     record.data["spec_decode"] = _spec_decode(mode, data, drafts)
     record.data["timings"]["spec_decode_s"] = round(time.monotonic() - t, 1)
@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec-decode", nargs=4, metavar=("DRAFT", "MODEL", "DATASET", "PROMPTS"),
                     help="(internal) one vLLM speculative-decoding measurement, printed as JSON")
     ap.add_argument("--from-measured", type=Path, metavar="JSON",
-                    help="the record, table and plot from a run cut short (its work directory's measured-so-far.json; "
+                    help="the record, table and plot from a run cut short (its work directory's measured-so-far-MODE.json; "
                          "no vLLM measurement)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
