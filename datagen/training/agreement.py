@@ -38,7 +38,6 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, Field
 
-from datagen.reader import open_dataset
 from datagen.training.draft import read_lineage
 
 log = logging.getLogger(__name__)
@@ -177,11 +176,12 @@ def measure_agreement(draft: str | Path, dataset: str | Path, *, verifier: str |
 
     from datagen.reader.for_speculators import SpeculatorsDataset
     from datagen.training.draft import _loader
+    from datagen.training.layers import as_reader
 
     model, lineage = load_draft(draft, verifier=verifier)
     settings = lineage.settings
     k = settings.ttt_steps
-    reader = open_dataset(dataset)
+    reader = as_reader(dataset)
     data = SpeculatorsDataset(reader, max_len=settings.total_seq_len,
                               train_ratio=train_ratio or settings.train_ratio, split="val")
     if max_samples is not None:
@@ -226,7 +226,7 @@ def measure_agreement(draft: str | Path, dataset: str | Path, *, verifier: str |
         prefix = prefix & correct[:, j]
     total, blocks = compute_accepted_length_counts(correct, valid)
     report = AgreementReport(
-        draft=str(draft), dataset=str(dataset), dataset_fingerprint=reader.manifest.fingerprint,
+        draft=str(draft), dataset=str(reader.location), dataset_fingerprint=reader.manifest.fingerprint,
         held_out_samples=len(data), positions=positions, acceptance_length=float(total / blocks) if blocks else 1.0,
         features=features, feature_error=[
             FeatureError(layer=k, median=float(torch.cat(v).median()), p99=float(torch.cat(v).quantile(0.99)))

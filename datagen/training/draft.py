@@ -208,7 +208,7 @@ def _trainer(model, settings: DraftSettings, loader, save_path: Path):
     return DeviceTrainer(model, TrainerConfig(
         lr=settings.lr, num_epochs=max(1, math.ceil(settings.steps / max(1, len(loader)))), save_path=str(save_path),
         train_call_kwargs=train_kwargs, val_call_kwargs=val_kwargs, max_steps=settings.steps,
-        scheduler_type="linear", hidden_states_dtype=torch.bfloat16, log_freq=1,
+        scheduler_type="linear", scheduler_warmup_ratio=settings.warmup_ratio, hidden_states_dtype=torch.bfloat16, log_freq=1,
         resume_from_checkpoint=False), loader)
 
 
@@ -252,6 +252,7 @@ def untrained_draft(dataset: str | Path, out: str | Path, *, verifier: str | Pat
 
 def _make(dataset, out, *, verifier: Path, settings: DraftSettings, train: bool) -> TrainedDraft:
     from datagen.reader.for_speculators import SpeculatorsDataset
+    from datagen.training.layers import as_reader
 
     out = Path(out)
     if out.exists():
@@ -259,7 +260,7 @@ def _make(dataset, out, *, verifier: Path, settings: DraftSettings, train: bool)
     if not (verifier / "config.json").is_file():
         raise ModelError(f"{verifier} has no config.json",
                          hint="pass --model: the checkpoint directory the dataset was extracted from")
-    reader = open_dataset(dataset)
+    reader = as_reader(dataset)
     data = SpeculatorsDataset(reader, max_len=settings.total_seq_len, train_ratio=settings.train_ratio, split="train")
     held_out = len(reader) - len(data)  # at least one: train_ratio < 1
     model = build_draft(reader, verifier, settings, train=data.indices)
@@ -273,7 +274,7 @@ def _make(dataset, out, *, verifier: Path, settings: DraftSettings, train: bool)
             shutil.rmtree(tmp / "checkpoints", ignore_errors=True)
         _save(model.to("cpu"), tmp)
         lineage = DraftLineage(
-            dataset=str(dataset), dataset_fingerprint=reader.manifest.fingerprint, verifier=str(verifier),
+            dataset=str(reader.location), dataset_fingerprint=reader.manifest.fingerprint, verifier=str(verifier),
             layer_ids=list(reader.layer_ids), storage_dtype=str(reader.manifest.spec.storage_dtype),
             settings=settings, steps_done=steps, train_samples=len(data), held_out_samples=held_out, losses=losses,
             speculators_version=speculators_version(),

@@ -20,7 +20,11 @@ class DraftSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     steps: int = Field(default=60, ge=1, description="optimizer steps (one packed batch each)")
-    lr: float = Field(default=3e-3, gt=0, description="AdamW learning rate (linear schedule, warm-up over the first hundredth of the steps)")
+    lr: float = Field(default=3e-3, gt=0, description="AdamW learning rate (linear schedule after the warm-up)")
+    warmup_ratio: float | None = Field(
+        default=None, ge=0, le=1,
+        description="share of the steps the learning rate warms up over (speculators' scheduler_warmup_ratio); "
+                    "None: speculators' default, the first hundredth")
     ttt_steps: int = Field(default=3, ge=1, le=8,
                            description="speculation depth k: TTT steps in training, positions 1..k measured")
     num_layers: int = Field(default=1, ge=1, description="decoder layers of the draft")
