@@ -12,8 +12,9 @@ class Engine(abc.ABC):
     """Computes hidden states for shard jobs and writes the shards.
 
     ``submit`` may return before the shard is on disk (writes overlap compute);
-    ``completed`` hands back the records of shards finished since the last call,
-    and ``finish`` waits for every submitted shard. An engine is a context manager:
+    ``completed`` hands back the records of shards finished since the last call
+    (it is called from a thread of its own while ``submit`` runs: the records are
+    handed over under a lock), and ``finish`` waits for every submitted shard. An engine is a context manager:
     leaving it releases the model and any worker processes.
     """
 

@@ -9,6 +9,7 @@ pre-hook, because ``output_hidden_states[N]`` is the state after the norm.
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -76,6 +77,7 @@ class HFEngine(Engine):
                           dtype=dtype, trust_remote_code=trust_remote_code)
         self._ref: HFReference | None = None
         self._done: list[ShardRecord] = []
+        self._lock = threading.Lock()  # completed() may be called from another thread (Engine)
 
     def start(self) -> None:
         self._ref = HFReference(**self._args)
@@ -83,10 +85,13 @@ class HFEngine(Engine):
     def submit(self, job: ShardJob) -> None:
         assert self._ref is not None, "start() first"
         states = [self._ref.states(ids) for ids in job.input_ids]
-        self._done.append(write_shard(job, states))
+        record = write_shard(job, states)
+        with self._lock:
+            self._done.append(record)
 
     def completed(self) -> list[ShardRecord]:
-        done, self._done = self._done, []
+        with self._lock:
+            done, self._done = self._done, []
         return done
 
     def finish(self) -> list[ShardRecord]:

@@ -19,6 +19,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -175,6 +176,7 @@ class VllmEngine(Engine):
         self.attention_backends_ran: list[str] = []  # read back from the worker once started
         self.llm = None
         self._pending: list[ShardRecord] = []
+        self._pending_lock = threading.Lock()  # completed() may be called from another thread (Engine)
         self.shard_group = max(1, int(self.config.shard_group))
         self._group: list[ShardJob] = []  # submitted, not yet run (the current group)
         self._last_index = -2
@@ -355,7 +357,8 @@ class VllmEngine(Engine):
                 self.written_by[int(r["record"]["index"])] = int(reply["rank"])
             if reply["rank"] == 0:
                 self.backpressure_s = reply.get("backpressure_s", 0.0)
-        self._pending.extend(records)
+        with self._pending_lock:
+            self._pending.extend(records)
         return records
 
     def _collect(self, *, wait: bool) -> list[ShardRecord]:
@@ -376,7 +379,8 @@ class VllmEngine(Engine):
         return records
 
     def completed(self) -> list[ShardRecord]:
-        done, self._pending = self._pending, []
+        with self._pending_lock:
+            done, self._pending = self._pending, []
         return done
 
     def finish(self) -> list[ShardRecord]:
