@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import threading
 
 from datagen.data.contract import ShardRecord
 from datagen.data.shards import ShardJob
@@ -13,9 +14,10 @@ class Engine(abc.ABC):
 
     ``submit`` may return before the shard is on disk (writes overlap compute);
     ``completed`` hands back the records of shards finished since the last call
-    (it is called from a thread of its own while ``submit`` runs: the records are
-    handed over under a lock), and ``finish`` waits for every submitted shard. An engine is a context manager:
-    leaving it releases the model and any worker processes.
+    (the run calls it from a thread of its own while ``submit`` runs: engines keep
+    their records in a ``Handout``), and ``finish`` waits for every submitted shard.
+    An engine is a context manager: leaving it releases the model and any worker
+    processes.
     """
 
     name: str
@@ -49,3 +51,21 @@ class Engine(abc.ABC):
 
     def __exit__(self, *exc):
         self.close()
+
+
+class Handout:
+    """Records written and not yet handed back: added by the thread that runs the engine, taken
+    (``completed``) by the run's record keeper in another thread."""
+
+    def __init__(self):
+        self._records: list[ShardRecord] = []
+        self._lock = threading.Lock()
+
+    def add(self, records: list[ShardRecord]) -> None:
+        with self._lock:
+            self._records.extend(records)
+
+    def take(self) -> list[ShardRecord]:
+        with self._lock:
+            done, self._records = self._records, []
+        return done

@@ -249,11 +249,10 @@ class Capture:
             scales = torch.empty((m, L), dtype=torch.float32) if self.fp8 else None
         with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
             self._stage(aux_hidden_states, runs, staged, stats, scales)
+        block = None
         if self.cuda:
             self.read_done = torch.cuda.Event()
             self.read_done.record(self.stream)
-        block = None
-        if self.cuda:
             nbytes = staged.numel() * staged.element_size() + stats.numel() * 4 + (m * L * 4 if self.fp8 else 0)
             self.backpressure_s += self.budget.take(nbytes, lambda: self.inflight > 0)
             block = _HostBlock(self.budget, nbytes, len(mine))

@@ -9,13 +9,12 @@ pre-hook, because ``output_hidden_states[N]`` is the state after the norm.
 from __future__ import annotations
 
 import logging
-import threading
 
 import torch
 
 from datagen.data.contract import ShardRecord
 from datagen.data.shards import TORCH_DTYPES, ShardJob, write_shard
-from datagen.engines.base import Engine
+from datagen.engines.base import Engine, Handout
 from datagen.errors import ModelError
 
 log = logging.getLogger(__name__)
@@ -76,8 +75,7 @@ class HFEngine(Engine):
         self._args = dict(model_dir=model_dir, layer_ids=tuple(layer_ids), num_hidden_layers=num_hidden_layers,
                           dtype=dtype, trust_remote_code=trust_remote_code)
         self._ref: HFReference | None = None
-        self._done: list[ShardRecord] = []
-        self._lock = threading.Lock()  # completed() may be called from another thread (Engine)
+        self._done = Handout()
 
     def start(self) -> None:
         self._ref = HFReference(**self._args)
@@ -85,14 +83,10 @@ class HFEngine(Engine):
     def submit(self, job: ShardJob) -> None:
         assert self._ref is not None, "start() first"
         states = [self._ref.states(ids) for ids in job.input_ids]
-        record = write_shard(job, states)
-        with self._lock:
-            self._done.append(record)
+        self._done.add([write_shard(job, states)])
 
     def completed(self) -> list[ShardRecord]:
-        with self._lock:
-            done, self._done = self._done, []
-        return done
+        return self._done.take()
 
     def finish(self) -> list[ShardRecord]:
         return self.completed()

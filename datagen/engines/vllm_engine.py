@@ -19,7 +19,6 @@ import importlib.metadata
 import json
 import logging
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from datagen.data.contract import ShardRecord
 from datagen.data.shards import ShardJob
 from datagen.data.spec import MlaBackend
 from datagen.engines import patches
-from datagen.engines.base import Engine
+from datagen.engines.base import Engine, Handout
 from datagen.engines.vllm_settings import VllmSettings
 from datagen.errors import CannotRunHereError, EngineUnsupportedError, ModelError, SpecError, StorageError
 from datagen.models.modelinfo import ModelInfo
@@ -175,8 +174,7 @@ class VllmEngine(Engine):
         self.config = config if config is not None else VllmSettings(**kwargs)
         self.attention_backends_ran: list[str] = []  # read back from the worker once started
         self.llm = None
-        self._pending: list[ShardRecord] = []
-        self._pending_lock = threading.Lock()  # completed() may be called from another thread (Engine)
+        self._pending = Handout()
         self.shard_group = max(1, int(self.config.shard_group))
         self._group: list[ShardJob] = []  # submitted, not yet run (the current group)
         self._last_index = -2
@@ -357,8 +355,7 @@ class VllmEngine(Engine):
                 self.written_by[int(r["record"]["index"])] = int(reply["rank"])
             if reply["rank"] == 0:
                 self.backpressure_s = reply.get("backpressure_s", 0.0)
-        with self._pending_lock:
-            self._pending.extend(records)
+        self._pending.add(records)
         return records
 
     def _collect(self, *, wait: bool) -> list[ShardRecord]:
@@ -379,9 +376,7 @@ class VllmEngine(Engine):
         return records
 
     def completed(self) -> list[ShardRecord]:
-        with self._pending_lock:
-            done, self._pending = self._pending, []
-        return done
+        return self._pending.take()
 
     def finish(self) -> list[ShardRecord]:
         self._run_group()

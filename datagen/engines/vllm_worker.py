@@ -74,8 +74,7 @@ def _enable_capture(runner) -> None:
 
     @functools.wraps(original)
     def execute_model(scheduler_output, *args, **kwargs):
-        if capture.cuda:
-            capture.before_step()  # the forward must not overwrite states the capture still reads
+        capture.before_step()  # the forward must not overwrite states the capture still reads
         e0 = event()
         t0 = time.perf_counter()
         out = original(scheduler_output, *args, **kwargs)
