@@ -243,3 +243,43 @@ def test_the_gpu_kernels_store_what_the_chunked_ones_store(fp8, monkeypatch):
         stats_into(x, ref, work)
         _norms_into(x, got, 0, 700)
     torch.testing.assert_close(got, ref, rtol=2e-6, atol=0)
+
+
+def test_the_pinned_ring_reuses_its_pieces_in_order_and_waits_only_for_a_pending_write():
+    """The host arena of the CUDA path (here unpinned: the ring's bookkeeping is the same): pieces
+    come back once they and every older piece are written, the ring wraps, a full ring waits
+    while a write is pending and otherwise sends the copy outside it."""
+    import threading
+    import time
+
+    from datagen.engines.capture import _HostArena
+
+    A = _HostArena.ALIGN
+    ring = _HostArena(4 * A, pin=False)
+    never = lambda: False  # noqa: E731
+    a, _ = ring.take(2 * A, never)
+    b, _ = ring.take(A, never)
+    assert (a[0], b[0]) == (0, 2 * A)
+    # views of several dtypes, page-aligned, hold what is written into them
+    x = ring.view(a, 0, (3, 5), torch.bfloat16)
+    y = ring.view(a, A, (7,), torch.float32)
+    x.copy_(torch.arange(15, dtype=torch.bfloat16).view(3, 5))
+    y.copy_(torch.full((7,), 2.5))
+    assert torch.equal(x, torch.arange(15, dtype=torch.bfloat16).view(3, 5)) and torch.equal(y, torch.full((7,), 2.5))
+    # the newer piece freed first gives nothing back while the older one is held
+    ring.free(b)
+    c, _ = ring.take(A, never)
+    assert c[0] == 3 * A
+    assert ring.take(2 * A, never)[0] is None and ring.outside_bytes == 2 * A  # full, nothing pending: outside
+    ring.free(a)  # a and b are free now: the ring wraps to its start
+    d, _ = ring.take(3 * A, never)
+    assert d[0] == 0
+    # full, a write pending that frees a piece: the step waits for it, then gets that space
+    threading.Timer(0.2, ring.free, args=(c,)).start()
+    t0 = time.perf_counter()
+    e, waited = ring.take(A, lambda: True)
+    assert e[0] == 3 * A and waited >= 0.15 and time.perf_counter() - t0 >= 0.15
+    ring.free(d)
+    ring.free(e)
+    assert not ring.live and ring.take(4 * A, never)[0][0] == 0
+    assert _HostArena(A, pin=False).take(2 * A, lambda: True)[0] is None  # larger than the ring: never fits

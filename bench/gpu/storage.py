@@ -13,7 +13,8 @@ once in a process of its own and timed over several passes (median):
                    shard) and streamed (shard_group = all shards of a pass, or --group)
   datagen fp8      the same with --storage-dtype fp8_e4m3 (half the bytes), streamed
   connector        vLLM's own extract_hidden_states + ExampleHiddenStatesConnector (one
-                   safetensors file per request), timed until every file is written
+                   safetensors file per request), timed until every file is written (into the
+                   page cache: the connector does not fsync), and again until os.sync() returns
   transformers     the reference engine (`--engine hf`: transformers, one row at a time, shards)
   compiled         plain, datagen and datagen fp8 again without enforce_eager (torch.compile +
                    CUDA graphs, the production default)
@@ -331,7 +332,7 @@ class DriverClock:
         self._wrap(core, "add_request", "add_request_s")
         self._wrap(core, "step", "engine_step_s")
         self._wrap(eng.llm, "collective_rpc", "rpc_s")  # the group announcements and the final collect
-        self._wrap(eng, "_collect", "finish_wait_s")
+        self._wrap(eng, "_collect", "finish_wait_s")  # every collect: each second of a group, and the last
 
     def _wrap(self, obj, name: str, key: str) -> None:
         fn = getattr(obj, name)
@@ -391,17 +392,22 @@ def stage_connector(args) -> dict:
 
     wait_written(llm.generate(prompts[: cfg["per_shard"]], sp, use_tqdm=False))
     shutil.rmtree(root, ignore_errors=True)
-    rates, written = [], []
+    rates, written, synced, synced_written = [], [], [], []
     for _ in range(cfg["passes"]):
         t0 = time.time()
         n = wait_written(llm.generate(prompts, sp, use_tqdm=False))
         dt = time.time() - t0
         rates.append(cfg["rows"] * cfg["row_len"] / dt)
         written.append(n / dt)
+        os.sync()  # the files on the disk, as the project's fsync'd shards are when a pass ends
+        dt = time.time() - t0
+        synced.append(cfg["rows"] * cfg["row_len"] / dt)
+        synced_written.append(n / dt)
         files = glob.glob(str(root / "**" / "*.safetensors"), recursive=True)
         shutil.rmtree(root, ignore_errors=True)
     llm.llm_engine.engine_core.shutdown()
     return {"tokens_per_s": rates, "bytes_per_s": written, "bytes": n, "files_per_pass": len(files),
+            "synced": {"tokens_per_s": synced, "bytes_per_s": synced_written, "bytes": n},
             "engine_start_s": start, "files_waited_on_lock": locked[0],
             "note": "one file per request, written by the connector's threads without fsync"}
 
@@ -599,6 +605,8 @@ def rows_of(results: dict) -> list[dict]:
         base = plain.get(mode)
         variants = [(f"{label}, shard_group {g}" if len(r["by_group"]) > 1 else label, v)
                     for g, v in r["by_group"].items()] if "by_group" in r else [(label, r)]
+        if r.get("synced"):  # the connector until its files are on the disk (os.sync after each pass)
+            variants.append((f"{label}, until on disk (sync)", r["synced"]))
         for name, v in variants:
             tps = _med(v["tokens_per_s"])
             row = {"variant": name, "status": "ok", "tokens_per_s": tps, "plain": base,
@@ -653,7 +661,7 @@ def profile_md(results: dict) -> str:
     st = results["stages"]
     lines = ["| variant | wall s | plain s | steps (full) | tokens/step | GPU forward s | GPU capture s | GPU idle s "
              "| before first / after last step s | between steps s (median gap ms) | execute_model + capture CPU s "
-             "| driver: step / add / RPC / final wait s |",
+             "| driver: step / add / RPC / collects s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for label, r in st.items():
         if r.get("status") != "ok" or "by_group" not in r:

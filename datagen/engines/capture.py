@@ -6,10 +6,11 @@ written by tensor-parallel rank k mod TP). Each step's states of this rank's
 requests are staged into buffers preallocated once (the step's token budget x
 layers x hidden, in the storage dtype), with statistics and fp8 quantization
 computed in float32 chunks of a fixed workspace, then copied into pinned host
-memory on a side stream. A shard is queued for writing the moment its last
-request's last chunk is captured; writer threads pack, hash and write it. The
-pinned bytes held count against a host budget: a step waits (backpressure) while
-the budget is spent and a write that will free some is pending.
+memory on a side stream: a ring over one buffer of the rank's host budget, pinned
+when the engine starts. A shard is queued for writing the moment its last
+request's last chunk is captured; writer threads pack, hash and write it. A step
+waits (backpressure) while the ring is full and a write that will free some is
+pending.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import queue
 import threading
 import time
 import traceback
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -40,42 +42,100 @@ from datagen.engines.vllm_settings import CaptureConfig
 
 
 class _HostBlock:
-    """One step's pinned host copy, shared by the requests it holds; its bytes count against
-    the rank's host budget until the last shard holding a piece of it is written."""
+    """One step's pinned host copy, shared by the requests it holds; its piece of the arena is
+    held until the last shard holding a piece of it is written."""
 
-    __slots__ = ("budget", "nbytes", "refs", "lock")
+    __slots__ = ("arena", "region", "refs", "lock")
 
-    def __init__(self, budget: "_Budget", nbytes: int, refs: int):
-        self.budget, self.nbytes, self.refs = budget, nbytes, refs
+    def __init__(self, arena: "_HostArena", region: list | None, refs: int):
+        self.arena, self.region, self.refs = arena, region, refs
         self.lock = threading.Lock()
 
     def release(self) -> None:
         with self.lock:
             self.refs -= 1
             last = self.refs == 0
-        if last:
-            self.budget.free(self.nbytes)
+        if last and self.region is not None:
+            self.arena.free(self.region)
 
 
-class _Budget:
-    """Bytes of captured states held on the host; the step waits (backpressure) while a write
-    that would free some is pending and the next step's copy would pass the limit."""
+def _unpin(buf: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
 
-    def __init__(self, limit: int):
-        self.limit, self.used = limit, 0
+
+class _HostArena:
+    """The pinned host memory of the steps' copies: one buffer of the rank's host budget, pinned
+    once when the engine starts (pinning per step cost a run's first groups seconds of the
+    worker's time, until PyTorch's pinned cache held enough blocks), handed out as a ring.
+
+    Steps take pieces in order and the writers free them in about that order (a piece is reused
+    once it and every older piece are free). A step waits (backpressure) while the ring is full
+    and a write that will free some is pending; when none is, the states held belong to shards
+    still waiting for later steps, and the step's copy goes outside the ring (PyTorch's pinned
+    allocator) so the run goes on over the budget rather than stalls."""
+
+    ALIGN = 4096  # every piece starts on a page: views of any dtype stay aligned
+
+    def __init__(self, nbytes: int, pin: bool):
+        self.capacity = nbytes
+        self.buf = torch.empty(nbytes, dtype=torch.uint8) if nbytes else None
+        if pin and nbytes:
+            # registered, not pin_memory=True: PyTorch's pinned allocator rounds every block up
+            # to a power of two (a 12 GiB budget would pin 16 GiB)
+            err = int(torch.cuda.cudart().cudaHostRegister(self.buf.data_ptr(), nbytes, 0))
+            if err:
+                raise RuntimeError(f"pinning the capture's {nbytes / (1 << 30):.1f} GiB of host memory failed "
+                                   f"(cudaError {err}); lower DATAGEN_CAPTURE_HOST_GIB")
+            weakref.finalize(self, _unpin, self.buf)
+        self.head = 0  # end of the newest piece
+        self.live: collections.deque = collections.deque()  # [start, end, freed], oldest first
         self.cond = threading.Condition()
+        self.outside_bytes = 0  # copies that did not fit (over the budget), for profiles
 
-    def take(self, n: int, pending) -> float:
+    @classmethod
+    def size(cls, n: int) -> int:
+        return -(-n // cls.ALIGN) * cls.ALIGN
+
+    def _fit(self, n: int) -> int | None:
+        if not self.live:
+            self.head = 0
+            return 0 if n <= self.capacity else None
+        tail = self.live[0][0]
+        if self.head > tail:  # in use: [tail, head)
+            if self.head + n <= self.capacity:
+                return self.head
+            return 0 if n <= tail else None
+        return self.head if self.head + n <= tail else None  # wrapped: in use [tail, end) and [0, head)
+
+    def take(self, n: int, pending) -> tuple[list | None, float]:
+        """A piece of ``n`` bytes, or None (the copy goes outside the ring); and the seconds waited."""
         t0 = time.perf_counter()
         with self.cond:
-            while self.used and self.used + n > self.limit and pending():
+            while True:
+                off = self._fit(n)
+                if off is not None:
+                    region = [off, off + n, False]
+                    self.live.append(region)
+                    self.head = off + n
+                    return region, time.perf_counter() - t0
+                if not self.live or not pending():  # nothing held would free it, or no write is on the way
+                    self.outside_bytes += n
+                    return None, time.perf_counter() - t0
                 self.cond.wait(0.05)
-            self.used += n
-        return time.perf_counter() - t0
 
-    def free(self, n: int) -> None:
+    def view(self, region: list, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
+        """``shape`` of ``dtype`` at ``offset`` bytes into ``region``."""
+        n = dtype.itemsize
+        for d in shape:
+            n *= d
+        start = region[0] + offset
+        return self.buf[start:start + n].view(dtype).view(shape)
+
+    def free(self, region: list) -> None:
         with self.cond:
-            self.used -= n
+            region[2] = True
+            while self.live and self.live[0][2]:
+                self.live.popleft()
             self.cond.notify_all()
 
 
@@ -135,7 +195,8 @@ class Capture:
         self.shards: dict[int, _Shard] = {}
         self.internal: dict[str, str | None] = {}  # engine-core id -> external id (None: not ours)
         self.steps = 0
-        self.budget = _Budget(cfg.host_budget_bytes)
+        # the pinned host memory of the steps' copies (CUDA; on the CPU the staged step is the copy)
+        self.arena = _HostArena(cfg.host_budget_bytes if self.cuda else 0, pin=self.cuda)
         self.backpressure_s = 0.0
         # each engine step, for profiles (datagen_step_trace); bounded: (start, end of the model
         # runner's execute_model, tokens, end of the capture's own work, CUDA events before the
@@ -253,12 +314,20 @@ class Capture:
         if self.cuda:
             self.read_done = torch.cuda.Event()
             self.read_done.record(self.stream)
-            nbytes = staged.numel() * staged.element_size() + stats.numel() * 4 + (m * L * 4 if self.fp8 else 0)
-            self.backpressure_s += self.budget.take(nbytes, lambda: self.inflight > 0)
-            block = _HostBlock(self.budget, nbytes, len(mine))
-            host = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
-            host_stats = torch.empty(stats.shape, dtype=torch.float32, pin_memory=True)
-            host_scale = torch.empty(scales.shape, dtype=torch.float32, pin_memory=True) if self.fp8 else None
+            sizes = [_HostArena.size(staged.numel() * staged.element_size()), _HostArena.size(stats.numel() * 4),
+                     _HostArena.size(scales.numel() * 4) if self.fp8 else 0]
+            region, waited = self.arena.take(sum(sizes), lambda: self.inflight > 0)
+            self.backpressure_s += waited
+            block = _HostBlock(self.arena, region, len(mine))
+            if region is not None:
+                host = self.arena.view(region, 0, staged.shape, staged.dtype)
+                host_stats = self.arena.view(region, sizes[0], stats.shape, torch.float32)
+                host_scale = self.arena.view(region, sizes[0] + sizes[1], scales.shape, torch.float32) if self.fp8 \
+                    else None
+            else:
+                host = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
+                host_stats = torch.empty(stats.shape, dtype=torch.float32, pin_memory=True)
+                host_scale = torch.empty(scales.shape, dtype=torch.float32, pin_memory=True) if self.fp8 else None
             with torch.cuda.stream(self.stream):
                 host.copy_(staged, non_blocking=True)
                 host_stats.copy_(stats, non_blocking=True)
@@ -368,7 +437,8 @@ class Capture:
             done, self.done = self.done, []
             errors, self.errors = self.errors, []
         return {"records": done, "errors": errors, "pending_requests": len(self.requests),
-                "pending_shards": sorted(self.shards), "rank": self.rank, "backpressure_s": self.backpressure_s}
+                "pending_shards": sorted(self.shards), "rank": self.rank, "backpressure_s": self.backpressure_s,
+                "host_outside_bytes": self.arena.outside_bytes}
 
 
 
@@ -379,12 +449,17 @@ class Capture:
         if len(hits) != 1:
             raise RuntimeError(f"request {external_id}: {len(hits)} captured requests match")
         st = self.requests.pop(hits[0])
+        out = []
         for ch in st.chunks:
             if ch.event is not None:
                 ch.event.synchronize()
             if ch.block is not None:
+                if ch.block.region is not None:  # the ring's piece is reused once released: copy it out
+                    ch = _Chunk(ch.host.clone(), ch.stats.clone(), None if ch.scale is None else ch.scale.clone(),
+                                None, ch.block)
                 ch.block.release()
-        return st.chunks
+            out.append(ch)
+        return out
 
     def device_bytes(self) -> int:
         """GPU memory the capture holds (its preallocated buffers)."""
