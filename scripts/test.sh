@@ -3,7 +3,10 @@
 #
 # WAITING runs in a process of its own: the scale-out tests spend most of their ten minutes waiting
 # on Prefect's minimum timeouts (heartbeats every 30 s, a 60 s lost-host window, 60 s range leases)
-# and use little CPU, so they cost the suite no core. BESIDE runs in a second process next to the
+# and use little CPU, so they cost the suite no core; tests that share no session fixture with the
+# main process fill that idle time (the image-row engine tests, the train image, the SmolLM2
+# training proof, and the DeepSeek-V3 tests of tests/test_extract_vllm.py, named FILE::TEST: that
+# module's Llama tests share its session dataset and stay in the main process). BESIDE runs in a second process next to the
 # rest: modules that share no fixture with any other (the crash campaign: one long test, a vLLM
 # extraction killed and resumed again and again; the server end-to-end tests with their own Prefect
 # server and workers; the Kimi engine and golden-validation tests with their own tiny checkpoints
@@ -27,7 +30,10 @@
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-WAITING=(tests/flows/test_scale_out.py tests/test_media_engine.py tests/images/test_train_image.py)
+WAITING=(tests/flows/test_scale_out.py tests/test_media_engine.py tests/images/test_train_image.py
+         tests/test_train_smollm2.py
+         tests/test_extract_vllm.py::test_deepseek_v3_states_equal_the_reference_for_every_layer_and_token
+         tests/test_extract_vllm.py::test_deepseek_v3_bf16_states_match_the_reference_on_each_cpu_mla_backend)
 BESIDE=(tests/faults/test_crash_anywhere.py tests/flows/test_server_e2e.py tests/test_kimi_engine.py
         tests/test_validate_golden.py tests/test_regenerate.py tests/flows/test_regenerate_flow.py)
 
@@ -50,7 +56,10 @@ else
     }
     beside "${WAITING[*]}" "${WAITING[@]}"
     beside "${BESIDE[*]}" "${BESIDE[@]}"
-    ignore=(); for t in "${WAITING[@]}" "${BESIDE[@]}"; do ignore+=("--ignore=$t"); done
+    ignore=()  # a module beside is left out of the main process, a test named beside (FILE::TEST) deselected
+    for t in "${WAITING[@]}" "${BESIDE[@]}"; do
+        if [[ $t == *::* ]]; then ignore+=("--deselect=$t"); else ignore+=("--ignore=$t"); fi
+    done
     "$PY" -m pytest -q "${order[@]}" "${extra[@]}" "${ignore[@]}" tests; status=$?
     for i in "${!pids[@]}"; do
         wait "${pids[$i]}"; side_status=$?
