@@ -95,6 +95,21 @@ def _per_sample(shard: dict):
         yield shard["input_ids"][off[i]:off[i + 1]], shard["hidden_states"][off[i]:off[i + 1]]
 
 
+def _assert_same_states(want_shards: list[dict], got_shards: list[dict], what: str) -> None:
+    """Another run's shards of llama_rows hold the same tokens and, at every layer and token, the
+    same states as ``want_shards`` (per-layer parity), and not the neighbouring layer's."""
+    checked = 0
+    for a, b in zip(want_shards, got_shards, strict=True):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["sample_offsets"], b["sample_offsets"])
+        for (_, want), (_, got) in zip(_per_sample(a), _per_sample(b)):
+            for c in compare_states(got, want):
+                assert c.ok, f"{what}, layer {c.layer}: worst token {c.max_rel:.3f}, median {c.median_rel:.3f}"
+            if len(got) > 8:
+                assert not states_match(got[:, 1:], want[:, :-1])  # the neighbouring layer is far
+            checked += len(got)
+    assert checked == sum(min(n, MAX_SEQ_LEN) for i, n in enumerate(LENGTHS) if n and i != 9)
+
+
 def test_vllm_states_equal_the_reference_for_every_layer_and_token(llama_vllm, llama_reference):
     out, _ = llama_vllm
     ref, layer_ids = llama_reference
@@ -432,18 +447,7 @@ def test_shards_striped_over_volumes_one_manifest_validated_read_and_resumed(tin
         j = f["sample_index"].tolist().index(x.row)
         a, b = int(f["sample_offsets"][j]), int(f["sample_offsets"][j + 1])
         assert torch.equal(x.hidden_states, f["hidden_states"][a:b])
-    checked = 0  # the compiled capture against the eager one, shard by shard
-    for s, eager in zip(m.shards, _shards(eager_out)):
-        compiled = files[s.index]
-        assert torch.equal(compiled["input_ids"], eager["input_ids"])
-        assert torch.equal(compiled["sample_offsets"], eager["sample_offsets"])
-        for (_, got), (_, want) in zip(_per_sample(compiled), _per_sample(eager)):
-            for c in compare_states(got, want):
-                assert c.ok, f"compiled, layer {c.layer}: worst token {c.max_rel:.3f}, median {c.median_rel:.3f}"
-            if len(got) > 8:
-                assert not states_match(got[:, 1:], want[:, :-1])  # the neighbouring layer is far
-            checked += len(got)
-    assert checked == sum(min(n, MAX_SEQ_LEN) for i, n in enumerate(LENGTHS) if n and i != 9)
+    _assert_same_states(_shards(eager_out), [files[s.index] for s in m.shards], "compiled")
     # resume: shard 2's record (on volume 2) and the manifest lost; nothing is extracted again
     shard2 = (vols[1] / "shards" / "shard-000002.safetensors").read_bytes()
     (out / MANIFEST_NAME).unlink()
@@ -467,13 +471,4 @@ def test_tp2_on_the_cpu_engine_writes_shard_k_by_rank_k_mod_2_with_tp1s_states(t
     m = Manifest.model_validate_json((out / MANIFEST_NAME).read_text())
     assert [s.written_by for s in m.shards] == [s.index % 2 for s in m.shards] == [0, 1, 0, 1]
     assert m.spec.engine.tensor_parallel_size == 2
-    checked = 0
-    for a, b in zip(_shards(ref_out), _shards(out)):
-        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["sample_offsets"], b["sample_offsets"])
-        for (_, want), (_, got) in zip(_per_sample(a), _per_sample(b)):
-            for c in compare_states(got, want):
-                assert c.ok, f"layer {c.layer}: worst token {c.max_rel:.3f}, median {c.median_rel:.3f}"
-            if len(got) > 8:
-                assert not states_match(got[:, 1:], want[:, :-1])  # the neighbouring layer is far
-            checked += len(got)
-    assert checked == sum(min(n, MAX_SEQ_LEN) for i, n in enumerate(LENGTHS) if n and i != 9)
+    _assert_same_states(_shards(ref_out), _shards(out), "TP2")
