@@ -8,11 +8,11 @@
 # training proof, the infrastructure faults (their own S3 servers) and the DeepSeek-V3 tests of
 # tests/test_extract_vllm.py, named FILE::TEST (the module's Llama tests share its session dataset
 # and stay in the main process, which deselects the named ones). BESIDE runs in a second process
-# next to the rest: modules that share no fixture with any other (the crash campaign: one long test, a vLLM
-# extraction killed and resumed again and again; the server end-to-end tests with their own Prefect
-# server and workers; the Kimi engine and golden-validation tests with their own tiny checkpoints
-# and engines; the regeneration tests and flow with their own models and harness), chosen so that
-# it and the main process end at about the same time on two cores.
+# next to the rest: modules that share no fixture with any other (the crash campaign: one long
+# test, a vLLM extraction killed and resumed again and again; the server end-to-end tests with
+# their own Prefect server and workers; the Kimi engine and golden-validation tests with their own
+# tiny checkpoints and engines; the regeneration tests and flow with their own models and
+# harness), chosen so that the three processes end at about the same time on two cores.
 # Each process starts its own S3 and Prefect servers on free ports and builds its own models under
 # its own pytest temp dir, so they share nothing but the Docker engine (of the tests beside, only
 # the train image's uses it) and the SmolLM2 checkpoint built once under .cache (a file lock).
@@ -57,7 +57,7 @@ else
     }
     beside "${WAITING[*]}" "${WAITING[@]}"
     beside "${BESIDE[*]}" "${BESIDE[@]}"
-    ignore=()  # a module beside is left out of the main process, a test named beside (FILE::TEST) deselected
+    ignore=()  # the modules beside are left out of the main process, the tests named beside deselected
     for t in "${WAITING[@]}" "${BESIDE[@]}"; do
         if [[ $t == *::* ]]; then ignore+=("--deselect=$t"); else ignore+=("--ignore=$t"); fi
     done
