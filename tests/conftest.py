@@ -12,7 +12,7 @@ from tests.builders import make_model_dir
 os.environ.setdefault("DATAGEN_CPU_KVCACHE_GIB", "1")
 # vLLM engines start eager (no torch.compile warm-up: about half the start on the CPU) unless a test
 # asks for the compiled engine (DATAGEN_ENFORCE_EAGER=0, as tests/test_extract_vllm.py does for the
-# runs it compares byte for byte). Subprocesses and flow steps inherit it.
+# one run whose capture it compares with the eager one's). Subprocesses and flow steps inherit it.
 os.environ.setdefault("DATAGEN_ENFORCE_EAGER", "1")
 
 

@@ -38,23 +38,27 @@ PER_SHARD = 4
 # tiny DeepSeek-V3, over the 352 tokens of deepseek_rows: medians 0.7-2.4%, 90th percentiles
 # 0.9-16% (flips pile up towards the last layer); every neighbouring layer 47% or more at the median.
 BF16_MOE = GoldenCriterion()
-# The Llama dataset every read-only test shares, its rerun, and the runs compared with it byte for
-# byte (the killed run and its resume, the range from the stored plan) run the engine as users do,
-# with torch.compile: the every-layer comparison and the off-by-one checks are made on the compiled
-# engine's capture. Every other engine start here runs eager (no torch.compile warm-up: about half
-# the start time), as the other engine tests do; a test comparing bytes never mixes the two (their
-# kernels round differently).
+# Every engine start here runs eager (no torch.compile warm-up: about half the start time), as the
+# other engine tests do: the Llama dataset every read-only test shares and the runs compared with it
+# byte for byte (the killed run and its resume, the range from the stored plan) too. One run, the
+# striped volumes', compiles as users run the engine, and its states are held against the shared
+# eager dataset's layer by layer (and must fail against the neighbouring layer): the compiled
+# capture is proven there. A comparison of bytes never mixes the two (their kernels round
+# differently).
 EAGER = {"DATAGEN_ENFORCE_EAGER": "1"}
 COMPILED = {"DATAGEN_ENFORCE_EAGER": "0"}
 
 
-def _extract(model: Path, data: Path, out: Path, *, engine: str = "vllm", extra: tuple = (), env: dict) -> dict:
+def _extract(model: Path, data: Path, out: Path, *, engine: str = "vllm", extra: tuple = (), env: dict,
+             log_has: str | None = None) -> dict:
     proc = run_datagen(
         "extract", "--model", str(model), "--dataset", str(data), "--out", str(out), "--engine", engine,
         "--max-seq-len", str(MAX_SEQ_LEN), "--samples-per-shard", str(PER_SHARD),
         "--max-num-batched-tokens", str(BUDGET), *extra, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    if log_has is not None:
+        assert log_has in proc.stdout + proc.stderr, f"{log_has!r} not in the log:\n{proc.stderr[-4000:]}"
     return result_of(proc)
 
 
@@ -72,7 +76,7 @@ def llama_rows(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_vllm(tiny_llama, llama_rows, tmp_path_factory):
     out = tmp_path_factory.mktemp("vllm") / "ds"
-    result = _extract(tiny_llama, llama_rows, out, env=COMPILED)
+    result = _extract(tiny_llama, llama_rows, out, env=EAGER)
     return out, result
 
 
@@ -89,6 +93,21 @@ def _per_sample(shard: dict):
     off = shard["sample_offsets"].tolist()
     for i in range(len(off) - 1):
         yield shard["input_ids"][off[i]:off[i + 1]], shard["hidden_states"][off[i]:off[i + 1]]
+
+
+def _assert_same_states(want_shards: list[dict], got_shards: list[dict], what: str) -> None:
+    """Another run's shards of llama_rows hold the same tokens and, at every layer and token, the
+    same states as ``want_shards`` (per-layer parity), and not the neighbouring layer's."""
+    checked = 0
+    for a, b in zip(want_shards, got_shards, strict=True):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["sample_offsets"], b["sample_offsets"])
+        for (_, want), (_, got) in zip(_per_sample(a), _per_sample(b)):
+            for c in compare_states(got, want):
+                assert c.ok, f"{what}, layer {c.layer}: worst token {c.max_rel:.3f}, median {c.median_rel:.3f}"
+            if len(got) > 8:
+                assert not states_match(got[:, 1:], want[:, :-1])  # the neighbouring layer is far
+            checked += len(got)
+    assert checked == sum(min(n, MAX_SEQ_LEN) for i, n in enumerate(LENGTHS) if n and i != 9)
 
 
 def test_vllm_states_equal_the_reference_for_every_layer_and_token(llama_vllm, llama_reference):
@@ -155,10 +174,22 @@ def test_vllm_and_reference_engines_store_the_same_tokens_and_masks(tiny_llama, 
         assert states_match(a["hidden_states"], b["hidden_states"])
 
 
-def test_rerunning_a_finished_dataset_does_nothing(tiny_llama, llama_rows, llama_vllm):
+def test_rerunning_a_finished_dataset_does_nothing(tiny_llama, llama_rows, llama_vllm, monkeypatch):
+    """In this process (no program's imports): making an engine fails the test, so it proves that
+    none starts."""
+    import datagen.extraction.run as extraction
+    from tests.faults._refusal import run_cli
+
     out, first = llama_vllm
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
-    again = _extract(tiny_llama, llama_rows, out, env=COMPILED)
+    monkeypatch.setattr(extraction, "make_engine",
+                        lambda p: pytest.fail("an engine was made for a finished dataset"))
+    o = run_cli("extract", "--model", tiny_llama, "--dataset", llama_rows, "--out", out, "--engine", "vllm",
+                "--max-seq-len", str(MAX_SEQ_LEN), "--samples-per-shard", str(PER_SHARD),
+                "--max-num-batched-tokens", str(BUDGET))
+    assert o.code == 0, o.err[-4000:]
+    again = next(json.loads(line[len("datagen-result: "):]) for line in reversed(o.out.splitlines())
+                 if line.startswith("datagen-result: "))
     assert again["shards_extracted"] == [] and again["fingerprint"] == first["fingerprint"]
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
 
@@ -171,7 +202,7 @@ def test_resume_after_kill_gives_byte_identical_shards(tiny_llama, llama_rows, l
         "--max-seq-len", str(MAX_SEQ_LEN), "--samples-per-shard", str(PER_SHARD),
         "--max-num-batched-tokens", str(BUDGET),
     )
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **COMPILED}, start_new_session=True,
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **EAGER}, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     first = out / "shards" / "shard-000000.safetensors"
     deadline = time.monotonic() + 400
@@ -183,7 +214,7 @@ def test_resume_after_kill_gives_byte_identical_shards(tiny_llama, llama_rows, l
     assert not (out / MANIFEST_NAME).exists()
     written = sorted(p.name for p in (out / "shards").glob("shard-*.safetensors"))
     assert len(written) < 4, "the kill came after the last shard: nothing was resumed"
-    result = _extract(tiny_llama, llama_rows, out, env=COMPILED)
+    result = _extract(tiny_llama, llama_rows, out, env=EAGER)
     assert set(result["shards_cached"]) == {int(n[6:12]) for n in written}
     for name in sorted(p.name for p in (ref_out / "shards").iterdir()):
         assert (out / "shards" / name).read_bytes() == (ref_out / "shards" / name).read_bytes(), name
@@ -202,7 +233,7 @@ def test_a_range_from_the_stored_plan_writes_the_same_bytes(tiny_llama, llama_ro
     proc = run_datagen(
         "extract", "--model", str(tiny_llama), "--dataset", str(llama_rows), "--out", str(out), "--engine", "vllm",
         "--max-seq-len", str(MAX_SEQ_LEN), "--samples-per-shard", str(PER_SHARD),
-        "--max-num-batched-tokens", str(BUDGET), "--shards", "1:3", env=COMPILED,
+        "--max-num-batched-tokens", str(BUDGET), "--shards", "1:3", env=EAGER,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "plan: loaded from .datagen/plan/" in proc.stderr, proc.stderr[-4000:]
@@ -379,18 +410,22 @@ def test_bad_output_volumes_are_refused_before_the_engine_starts(tiny_llama, lla
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before
 
 
-def test_shards_striped_over_volumes_one_manifest_validated_read_and_resumed(tiny_llama, llama_rows, tmp_path):
+def test_shards_striped_over_volumes_one_manifest_validated_read_and_resumed(tiny_llama, llama_rows, llama_vllm,
+                                                                           tmp_path):
     """Two further volumes: shard k on volume k mod 3 and nowhere else, the one manifest (in the
     output) names each shard's volume and the rank that wrote it; validate, the reader and a
-    resume (a record lost: rebuilt from the file on its volume, no engine start) find every shard."""
+    resume (a record lost: rebuilt from the file on its volume, no engine start) find every shard.
+    The run compiles (torch.compile, as users run the engine): its states equal the shared eager
+    dataset's at every layer and token, and not the neighbouring layer's (an off-by-one fails)."""
     from datagen import cli
     from datagen.reader import open_dataset
 
+    eager_out, _ = llama_vllm
     out, vols = tmp_path / "ds", [tmp_path / "v1", tmp_path / "v2"]
     for v in vols:
         v.mkdir()
     args = ("--volumes", *map(str, vols))
-    result = _extract(tiny_llama, llama_rows, out, extra=args, env=EAGER)
+    result = _extract(tiny_llama, llama_rows, out, extra=args, env=COMPILED, log_has="enforce_eager=False")
     m = Manifest.model_validate_json((out / MANIFEST_NAME).read_text())
     roots = [out, *vols]
     assert m.volumes == [str(v.absolute()) for v in vols] and len(m.shards) == 4
@@ -412,6 +447,7 @@ def test_shards_striped_over_volumes_one_manifest_validated_read_and_resumed(tin
         j = f["sample_index"].tolist().index(x.row)
         a, b = int(f["sample_offsets"][j]), int(f["sample_offsets"][j + 1])
         assert torch.equal(x.hidden_states, f["hidden_states"][a:b])
+    _assert_same_states(_shards(eager_out), [files[s.index] for s in m.shards], "compiled")
     # resume: shard 2's record (on volume 2) and the manifest lost; nothing is extracted again
     shard2 = (vols[1] / "shards" / "shard-000002.safetensors").read_bytes()
     (out / MANIFEST_NAME).unlink()
@@ -435,13 +471,4 @@ def test_tp2_on_the_cpu_engine_writes_shard_k_by_rank_k_mod_2_with_tp1s_states(t
     m = Manifest.model_validate_json((out / MANIFEST_NAME).read_text())
     assert [s.written_by for s in m.shards] == [s.index % 2 for s in m.shards] == [0, 1, 0, 1]
     assert m.spec.engine.tensor_parallel_size == 2
-    checked = 0
-    for a, b in zip(_shards(ref_out), _shards(out)):
-        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["sample_offsets"], b["sample_offsets"])
-        for (_, want), (_, got) in zip(_per_sample(a), _per_sample(b)):
-            for c in compare_states(got, want):
-                assert c.ok, f"layer {c.layer}: worst token {c.max_rel:.3f}, median {c.median_rel:.3f}"
-            if len(got) > 8:
-                assert not states_match(got[:, 1:], want[:, :-1])  # the neighbouring layer is far
-            checked += len(got)
-    assert checked == sum(min(n, MAX_SEQ_LEN) for i, n in enumerate(LENGTHS) if n and i != 9)
+    _assert_same_states(_shards(ref_out), _shards(out), "TP2")
