@@ -43,7 +43,7 @@ class CaptureConfig:
     storage_dtype: str  # dtype of the stored hidden_states (fp8_e4m3: quantized on the device)
     max_tokens: int  # the step's token budget: rows of the preallocated device buffers
     writers: int = 4  # shard writer threads per rank
-    host_budget_bytes: int = 8 << 30  # pinned host memory a rank may hold in captured states
+    host_budget_bytes: int = 8 << 30  # pinned host memory a rank holds for captured states (one ring, CUDA)
 
     def to_additional_config(self) -> dict:
         d = dataclasses.asdict(self)

@@ -8,11 +8,12 @@ allocated, and its ``execute_model`` is wrapped to read the states from
 ``execute_model_state`` after each step.
 
 The driver announces each group of shards once, before the group's requests
-(``datagen_announce``: every shard's job and request ids). From then on nothing
-crosses the RPC pipe until the group is done: each step's states are staged into
-preallocated device buffers (statistics and fp8 quantization in float32 chunks of
-a fixed workspace), copied to pinned host memory on a side stream (the next step
-is not held up), and sliced per request from ``scheduler_output.num_scheduled_tokens``
+(``datagen_announce``: every shard's job and request ids). From then on the pipe
+carries only the finished records, fetched every second (``datagen_collect``;
+the steps do not wait for it): each step's states are staged into preallocated
+device buffers (statistics and fp8 quantization in float32 chunks of a fixed
+workspace), copied on a side stream into a ring of pinned host memory allocated
+once (the next step is not held up), and sliced per request from ``scheduler_output.num_scheduled_tokens``
 in ``input_batch.req_ids`` order. A shard is queued for writing the moment its
 last request's last chunk is captured; writer threads pack, hash and write it.
 Every tensor-parallel rank holds the full states after the all-reduce, so each
