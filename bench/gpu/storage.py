@@ -531,6 +531,12 @@ def run_all(args) -> None:
         if args.skip_done and label != "model" and results["stages"].get(label, {}).get("status") == "ok":
             continue
         left = args.budget - (time.time() - t_start)
+        if label.startswith("connector") and not gpus:
+            # vLLM's ExampleHiddenStatesConnector copies through pin_memory=True, which torch
+            # without an accelerator refuses: its engine dies at the first step on a CPU host
+            results["stages"][label] = {"status": "skipped", "why": "vLLM's connector pins host memory: a GPU host only"}
+            print(f"[{time.time() - t_start:6.1f}s] {label}: skipped (a GPU host only)", flush=True)
+            continue
         if label != "model" and expect > left:
             if results["stages"].get(label, {}).get("status") != "ok":  # keeps an earlier run's record
                 results["stages"][label] = {"status": "skipped", "why": f"expected {expect:.0f} s, {left:.0f} s left"}
