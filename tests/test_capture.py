@@ -257,29 +257,35 @@ def test_the_pinned_ring_reuses_its_pieces_in_order_and_waits_only_for_a_pending
     A = _HostArena.ALIGN
     ring = _HostArena(4 * A, pin=False)
     never = lambda: False  # noqa: E731
-    a, _ = ring.take(2 * A, never)
-    b, _ = ring.take(A, never)
-    assert (a[0], b[0]) == (0, 2 * A)
+
+    def take(r, nbytes, pending):  # a piece for one step's copy of nbytes
+        region, _, waited = r.take([torch.empty(nbytes, dtype=torch.uint8)], pending)
+        return region, waited
+
     # views of several dtypes, page-aligned, hold what is written into them
-    x = ring.view(a, 0, (3, 5), torch.bfloat16)
-    y = ring.view(a, A, (7,), torch.float32)
+    a, (x, none, y), _ = ring.take([torch.empty((3, 5), dtype=torch.bfloat16), None, torch.empty(7)], never)
+    b, _ = take(ring, A, never)
+    assert (a[0], b[0]) == (0, 2 * A) and none is None
+    assert x.data_ptr() == ring.buf.data_ptr() and y.data_ptr() == ring.buf.data_ptr() + A
     x.copy_(torch.arange(15, dtype=torch.bfloat16).view(3, 5))
     y.copy_(torch.full((7,), 2.5))
     assert torch.equal(x, torch.arange(15, dtype=torch.bfloat16).view(3, 5)) and torch.equal(y, torch.full((7,), 2.5))
     # the newer piece freed first gives nothing back while the older one is held
     ring.free(b)
-    c, _ = ring.take(A, never)
+    c, _ = take(ring, A, never)
     assert c[0] == 3 * A
-    assert ring.take(2 * A, never)[0] is None and ring.outside_bytes == 2 * A  # full, nothing pending: outside
+    # full, nothing pending: the copy goes outside the ring, into tensors of its own
+    region, (outside,), _ = ring.take([torch.empty(2 * A, dtype=torch.uint8)], never)
+    assert region is None and ring.outside_bytes == 2 * A and outside.shape == (2 * A,)
     ring.free(a)  # a and b are free now: the ring wraps to its start
-    d, _ = ring.take(3 * A, never)
+    d, _ = take(ring, 3 * A, never)
     assert d[0] == 0
     # full, a write pending that frees a piece: the step waits for it, then gets that space
     threading.Timer(0.2, ring.free, args=(c,)).start()
     t0 = time.perf_counter()
-    e, waited = ring.take(A, lambda: True)
+    e, waited = take(ring, A, lambda: True)
     assert e[0] == 3 * A and waited >= 0.15 and time.perf_counter() - t0 >= 0.15
     ring.free(d)
     ring.free(e)
-    assert not ring.live and ring.take(4 * A, never)[0][0] == 0
-    assert _HostArena(A, pin=False).take(2 * A, lambda: True)[0] is None  # larger than the ring: never fits
+    assert not ring.live and take(ring, 4 * A, never)[0][0] == 0
+    assert take(_HostArena(A, pin=False), 2 * A, lambda: True)[0] is None  # larger than the ring: never fits

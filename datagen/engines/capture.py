@@ -77,7 +77,7 @@ class _HostArena:
     ALIGN = 4096  # every piece starts on a page: views of any dtype stay aligned
 
     def __init__(self, nbytes: int, pin: bool):
-        self.capacity = nbytes
+        self.capacity, self.pin = nbytes, pin
         self.buf = torch.empty(nbytes, dtype=torch.uint8) if nbytes else None
         if pin and nbytes:
             # registered, not pin_memory=True: PyTorch's pinned allocator rounds every block up
@@ -107,8 +107,12 @@ class _HostArena:
             return 0 if n <= tail else None
         return self.head if self.head + n <= tail else None  # wrapped: in use [tail, end) and [0, head)
 
-    def take(self, n: int, pending) -> tuple[list | None, float]:
-        """A piece of ``n`` bytes, or None (the copy goes outside the ring); and the seconds waited."""
+    def take(self, like: list[torch.Tensor | None], pending) -> tuple[list | None, list, float]:
+        """Host tensors shaped as the device tensors ``like`` (None stays None): views of one piece
+        of the ring, or, when none is to be had, tensors of PyTorch's pinned allocator (the
+        piece is then None). Also the seconds waited for the writers."""
+        sizes = [self.size(t.numel() * t.element_size()) if t is not None else 0 for t in like]
+        n = sum(sizes)
         t0 = time.perf_counter()
         with self.cond:
             while True:
@@ -117,19 +121,24 @@ class _HostArena:
                     region = [off, off + n, False]
                     self.live.append(region)
                     self.head = off + n
-                    return region, time.perf_counter() - t0
+                    break
                 if not self.live or not pending():  # nothing held would free it, or no write is on the way
                     self.outside_bytes += n
-                    return None, time.perf_counter() - t0
+                    region = None
+                    break
                 self.cond.wait(0.05)
-
-    def view(self, region: list, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
-        """``shape`` of ``dtype`` at ``offset`` bytes into ``region``."""
-        n = dtype.itemsize
-        for d in shape:
-            n *= d
-        start = region[0] + offset
-        return self.buf[start:start + n].view(dtype).view(shape)
+        waited = time.perf_counter() - t0
+        out, at = [], 0
+        for t, size in zip(like, sizes):
+            if t is None:
+                out.append(None)
+            elif region is None:
+                out.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin))
+            else:
+                start = region[0] + at
+                out.append(self.buf[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
+            at += size
+        return region, out, waited
 
     def free(self, region: list) -> None:
         with self.cond:
@@ -314,20 +323,10 @@ class Capture:
         if self.cuda:
             self.read_done = torch.cuda.Event()
             self.read_done.record(self.stream)
-            sizes = [_HostArena.size(staged.numel() * staged.element_size()), _HostArena.size(stats.numel() * 4),
-                     _HostArena.size(scales.numel() * 4) if self.fp8 else 0]
-            region, waited = self.arena.take(sum(sizes), lambda: self.inflight > 0)
+            region, (host, host_stats, host_scale), waited = self.arena.take(
+                [staged, stats, scales], lambda: self.inflight > 0)
             self.backpressure_s += waited
             block = _HostBlock(self.arena, region, len(mine))
-            if region is not None:
-                host = self.arena.view(region, 0, staged.shape, staged.dtype)
-                host_stats = self.arena.view(region, sizes[0], stats.shape, torch.float32)
-                host_scale = self.arena.view(region, sizes[0] + sizes[1], scales.shape, torch.float32) if self.fp8 \
-                    else None
-            else:
-                host = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
-                host_stats = torch.empty(stats.shape, dtype=torch.float32, pin_memory=True)
-                host_scale = torch.empty(scales.shape, dtype=torch.float32, pin_memory=True) if self.fp8 else None
             with torch.cuda.stream(self.stream):
                 host.copy_(staged, non_blocking=True)
                 host_stats.copy_(stats, non_blocking=True)

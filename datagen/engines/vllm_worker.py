@@ -13,8 +13,8 @@ carries only the finished records, fetched every second (``datagen_collect``;
 the steps do not wait for it): each step's states are staged into preallocated
 device buffers (statistics and fp8 quantization in float32 chunks of a fixed
 workspace), copied on a side stream into a ring of pinned host memory allocated
-once (the next step is not held up), and sliced per request from ``scheduler_output.num_scheduled_tokens``
-in ``input_batch.req_ids`` order. A shard is queued for writing the moment its
+once (the next step is not held up), and sliced per request from
+``scheduler_output.num_scheduled_tokens`` in ``input_batch.req_ids`` order. A shard is queued for writing the moment its
 last request's last chunk is captured; writer threads pack, hash and write it.
 Every tensor-parallel rank holds the full states after the all-reduce, so each
 rank captures and writes its share: shard k by rank k mod TP.
