@@ -252,7 +252,10 @@ def target_spans(tokenizer, messages: list[dict], *, path: str = "", line: int =
     The template is rendered for each prefix of the chat: the text between the prompt for
     assistant turn i (``add_generation_prompt=True``) and the render that includes turn i is that
     turn's target (thinking block, content, tool calls and end-of-turn marker, whatever the
-    template writes after the prompt). Both renders must be prefixes of the whole chat's. The
+    template writes after the prompt). A chat that opens with the assistant has the render of an
+    empty conversation as its first prompt (``render_prompt``); a template that cannot render a
+    prefix refuses the row with its reason (``template_error``). Both renders must be prefixes of
+    the whole chat's. The
     renders of a row are asked for in two calls (prompts, then the whole chat and the turns'
     ends; a chat ending on its last target turn is that turn's end), as a list of conversations:
     the same renders, without the per-call work of ``apply_chat_template``.
@@ -261,7 +264,7 @@ def target_spans(tokenizer, messages: list[dict], *, path: str = "", line: int =
     try:
         full, starts, ends = _renders(tokenizer, messages, targets)
     except Exception:  # noqa: BLE001 - a template that raises: raise as the renders one by one do
-        full, starts, ends = _renders_one_by_one(tokenizer, messages, targets)
+        full, starts, ends = _renders_one_by_one(tokenizer, messages, targets, path=path, line=line)
     spans: list[tuple[int, int]] = []
     for i, start_text, end_text in zip(targets, starts, ends):
         if not full.startswith(start_text) or not full.startswith(end_text) or len(end_text) < len(start_text):
@@ -283,22 +286,51 @@ def _render(tokenizer, conversation, gen: bool):
     return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=gen)
 
 
-def _renders_one_by_one(tokenizer, messages, targets) -> tuple[str, list[str], list[str]]:
-    full = _render(tokenizer, messages, False)
+def render_prompt(tokenizer, conversation: list[dict]) -> str:
+    """The conversation so far with the generation prompt. An empty conversation (the prompt of a
+    chat that opens with the assistant) is rendered as a batch of one: transformers refuses an
+    empty conversation on its own, but renders it in a batch like any other, so the template
+    decides what the render of nothing is (its generation prompt, a BOS, or an error of its own)."""
+    if not conversation:
+        return _render(tokenizer, [[]], True)[0]
+    return _render(tokenizer, conversation, True)
+
+
+def template_error(e: Exception, *, what: str, path: str, line: int) -> DatasetError:
+    """A chat template (or tokenizer) that raised, as the row's error: the line, what was being
+    rendered, and the template's own reason."""
+    reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return DatasetError(
+        f"the chat template cannot render {what}: {type(e).__name__}: {reason}", path=path, line=line,
+        hint="fix the chat (the template's reason says what it expects), or pre-tokenize this row with "
+             "input_ids and loss_mask",
+    )
+
+
+def _renders_one_by_one(tokenizer, messages, targets, *, path: str = "", line: int = 0) -> tuple[str, list[str], list[str]]:
+    def attempt(what: str, render):
+        try:
+            return render()
+        except Exception as e:  # noqa: BLE001 - any template error is the row's error
+            raise template_error(e, what=what, path=path, line=line) from e
+
+    full = attempt("the chat", lambda: _render(tokenizer, messages, False))
     starts, ends = [], []
     for i in targets:
-        starts.append(_render(tokenizer, messages[:i], True))
-        ends.append(_render(tokenizer, messages[: i + 1], False))
+        starts.append(attempt(f"the prompt of assistant message {i}" + (" (an empty conversation)" if i == 0 else ""),
+                              lambda: render_prompt(tokenizer, messages[:i])))
+        ends.append(attempt(f"the chat up to message {i}", lambda: _render(tokenizer, messages[: i + 1], False)))
     return full, starts, ends
 
 
 def _renders(tokenizer, messages, targets) -> tuple[str, list[str], list[str]]:
-    if not targets or targets[0] == 0:  # an empty prompt is refused as a single conversation only
+    if not targets:
         return _renders_one_by_one(tokenizer, messages, targets)
     last = len(messages) - 1
     whole_and_ends = _render(tokenizer, [messages, *(messages[: i + 1] for i in targets if i != last)], False)
     full = whole_and_ends[0]
     ends = list(whole_and_ends[1:]) + ([full] if targets[-1] == last else [])
+    # (a batch of conversations: an empty one, the prompt of an opening assistant turn, renders too)
     return full, list(_render(tokenizer, [messages[:i] for i in targets], True)), ends
 
 
@@ -433,18 +465,34 @@ def tokenize_chats(tokenizer, chats: list[tuple[list[dict], int]], *, path: str 
         pieces = [full[a:b] for a, b in zip(cuts, cuts[1:])]
         texts += pieces if trusted else [*pieces, full]
         rendered.append((full, spans, cuts, trusted, line))
-    encoded = _ids_batch(tokenizer, texts)
+    counts = [len(cuts) - 1 + (0 if trusted else 1) for _, _, cuts, trusted, _ in rendered]
+    try:
+        encoded = _ids_batch(tokenizer, texts)
+    except Exception:  # noqa: BLE001 - a tokenizer that raises: find the chat it raises for
+        encoded = None
     out: list = []
     at = 0
-    for full, spans, cuts, trusted, line in rendered:
-        n = len(cuts) - 1 + (0 if trusted else 1)
+    for (full, spans, cuts, trusted, line), n in zip(rendered, counts):
         try:
-            out.append(_masked(tokenizer, full, spans, cuts, encoded[at : at + n], trusted, path=path, line=line))
+            pieces = encoded[at : at + n] if encoded is not None else _tokenized(tokenizer, texts[at : at + n],
+                                                                                   path=path, line=line)
+            out.append(_masked(tokenizer, full, spans, cuts, pieces, trusted, path=path, line=line))
         except DatasetError as e:
             out.append(e)
             return out
+        except Exception as e:  # noqa: BLE001 - the tokenizer's own error, as this row's
+            out.append(template_error(e, what="the chat's tokens (the tokenizer raised)", path=path, line=line))
+            return out
         at += n
     return out + ([failed] if failed is not None else [])
+
+
+def _tokenized(tokenizer, texts: list[str], *, path: str, line: int) -> list[list[int]]:
+    try:
+        return _ids_batch(tokenizer, texts)
+    except Exception as e:  # noqa: BLE001 - the tokenizer's own error, as this row's
+        raise DatasetError(f"the tokenizer cannot tokenize the chat's render: {type(e).__name__}: {e}",
+                           path=path, line=line, hint="pre-tokenize this row with input_ids and loss_mask") from e
 
 
 def _masked(tokenizer, full: str, spans, cuts, encoded: list[list[int]], trusted: bool, *, path: str,

@@ -24,6 +24,18 @@ FULL_ENV = "DATAGEN_FAULTS_FULL"
 CATEGORIES = ("crash", "infrastructure", "bad-input", "hostile", "secrets")
 
 
+EXAMPLES_ENV = "DATAGEN_FAULTS_EXAMPLES_SCALE"
+
+
+def examples_scale() -> int:
+    """``DATAGEN_FAULTS_EXAMPLES_SCALE=10``: the generated-input cases draw 10 times their examples
+    (a campaign that looks for what the default count misses); 1 by default."""
+    value = os.environ.get(EXAMPLES_ENV, "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{EXAMPLES_ENV}={value!r}: give a whole number of times, 1 or more")
+    return int(value)
+
+
 def full_campaign() -> bool:
     """``make faults`` sets DATAGEN_FAULTS_FULL=1: the full campaign; otherwise the short one."""
     return os.environ.get(FULL_ENV, "0") == "1"
@@ -51,6 +63,8 @@ class CaseRecord:
     def write(self) -> Path:
         assert self.category in CATEGORIES, self.category
         self.details.setdefault("campaign", "full" if full_campaign() else "short")
+        if examples_scale() != 1:
+            self.details.setdefault("examples_scale", examples_scale())
         d = results_dir()
         d.mkdir(parents=True, exist_ok=True)
         # one file per test (node id): a test run again replaces its record

@@ -41,8 +41,9 @@ def _result(r: dict) -> str:
 
 
 def _command(r: dict) -> str:
-    full = r.get("details", {}).get("campaign") == "full"
-    return f"`{'DATAGEN_FAULTS_FULL=1 ' if full else ''}{r['command']}`"
+    d = r.get("details", {})
+    scale = f"DATAGEN_FAULTS_EXAMPLES_SCALE={d['examples_scale']} " if d.get("examples_scale") else ""
+    return f"`{'DATAGEN_FAULTS_FULL=1 ' if d.get('campaign') == 'full' else ''}{scale}{r['command']}`"
 
 
 def _outcome(r: dict) -> str:

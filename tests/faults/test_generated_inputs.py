@@ -17,7 +17,7 @@ import struct
 from collections import Counter
 from pathlib import Path
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from datagen.data.contract import MANIFEST_NAME
@@ -25,12 +25,13 @@ from datagen.data.dataset import ROLES
 from datagen.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_VALIDATION
 from tests.builders import write_jsonl
 from tests.faults._refusal import assert_refused, run_cli, tree
-from tests.faults.conftest import full_campaign
+from tests.faults.conftest import examples_scale, full_campaign
 from tests.support.extracted import extracted_dataset
 
 VOCAB = 512  # the tiny Llama's vocabulary
 MAX_SEQ_LEN = 64
-EXAMPLES = 150 if full_campaign() else 40
+# DATAGEN_FAULTS_EXAMPLES_SCALE multiplies every count here (a campaign that looks further)
+EXAMPLES = (150 if full_campaign() else 40) * examples_scale()
 FAST = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                        HealthCheck.data_too_large])
@@ -162,6 +163,10 @@ def test_random_chat_rows_are_accepted_exactly_when_valid(tiny_llama, tmp_path, 
 
     @FAST
     @given(row=chat_rows())
+    # a chat that opens with the assistant: its prompt is the render of an empty conversation
+    @example(row={"messages": [{"role": "assistant", "content": "hello"}]})
+    @example(row={"messages": [{"role": "assistant", "content": ""}]})
+    @example(row={"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "q"}]})
     def check(row):
         data = write_jsonl(tmp_path / "rows.jsonl", [GOOD_ROW, row])
         out = tmp_path / "out"
@@ -430,6 +435,7 @@ def test_random_corruption_of_manifest_json_fails_validation_and_export(tmp_path
 
     @settings(FAST, max_examples=max(EXAMPLES // 3, 20))
     @given(edits=byte_edits(len(raw)))
+    @example(edits=[(430, "delete", 0)])  # a digit of the first layer's sumsq in the dataset statistics
     def check(edits):
         bad = _apply(raw, edits)
         (ds / MANIFEST_NAME).write_bytes(bad)
