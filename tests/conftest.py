@@ -7,6 +7,12 @@ import os
 import pytest
 
 from tests.builders import make_model_dir
+# Marks that hold: a test that starts a vLLM engine, a Docker client, an S3 or a Prefect server
+# without its mark fails (tests/support/marks.py); `make check` selects by these marks.
+from tests.support.marks import (  # noqa: F401  (pytest hooks)
+    pytest_configure, pytest_runtest_makereport, pytest_runtest_protocol, pytest_runtest_setup,
+    pytest_unconfigure,
+)
 
 # The CPU engine's KV cache: small, the tests' sequences are short.
 os.environ.setdefault("DATAGEN_CPU_KVCACHE_GIB", "1")

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.marks import DOCKER, check
+
 ROOT = Path(__file__).resolve().parents[2]
 # pytest-timeout for a test that may build the images: a cold build (empty engine, empty .cache/)
 # takes about 14 minutes on 2 cores, past the suite's default of 900 s.
@@ -44,6 +46,7 @@ def _engine() -> tuple[object | None, str]:
 
 def docker_client():
     """A client of a running engine; skips the test when no engine can start here."""
+    check(DOCKER, "a client of the Docker engine")
     client, reason = _engine()
     if client is None:
         pytest.skip(reason)

@@ -15,10 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.marks import PREFECT_SERVER, starts
+
 _active: list[Path] = []  # the storage directory of the running harness, if one runs
 
 
 @pytest.fixture(scope="session")
+@starts(PREFECT_SERVER, "Prefect's test harness (a temporary Prefect server)")
 def prefect_harness(tmp_path_factory):
     """Flows run against a temporary Prefect server; cache records go to a temporary directory."""
     if _active:

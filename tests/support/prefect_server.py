@@ -25,6 +25,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.support.marks import PREFECT_SERVER, check
+
 STARTUP_TIMEOUT_S = 120.0
 UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
@@ -111,6 +113,7 @@ def start_server(root: Path, *, attempts: int = 3) -> PrefectServer:
     A port found free can be taken by another process before the server binds it (an outgoing
     connection's ephemeral port): the start is then tried again on another port.
     """
+    check(PREFECT_SERVER, "a Prefect server (`prefect server start`)")
     for attempt in range(1, attempts + 1):
         try:
             return _start_server_once(root)

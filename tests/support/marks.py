@@ -1,0 +1,141 @@
+"""Marks that hold: the pytest side of the start guard (``worker_hooks/start_guard.py``).
+
+A test that starts a vLLM engine, talks to a Docker engine or starts an S3 or Prefect server must
+carry the mark of it (``engine``, ``docker``, ``s3``, ``prefect_server``): `make check` selects by
+these marks, so an unmarked start would put minutes of engine or server into the fast tier. Three
+things enforce it, each where the thing starts:
+
+- a fixture that starts one declares it (``@starts(S3)`` under ``@pytest.fixture``); a test whose
+  fixtures include it fails in its set-up when it lacks the mark, whether or not an earlier test
+  has already started the shared server;
+- the harnesses of tests/support call ``check`` before they start a server or a client
+  (``S3Server.start``, ``prefect_server.start_server``, ``docker_engine.docker_client``);
+- every other start, wherever it happens (a module fixture, a ``datagen`` subprocess, a flow
+  step, a Prefect worker's flow run), goes through vLLM's ``LLM``/``EngineCore``, Docker's
+  ``APIClient`` or Prefect's ``SubprocessASGIServer``, which the guard wraps in the test process
+  and, through ``sitecustomize`` on PYTHONPATH, in every process the tests start.
+
+The hooks below are imported into tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+HOOKS_DIR = Path(__file__).resolve().parent / "worker_hooks"
+# The guard by the same name as the processes the tests start import it (`start_guard`, through
+# sitecustomize): one module, one set of patches, one UnmarkedStart, whichever imported it first.
+if str(HOOKS_DIR) not in sys.path:
+    sys.path.append(str(HOOKS_DIR))
+
+import start_guard  # noqa: E402
+from start_guard import (  # noqa: E402, F401  (re-exported for the harnesses)
+    DOCKER, ENGINE, GUARDED, PREFECT_SERVER, S3, UnmarkedStart, check,
+)
+_STARTS_ATTR = "_datagen_test_starts"  # on a fixture function: (mark, what) it starts
+
+
+def starts(mark: str, what: str):
+    """Declare that a fixture starts ``what``, which needs ``mark``; put it under ``@pytest.fixture``."""
+    assert mark in GUARDED, mark
+
+    def declare(func):
+        setattr(func, _STARTS_ATTR, (mark, what))
+        return func
+
+    return declare
+
+
+def _folder() -> Path:
+    return Path(os.environ[start_guard.GUARD_ENV])
+
+
+def _set_current(test: str | None, unmarked: list[str]) -> None:
+    tmp = _folder() / (start_guard.CURRENT + ".tmp")
+    tmp.write_text(json.dumps({"test": test, "unmarked": unmarked}))
+    tmp.replace(_folder() / start_guard.CURRENT)
+
+
+def _trips_since(offset: int) -> tuple[list[dict], int]:
+    path = _folder() / start_guard.TRIPS
+    if not path.exists():
+        return [], offset
+    with path.open("rb") as f:
+        f.seek(offset)
+        data = f.read()
+    lines = data.decode(errors="replace").splitlines()
+    return [json.loads(line) for line in lines if line.strip()], offset + len(data)
+
+
+def unmarked_of(item: pytest.Item) -> list[str]:
+    """The guarded marks ``item`` lacks: what it may not start."""
+    marks = {m.name for m in item.iter_markers()}
+    return [m for m in GUARDED if m not in marks]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    folder = Path(tempfile.mkdtemp(prefix="datagen-start-guard-"))
+    config._datagen_start_guard = folder
+    os.environ[start_guard.GUARD_ENV] = str(folder)
+    (folder / start_guard.TRIPS).touch()
+    _set_current(None, [])
+    paths = [str(HOOKS_DIR), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))  # every process the tests start
+    start_guard.install()  # this process
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = getattr(config, "_datagen_start_guard", None)
+    if folder is not None:
+        os.environ.pop(start_guard.GUARD_ENV, None)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    # set-up, call and tear-down of the item (its fixtures' too) run under its marks
+    _set_current(item.nodeid, unmarked_of(item))
+    item._start_guard_offset = (_folder() / start_guard.TRIPS).stat().st_size
+    try:
+        return (yield)
+    finally:
+        _set_current(None, [])
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    unmarked = set(unmarked_of(item))
+    info = getattr(item, "_fixtureinfo", None)
+    for name in getattr(item, "fixturenames", ()):
+        for fixturedef in (info.name2fixturedefs.get(name, ()) if info else ()):
+            declared = getattr(fixturedef.func, _STARTS_ATTR, None)
+            if declared and declared[0] in unmarked:
+                mark, what = declared
+                pytest.fail(
+                    f"{item.nodeid} uses the fixture `{name}`, which starts {what}, but is not marked "
+                    f"`{mark}`: add @pytest.mark.{mark} (or `pytestmark` of its module)", pytrace=False,
+                )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call):
+    rep = yield
+    offset = getattr(item, "_start_guard_offset", None)
+    if offset is None:
+        return rep
+    trips, item._start_guard_offset = _trips_since(offset)
+    mine = [t for t in trips if t.get("test") == item.nodeid]
+    if mine and not rep.failed:
+        rep.outcome = "failed"
+        rep.longrepr = "\n".join(
+            f"{t['test']} started {t['what']} (process {t['pid']}) but is not marked `{t['mark']}`: "
+            f"add @pytest.mark.{t['mark']} (or `pytestmark` of its module)" for t in mine
+        )
+    return rep
