@@ -282,3 +282,36 @@ def test_the_fingerprint_is_of_the_bytes_parsed(tmp_path):
     rows = read_rows(path, digest=digest)
     assert [(r, raw) for r, raw, _ in rows] == [(0, b'{"input_ids": [1, 2]}')]
     assert digest.hexdigest() == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("content", ["hello", ""])
+def test_a_chat_that_opens_with_the_assistant_is_a_target_after_the_render_of_nothing(fast_tok, content):
+    ids, mask = tokenize_chat(fast_tok, [{"role": "assistant", "content": content}], path="chat.jsonl", line=1)
+    # the prompt is the template's render of an empty conversation: its generation prompt
+    assert fast_tok.decode(ids.tolist()) == f"<|im_start|>assistant\n{content}<|im_end|>\n"
+    assert runs(fast_tok, ids, mask) == [f"{content}<|im_end|>\n"]
+
+
+def test_an_opening_assistant_turn_and_a_later_one_are_both_masked_with_the_kimi_tokenizer(kimi_tok):
+    msgs = [{"role": "assistant", "content": "welcome"}, {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a"}]
+    ids, mask = tokenize_chat(kimi_tok, msgs, path="chat.jsonl", line=1)
+    # the opening turn's target is what the same turn's target is after a user's question
+    after_user = runs(kimi_tok, *tokenize_chat(kimi_tok, [{"role": "user", "content": "q"}, msgs[0]]))
+    assert runs(kimi_tok, ids, mask) == [*after_user, after_user[0].replace("welcome", "a")]
+    assert "welcome" in after_user[0]
+
+
+@pytest.mark.parametrize("template, reason", [
+    ("{{ raise_exception('Conversation roles must alternate user/assistant') }}", "roles must alternate"),
+    # a template that reads messages[0] cannot render the empty prompt of an opening assistant turn
+    ("{% if messages[0]['role'] == 'system' %}S{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+     "an empty conversation"),
+])
+def test_a_template_that_cannot_render_a_chat_refuses_its_row_with_its_reason(tmp_path, template, reason):
+    tok = make_tokenizer(tmp_path / "tok")
+    tok.chat_template = template
+    with pytest.raises(DatasetError, match="chat template cannot render") as e:
+        tokenize_chat(tok, [{"role": "assistant", "content": "hello"}], path="chat.jsonl", line=4)
+    assert reason in str(e.value) and "chat.jsonl:4" in str(e.value) and "pre-tokenize" in e.value.hint
+    assert e.value.__cause__ is not None

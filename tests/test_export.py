@@ -113,3 +113,20 @@ def test_exporting_again_is_a_no_op_and_another_output_is_refused(pristine, expo
     (other / "something").write_text("x")
     with pytest.raises(OutputConflictError):
         export.export(pristine, other)
+
+
+def test_a_manifest_changed_after_its_validation_is_refused_and_nothing_is_written(pristine, tmp_path):
+    from datagen.steps.validate import validate
+
+    ds = copy_dataset(pristine, tmp_path / "ds")
+    from datagen.validation.settings import ValidationSettings
+
+    assert validate(ds, ValidationSettings(golden_samples=0))["ok"]
+    m = manifest(ds)
+    m["totals"]["tokens"] += 0  # the same values, other bytes: validation approved the bytes
+    (ds / "manifest.json").write_text(json.dumps(m) + "\n")
+    with pytest.raises(ValidationFailed, match="changed after it was validated") as e:
+        export.export(ds, tmp_path / "out")
+    assert "datagen validate" in e.value.hint and not (tmp_path / "out").exists()
+    assert validate(ds, ValidationSettings(golden_samples=0))["ok"]  # validated again: exported
+    assert export.export(ds, tmp_path / "out")["validated"]

@@ -268,3 +268,26 @@ def test_the_one_read_cuts_at_line_ends_counts_rows_and_sees_the_chat_key_whatev
             assert part.endswith(b"\n") or r.stop == len(raw)
             row += part.count(b"\n") + (not part.endswith(b"\n"))
         assert row == len(lines)
+
+
+def test_chats_that_open_with_the_assistant_plan_in_workers_as_in_one_process(fast_tok, small_ranges, tmp_path):
+    rows = varied_rows(300, seed=9)
+    rows[17] = {"messages": [{"role": "assistant", "content": "hello"}]}
+    rows[211] = {"messages": [{"role": "assistant", "content": ""}, {"role": "user", "content": "q"}]}
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    kw = dict(load_tokenizer=lambda: fast_tok, vocab_size=VOCAB, max_seq_len=100)
+    got = prepare_dataset(path, workers=2, **kw)
+    assert_same(got, prepare_dataset(path, workers=1, **kw))
+    assert got.samples[17].loss_mask.sum() > 0 and got.samples[211].loss_mask.sum() > 0
+
+
+def test_a_template_that_raises_in_a_worker_is_the_rows_error_not_a_traceback(tmp_path, small_ranges):
+    from datagen.models.tiny import make_tokenizer
+
+    tok = make_tokenizer(tmp_path / "tok")
+    tok.chat_template = "{% if messages[0]['role'] == 'user' %}U{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    rows = [{"input_ids": [1, 2]}] * 150 + [{"messages": [{"role": "assistant", "content": "hi"}]}] + varied_rows(100)
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    with pytest.raises(DatasetError, match="chat template cannot render") as e:
+        prepare_dataset(path, workers=2, load_tokenizer=lambda: tok, vocab_size=VOCAB, max_seq_len=100)
+    assert e.value.line == 151

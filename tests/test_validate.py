@@ -444,3 +444,82 @@ def test_a_dataset_planned_with_a_spec_tokenizer_validates_against_that_tokenize
     assert "--tokenizer" in problems_of(without, "source_changed")[0]["message"]
     named = validate(out, tokenizer=str(tok))
     assert named["ok"] and named["checks"]["tokenization"]["status"] == "passed", named["problems"]
+
+
+# --- the manifest checked whole --------------------------------------------------------------------
+
+# Fields validation cannot and need not bind: when the manifest was written, and where the sources
+# were then (they move; what they hold is bound by spec.model.revision and spec.dataset.sha256,
+# checked wherever they are read: test_moved_sources_are_reported_as_not_checked_and_can_be_pointed_at).
+UNBOUND_FIELDS = {("created_at",), ("spec", "model", "source"), ("spec", "dataset", "source")}
+
+
+def _leaves(value, path=()):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _leaves(v, (*path, k))
+    elif isinstance(value, list) and value:
+        for i, v in enumerate(value):
+            yield from _leaves(v, (*path, i))
+    else:
+        yield path, value
+
+
+def _changed(v):
+    if isinstance(v, bool):
+        return not v
+    if isinstance(v, int):
+        return v + 1
+    if isinstance(v, float):
+        return v * 1.001 + 1e-3
+    if isinstance(v, str):
+        return v[:-1] + ("y" if v.endswith("x") else "x") if v else "x"
+    return 1 if v is None else [1]
+
+
+def test_an_edit_of_any_field_of_the_manifest_fails_validation(ds):
+    """Each field of each kind of record (the first shard's, the first layer's, ...) changed alone:
+    validation fails for every one that training, export, publish or the reader rely on."""
+    original = manifest(ds)
+    tried, passed, seen = 0, [], set()
+    for path, value in _leaves(original):
+        shape = tuple("*" if isinstance(p, int) else p for p in path)
+        if shape in seen:
+            continue
+        seen.add(shape)
+        m = json.loads(json.dumps(original))
+        at = m
+        for p in path[:-1]:
+            at = at[p]
+        at[path[-1]] = _changed(value)
+        write_manifest(ds, m)
+        tried += 1
+        if validate(ds)["ok"]:
+            passed.append(path)
+    assert tried > 60
+    assert {tuple(p) for p in passed} == UNBOUND_FIELDS
+
+
+@pytest.mark.parametrize("field", ["sum", "sumsq", "mean", "std"])
+def test_a_dataset_statistic_edited_by_a_thousandth_fails_validation(ds, field):
+    m = manifest(ds)
+    m["layer_stats"][0][field] *= 1.001
+    write_manifest(ds, m)
+    report = validate(ds)
+    assert not report["ok"] and kinds(report) == {"stats"}, report["problems"]
+
+
+def test_a_shard_statistic_edited_within_the_recompute_tolerance_fails_on_the_dataset_sums(ds):
+    # recomputed from the values a shard's sum may differ by rounding; the dataset's sums add up exactly
+    m = manifest(ds)
+    m["shards"][0]["layer_stats"][0]["sum"] += 1.0
+    write_manifest(ds, m)
+    problems = problems_of(validate(ds), "stats")
+    assert problems and any("combine from the shard records" in p["message"] for p in problems), problems
+
+
+def test_a_shard_written_by_a_rank_the_engine_did_not_have_fails_validation(ds):
+    m = manifest(ds)
+    m["shards"][1]["written_by"] = 1  # the reference engine has one rank
+    write_manifest(ds, m)
+    assert kinds(validate(ds)) == {"shard_ranges"}

@@ -11,6 +11,8 @@ that does I/O.
 
 from __future__ import annotations
 
+import enum
+import hashlib
 import json
 from pathlib import Path
 
@@ -287,6 +289,23 @@ def validated_manifest_sha256(dataset: str | Path) -> str | None:
     except (OSError, ValueError):
         return None
     return report.get("manifest_sha256") if isinstance(report, dict) and report.get("ok") is True else None
+
+
+class Approval(enum.Enum):
+    """What the validation record of a dataset says of the manifest bytes at hand."""
+
+    APPROVED = "approved"  # a passing validation approved exactly these bytes
+    NONE = "none"  # no passing validation is recorded
+    STALE = "stale"  # a passing validation approved other bytes: the manifest changed since
+
+
+def approval_of(dataset: str | Path, manifest_bytes: bytes) -> Approval:
+    """Whether a passing validation of ``dataset`` approved exactly ``manifest_bytes`` (the bytes
+    the caller read and will use, so that what is checked is what is used)."""
+    approved = validated_manifest_sha256(dataset)
+    if approved is None:
+        return Approval.NONE
+    return Approval.APPROVED if approved == hashlib.sha256(manifest_bytes).hexdigest() else Approval.STALE
 
 
 def manifest_fingerprint(dataset: str | Path) -> str | None:

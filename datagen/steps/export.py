@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
+import hashlib
 import json
 import logging
 import os
@@ -43,7 +44,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors.torch import save_file
 
-from datagen.data.contract import MANIFEST_NAME, Manifest, ShardRecord, validated_manifest_sha256
+from datagen.data.contract import (MANIFEST_NAME, Approval, Manifest, ShardRecord, approval_of,
+                                   validated_manifest_sha256)
 from datagen.data.shards import dequantize_fp8, fsync_dir
 from datagen.steps._args import Arg, StepSpec
 from datagen.errors import DatasetError, OutputConflictError, SpecError, UnsafePathError, ValidationFailed
@@ -86,9 +88,18 @@ def _load_manifest(root: Path) -> tuple[Manifest, bytes]:
 
 
 def _validated(root: Path, raw: bytes) -> bool:
-    import hashlib
+    """True when a passing validation approved exactly ``raw``; False when none is recorded.
 
-    return validated_manifest_sha256(root) == hashlib.sha256(raw).hexdigest()
+    Raises:
+        ValidationFailed: a validation approved another manifest (this one changed since).
+    """
+    approval = approval_of(root, raw)
+    if approval is Approval.STALE:
+        raise ValidationFailed(
+            f"{root}/{MANIFEST_NAME} changed after it was validated (validated "
+            f"{str(validated_manifest_sha256(root))[:12]}, now {hashlib.sha256(raw).hexdigest()[:12]})",
+            hint=f"run `datagen validate {root}` again; only the manifest it approves is exported")
+    return approval is Approval.APPROVED
 
 
 def export(dataset: str | Path, out: str | Path, *, fmt: ExportFormat = ExportFormat.SPECULATORS,
@@ -106,6 +117,7 @@ def export(dataset: str | Path, out: str | Path, *, fmt: ExportFormat = ExportFo
     root, out = Path(dataset), Path(out)
     m, raw = _load_manifest(root)
     msha = hashlib.sha256(raw).hexdigest()
+    validated = _validated(root, raw)
     layer_ids, n_layers = list(m.spec.layer_ids), m.spec.model.num_hidden_layers
     if not layer_ids:
         raise DatasetError(
@@ -124,7 +136,6 @@ def export(dataset: str | Path, out: str | Path, *, fmt: ExportFormat = ExportFo
             return {**_result(prior, out), "cached": True}
         raise OutputConflictError(f"export output {out} exists and is not an export of this dataset",
                                   hint="choose a new OUT, or delete the old one first")
-    validated = _validated(root, raw)
     if not validated:
         log.warning("dataset %s has no passing validation for this manifest: run `datagen validate` first", root)
 

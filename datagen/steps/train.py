@@ -9,13 +9,18 @@ beat). The draft directory must not exist; it is written under a temporary name 
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Annotated, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from datagen.data.contract import MANIFEST_NAME, Approval, approval_of
+from datagen.errors import ValidationFailed
 from datagen.steps._args import Arg, StepSpec
 from datagen.training.settings import DraftSettings
 
+log = logging.getLogger(__name__)
 HELP = "Train an EAGLE-3 draft on a dataset with speculators' trainer (the packed shards, no export)."
 
 
@@ -52,10 +57,34 @@ class TrainResult(BaseModel):
 Result = TrainResult
 
 
+def check_approval(dataset: str) -> None:
+    """A local dataset whose validation approved another manifest is refused before training:
+    the manifest changed since, and must be validated again. (A dataset on S3 was published, and
+    publish uploads only the manifest validation approved; one never validated trains with a
+    warning, as export exports it.)
+
+    Raises:
+        ValidationFailed: a passing validation approved other manifest bytes.
+    """
+    if dataset.startswith("s3://"):
+        return
+    try:
+        raw = (Path(dataset) / MANIFEST_NAME).read_bytes()
+    except OSError:
+        return  # the reader says what is missing, with its own hint
+    approval = approval_of(dataset, raw)
+    if approval is Approval.STALE:
+        raise ValidationFailed(f"{dataset}/{MANIFEST_NAME} changed after it was validated",
+                               hint=f"run `datagen validate {dataset}` again; only the manifest it approves is trained on")
+    if approval is Approval.NONE:
+        log.warning("dataset %s has no passing validation for this manifest: run `datagen validate` first", dataset)
+
+
 def run(spec: Spec) -> TrainResult:
     """``datagen train`` (``train_draft``, or ``untrained_draft`` for ``--steps 0``)."""
     from datagen.training.draft import model_of, train_draft, untrained_draft
 
+    check_approval(spec.dataset)
     make = train_draft if spec.steps > 0 else untrained_draft
     d = make(spec.dataset, spec.out, verifier=spec.model or model_of(spec.dataset), settings=spec.settings())
     lin = d.lineage

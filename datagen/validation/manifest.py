@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,10 +12,10 @@ from pydantic import ValidationError
 
 from datagen.data.contract import FORMAT_VERSION, MANIFEST_NAME, Manifest
 from datagen.data.media import REASONS as MEDIA_SKIP_REASONS
-from datagen.data.shards import combine_stats
+from datagen.data.shards import combine_stats, stats_from_sums
 from datagen.data.spec import canonical_json, sha256_hex
 from datagen.validation.report import Findings, Problem, ProblemKind
-from datagen.validation.scan import Expected, ShardScan, compare_stats
+from datagen.validation.scan import SUMS_RTOL, Expected, ShardScan, compare_stats
 from datagen.validation.shardfile import SPEC_DTYPE_CODES
 
 SKIP_REASONS = frozenset({"empty", "no_target", *MEDIA_SKIP_REASONS})
@@ -108,12 +109,39 @@ def check(lm: LoadedManifest, findings: Findings) -> None:
         if m.totals.get(key) != value:
             findings.add(Problem(ProblemKind.TOTALS, f"totals.{key} is {m.totals.get(key)}, the records add up "
                                  f"to {value}"))
+    _check_writers(m, findings)
+    _check_own_sums(m, findings)
     with_tokens = [r.layer_stats for r in m.shards if r.tokens]
     if all(len(s) == len(lm.expected.layer_ids) for s in with_tokens):
         combined = combine_stats(with_tokens, lm.expected.layer_ids)
-        for msg, lid in compare_stats(combined, m.layer_stats):
+        for msg, lid in compare_stats(combined, m.layer_stats, rtol=SUMS_RTOL):
             findings.add(Problem(ProblemKind.STATS, "dataset statistics do not combine from the shard records: "
                                  + msg, layer_id=lid))
+
+
+def _check_own_sums(m: Manifest, findings: Findings) -> None:
+    """Each record's mean and std are what the writer computed from its count, sum and sumsq
+    (``stats_from_sums``), so an edit of one of them alone is found even where the values cannot
+    be read again."""
+    records = [("the dataset", None, m.layer_stats)] + [(f"shard {r.index}", r, r.layer_stats) for r in m.shards]
+    for where, rec, stats in records:
+        for st in stats:
+            own = stats_from_sums(st.layer_id, st.count, st.sum, st.sumsq, st.absmax)
+            if (not math.isclose(own.mean, st.mean, rel_tol=SUMS_RTOL, abs_tol=1e-15)
+                    or not math.isclose(own.std, st.std, rel_tol=SUMS_RTOL, abs_tol=1e-15)):
+                findings.add(Problem(
+                    ProblemKind.STATS, f"the statistics of {where} do not follow from their own sums: mean "
+                    f"{st.mean:.10g} and std {st.std:.10g} recorded, {own.mean:.10g} and {own.std:.10g} from count "
+                    f"{st.count}, sum {st.sum:.10g}, sumsq {st.sumsq:.10g}", layer_id=st.layer_id,
+                    **({"shard": rec.index, "path": rec.path} if rec is not None else {})))
+
+
+def _check_writers(m: Manifest, findings: Findings) -> None:
+    ranks = m.spec.engine.tensor_parallel_size or 1
+    for rec in m.shards:
+        if rec.written_by is not None and rec.written_by >= ranks:
+            findings.add(Problem(ProblemKind.SHARD_RANGES, f"record {rec.index} says tensor-parallel rank "
+                                 f"{rec.written_by} wrote it; the engine had {ranks}", shard=rec.index, path=rec.path))
 
 
 def _check_fingerprints(m: Manifest, findings: Findings) -> None:

@@ -32,6 +32,9 @@ _STEP_BYTES = 2 << 20
 # Relative tolerance of recomputed statistics: float32 partial sums against the
 # writer's float64 sums differ by about 1e-6 of the standard deviation.
 STATS_RTOL = 1e-4
+# Relative tolerance of statistics combined from recorded float64 sums (dataset from shards, a
+# record's mean and std from its own sums): the writer's arithmetic, so only summation order differs.
+SUMS_RTOL = 1e-9
 # At most this many problems of one kind are listed per shard; the rest are counted.
 MAX_LISTED = 50
 
@@ -393,9 +396,15 @@ def _report_non_finite(acc: _LayerSums, out: ShardScan, exp: Expected) -> None:
         out.problem(ProblemKind.NON_FINITE, f"{listed - MAX_LISTED} more samples hold NaN/Inf (not listed)")
 
 
-def compare_stats(found: list[LayerStats], recorded: list[LayerStats], *,
-                  skip: set[int] = frozenset()) -> list[tuple[str, int | None]]:
-    """Messages (and layer id) for each layer whose recorded statistics differ from ``found``."""
+def compare_stats(found: list[LayerStats], recorded: list[LayerStats], *, skip: set[int] = frozenset(),
+                  rtol: float = STATS_RTOL) -> list[tuple[str, int | None]]:
+    """Messages (and layer id) for each layer whose recorded statistics differ from ``found``.
+
+    Every field is compared: count exactly, mean within ``rtol`` of the standard deviation, std
+    and sumsq within ``rtol`` of themselves, sum within ``rtol`` of sqrt(count * sumsq) (a bound
+    on the sum of the values' magnitudes), absmax within 1e-6. ``rtol``: STATS_RTOL for statistics
+    recomputed from the values; SUMS_RTOL for statistics combined from recorded sums (the
+    writer's own arithmetic, so only rounding may differ)."""
     if [s.layer_id for s in found] != [s.layer_id for s in recorded]:
         return [(f"statistics list layers {[s.layer_id for s in recorded]}, the data holds "
                  f"{[s.layer_id for s in found]}", None)]
@@ -407,10 +416,15 @@ def compare_stats(found: list[LayerStats], recorded: list[LayerStats], *,
         bad = []
         if f.count != r.count:
             bad.append(f"count {f.count} vs recorded {r.count}")
-        if not math.isclose(f.mean, r.mean, rel_tol=0, abs_tol=STATS_RTOL * scale):
+        if not math.isclose(f.mean, r.mean, rel_tol=0, abs_tol=rtol * scale):
             bad.append(f"mean {f.mean:.6g} vs recorded {r.mean:.6g}")
-        if not math.isclose(f.std, r.std, rel_tol=STATS_RTOL, abs_tol=1e-12):
+        if not math.isclose(f.std, r.std, rel_tol=rtol, abs_tol=1e-12):
             bad.append(f"std {f.std:.6g} vs recorded {r.std:.6g}")
+        magnitude = math.sqrt(max(f.count, 0) * max(f.sumsq, 0.0))
+        if not math.isclose(f.sum, r.sum, rel_tol=0, abs_tol=rtol * magnitude + 1e-12):
+            bad.append(f"sum {f.sum:.10g} vs recorded {r.sum:.10g}")
+        if not math.isclose(f.sumsq, r.sumsq, rel_tol=rtol, abs_tol=1e-12):
+            bad.append(f"sumsq {f.sumsq:.10g} vs recorded {r.sumsq:.10g}")
         if not math.isclose(f.absmax, r.absmax, rel_tol=1e-6, abs_tol=1e-12):
             bad.append(f"absmax {f.absmax:.6g} vs recorded {r.absmax:.6g}")
         if bad:

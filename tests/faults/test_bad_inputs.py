@@ -707,6 +707,22 @@ def test_export_of_a_manifest_without_a_spec_is_refused(dataset, tmp_path, case)
     assert not (tmp_path / "export").exists()
 
 
+@pytest.mark.parametrize("step", ["export", "train"])
+def test_a_manifest_changed_after_its_validation_is_refused_by_export_and_train(dataset, tmp_path, case, step):
+    """The validation record binds the bytes it approved: one byte of the manifest changed after it
+    (a digit of a statistic, which still parses) and export and train refuse it, writing nothing."""
+    assert run_cli("validate", dataset, "--golden", "0").code == 0
+    raw = (dataset / MANIFEST_NAME).read_bytes()
+    at = raw.index(b'"sumsq": ') + len(b'"sumsq": ')
+    (dataset / MANIFEST_NAME).write_bytes(raw[:at] + (b"2" if raw[at:at + 1] != b"2" else b"3") + raw[at + 1:])
+    out = tmp_path / "out"
+    argv = (("export", "--format", "speculators", dataset, out) if step == "export" else
+            ("train", dataset, "--out", out, "--steps", "0"))
+    assert_refused(run_cli(*argv), code=EXIT_VALIDATION, message="changed after it was validated")
+    assert not out.exists()
+    _record(case, step, "manifest changed after it was validated", "refused, exit 4, nothing written")
+
+
 # --- the flow's parameter (the pipeline spec the Prefect UI validates) --------------------------------------
 
 PIPELINE_CASES = {
