@@ -74,6 +74,17 @@ class OutputConflictError(DatagenError, FileExistsError):
     exit_code = EXIT_BAD_INPUT
 
 
+class EngineSettingError(DatagenError, ValueError):
+    """vLLM refuses a setting of the engine (an engine option or a ``VLLM_*`` variable).
+    ``settings`` names it, as ``name=value``; the message carries vLLM's own reason."""
+
+    exit_code = EXIT_BAD_INPUT
+
+    def __init__(self, message: str, *, settings: list[str], hint: str | None = None):
+        self.settings = settings
+        super().__init__(message, hint=hint)
+
+
 class EngineUnsupportedError(DatagenError, RuntimeError):
     """The installed engine (vLLM) is outside the tested range or cannot capture here."""
 

@@ -19,6 +19,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 
@@ -29,7 +30,8 @@ from datagen.data.spec import MlaBackend
 from datagen.engines import patches
 from datagen.engines.base import Engine, Handout
 from datagen.engines.vllm_settings import VllmSettings
-from datagen.errors import CannotRunHereError, EngineUnsupportedError, ModelError, SpecError, StorageError
+from datagen.errors import (CannotRunHereError, EngineSettingError, EngineUnsupportedError, ModelError, SpecError,
+                            StorageError)
 from datagen.models.modelinfo import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -103,6 +105,49 @@ def choose_attention_backend(info: ModelInfo, mla_backend: MlaBackend | None) ->
     if mla:
         return (mla_backend or MlaBackend.CPU_MLA).value
     return CPU_ATTENTION
+
+
+# Words of a setting's name that say nothing of what it sets (VLLM_USE_V2_MODEL_RUNNER: "v2 model runner").
+_NAME_FILLER = frozenset({"vllm", "use", "enable", "disable", "num", "max", "config"})
+
+
+def _named_in(name: str, reason: str) -> bool:
+    """Whether vLLM's reason names this setting: its name, or (for a name of two telling words or
+    more) every telling word of it, as words."""
+    words = set(re.findall(r"[a-z0-9]+", reason.lower().replace("_", " ")))
+    if name.lower() in reason.lower():
+        return True
+    telling = [w for w in name.lower().split("_") if w and w not in _NAME_FILLER]
+    return len(telling) >= 2 and all(w in words for w in telling)
+
+
+def start_error(e: Exception, *, model, version: str, kwargs: dict, environ=None) -> ModelError | EngineSettingError:
+    """What a failed ``LLM(...)`` means for the user: the setting vLLM refuses (an engine option or a
+    ``VLLM_*`` variable whose name its reason names), with vLLM's reason; else the model it cannot
+    load, with the engine settings in force to check.
+
+    Args:
+        e: what ``LLM(**kwargs)`` raised.
+        model: the model directory.
+        version: the vLLM release.
+        kwargs: the engine options ``LLM`` was given.
+        environ: the environment (default: this process's).
+    """
+    reason = str(e).strip() or type(e).__name__
+    env = os.environ if environ is None else environ
+    variables = {k: v for k, v in env.items() if k.startswith("VLLM_")}
+    named = [f"{k}={v}" for k, v in sorted(variables.items()) if _named_in(k, reason)]
+    named += [f"{k}={v!r}" for k, v in kwargs.items() if k != "model" and _named_in(k, reason)]
+    if named:
+        return EngineSettingError(
+            f"vLLM {version} refuses the setting {', '.join(named)}: {reason}", settings=named,
+            hint=f"change or unset {' and '.join(n.split('=')[0] for n in named)} (vLLM's reason says what it "
+                 "needs); datagen sets what capture needs itself",
+        )
+    inforce = ", ".join(f"{k}={v}" for k, v in sorted(variables.items()))
+    return ModelError(f"vLLM {version} cannot load {model}: {reason}",
+                      hint="check the model files and the engine settings"
+                           + (f" (VLLM_* variables set here: {inforce})" if inforce else ""))
 
 
 def check_devices(tensor_parallel_size: int) -> bool:
@@ -264,7 +309,7 @@ class VllmEngine(Engine):
         try:
             self.llm = LLM(**kwargs)
         except (ValueError, OSError) as e:
-            raise ModelError(f"vLLM cannot load {self.info.path}: {e}", hint="check the model files and settings") from e
+            raise start_error(e, model=self.info.path, version=self.version, kwargs=kwargs) from e
         self._check_attention_backend()
 
     def _check_attention_backend(self) -> None:

@@ -98,7 +98,9 @@ class Generator:
         try:
             self.llm = LLM(**kwargs)
         except (ValueError, OSError) as e:
-            raise ModelError(f"vLLM cannot load {self.model_dir}: {e}", hint="check the model files and settings") from e
+            from datagen.engines.vllm_engine import start_error
+
+            raise start_error(e, model=self.model_dir, version=self.version, kwargs=kwargs) from e
 
     def new_chunk(self) -> None:
         """Forget the prefix cache: the next chunk's batches depend on its rows alone."""

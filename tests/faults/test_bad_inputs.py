@@ -522,6 +522,25 @@ def _refused_run(r: Refusal, *, llama: Path, deepseek: Path, rows: Path, out: Pa
                    "--out", out, *r.args)
 
 
+@pytest.mark.engine
+def test_a_setting_vllm_refuses_is_named_with_vllms_reason(tiny_llama, rows, tmp_path, monkeypatch, case):
+    """vLLM's own refusal of a setting (Model Runner V2 on the CPU engine, which has no Triton) names
+    the setting and vLLM's reason, not the model, and leaves the output location as found."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the capture refuses Model Runner V2 itself, before vLLM does")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    out = tmp_path / "place" / "out"
+    r = Refusal(engine=VLLM)
+    o = _refused_run(r, llama=tiny_llama, deepseek=tiny_llama, rows=rows, out=out, tmp_path=tmp_path)
+    assert_refused(o, code=EXIT_BAD_INPUT, message="refuses the setting VLLM_USE_V2_MODEL_RUNNER=1")
+    assert "Triton" in o.err and "cannot load" not in o.err, o.err[-2000:]
+    assert not (tmp_path / "place").exists()
+    _record(case, "extract", "a VLLM_* setting vLLM refuses (Model Runner V2 on the CPU engine)",
+            "refused, exit 2, the setting and vLLM's reason named, nothing written")
+
+
 @pytest.mark.parametrize("prior", list(PRIOR_STATES))
 @pytest.mark.parametrize("name", list(OUTPUT_REFUSALS))
 def test_a_refused_extract_leaves_the_output_location_as_found(tiny_llama, tiny_deepseek, rows, tmp_path, monkeypatch,
