@@ -296,7 +296,7 @@ def render_prompt(tokenizer, conversation: list[dict]) -> str:
     return _render(tokenizer, conversation, True)
 
 
-def template_error(e: Exception, *, what: str, path: str, line: int) -> DatasetError:
+def template_error(e: Exception, *, what: str, path: str, line: int | None) -> DatasetError:
     """A chat template (or tokenizer) that raised, as the row's error: the line, what was being
     rendered, and the template's own reason."""
     reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

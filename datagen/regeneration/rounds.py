@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from datagen.data.dataset import render_prompt, template_error
+from datagen.errors import DatasetError
 from datagen.regeneration.chats import RowState, script
 from datagen.regeneration.output import ChunkRecord, SkippedChat
 from datagen.regeneration.settings import RegenerationSettings, row_seed
@@ -45,8 +47,10 @@ class Prepared:
 class ChunkRunner:
     """Regenerates chunks of rows with a started ``Generator``."""
 
-    def __init__(self, settings: RegenerationSettings, tokenizer, generator, splitter, window: int):
+    def __init__(self, settings: RegenerationSettings, tokenizer, generator, splitter, window: int, *,
+                 source: str = "the dataset"):
         self.s, self.tok, self.gen, self.splitter, self.window = settings, tokenizer, generator, splitter, window
+        self.source = source  # the dataset's path, for the errors that name a row of it
         # one tokenizer, two threads (run_all): a fast tokenizer is not safe to call from both at once
         self._tok_lock = threading.Lock()
 
@@ -54,13 +58,40 @@ class ChunkRunner:
         """The conversation so far with the generation prompt, as extraction tokenizes a render."""
         return self.prompts_ids([messages])[0]
 
-    def prompts_ids(self, conversations: list[list[dict]]) -> list[list[int]]:
-        """``prompt_ids`` of many conversations, tokenized in one call (a fast tokenizer batches it)."""
+    def prompts_ids(self, conversations: list[list[dict]], rows: list[int] | None = None) -> list[list[int]]:
+        """``prompt_ids`` of many conversations, tokenized in one call (a fast tokenizer batches it).
+        ``rows``: each conversation's source row, named by the error of a template that cannot
+        render it (an empty conversation, the prompt of a chat that opens with the assistant, is
+        rendered as extraction renders it: ``render_prompt``).
+
+        Raises:
+            DatasetError: the template cannot render a prompt, renders it as nothing, or the
+                tokenizer raises on it.
+        """
         if not conversations:
             return []
+        lines = [r + 1 for r in rows] if rows is not None else [None] * len(conversations)
         with self._tok_lock:
-            texts = [self.tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in conversations]
-            return [list(ids) for ids in self.tok(texts, add_special_tokens=False)["input_ids"]]
+            texts = [self._render(m, line) for m, line in zip(conversations, lines)]
+            try:
+                ids = [list(x) for x in self.tok(texts, add_special_tokens=False)["input_ids"]]
+            except Exception as e:  # noqa: BLE001 - the tokenizer's own error, as the dataset's
+                raise DatasetError(f"the tokenizer cannot tokenize a rendered prompt: {type(e).__name__}: {e}",
+                                   path=self.source, hint="check the tokenizer with the chats of this dataset") from e
+        for got, m, line in zip(ids, conversations, lines):
+            if not got:
+                raise DatasetError(
+                    f"the chat template renders nothing before assistant message {len(m)}: there is no prompt to "
+                    "generate it from", path=self.source, line=line,
+                    hint="start the chat with a system or user message, or extract it as written")
+        return ids
+
+    def _render(self, messages: list[dict], line: int | None) -> str:
+        try:
+            return render_prompt(self.tok, messages)
+        except Exception as e:  # noqa: BLE001 - any template error is the row's error
+            raise template_error(e, what=f"the prompt of assistant message {len(messages)}", path=self.source,
+                                 line=line) from e
 
     def prepare(self, rows: Rows) -> Prepared:
         """A chunk's scripts and its first round's prompts: host work only, no engine."""
@@ -73,7 +104,7 @@ class ChunkRunner:
             else:
                 states.append(RowState(row=row, steps=steps))
         going = [st for st in states if st.advance()]
-        return Prepared(states, skipped, going, self.prompts_ids([st.out for st in going]))
+        return Prepared(states, skipped, going, self.prompts_ids([st.out for st in going], [st.row for st in going]))
 
     def run(self, k: int, rows: Rows, *, fp: str, rows_sha256: str, prepared: Prepared | None = None) -> ChunkRecord:
         """Chunk ``k`` (``prepared``: ``prepare(rows)``, made beforehand)."""
@@ -102,7 +133,7 @@ class ChunkRunner:
                 st.add_turn(assistant_message(text, self.splitter), gen, seed=req.seed, on_length=self.s.on_length,
                             prompt_ids=req.prompt_ids)
             going = [st for st in states if st.advance()]
-            ids_of_round = self.prompts_ids([st.out for st in going])
+            ids_of_round = self.prompts_ids([st.out for st in going], [st.row for st in going])
         log.debug("chunk %d: %d rounds", k, rounds)
         return _record(states, list(p.skipped), fp=fp, k=k, rows_sha256=rows_sha256)
 

@@ -217,7 +217,7 @@ def regenerate(spec: Spec) -> RegenerateResult:
         generator.start()
         try:
             out.begin()
-            chunks = ChunkRunner(s, tokenizer, generator, splitter, window)
+            chunks = ChunkRunner(s, tokenizer, generator, splitter, window, source=spec.dataset)
             t0 = time.monotonic()
             for n, rec in enumerate(chunks.run_all([(k, parts[k], keys[k]) for k in todo], fp=fp,
                                                    write=out.write_chunk), 1):

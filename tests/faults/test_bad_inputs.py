@@ -764,3 +764,31 @@ def test_a_bad_pipeline_spec_is_refused_naming_the_field(tiny_llama, rows, tmp_p
         parse_pipeline_spec(raw)
     assert message in str(e.value) and e.value.hint
     _record(case, "flow parameter", name, "refused by the spec's validation (SpecError with a hint)")
+
+
+# --- regeneration's prompts (the chat template, rendered after the engine started) ---------------------------
+
+def test_regeneration_renders_an_opening_assistant_turn_and_names_the_row_a_template_cannot_render(tmp_path, case):
+    """A chat that opens with the assistant is generated from the render of an empty conversation,
+    as extraction masks it; a template that cannot render a prompt refuses that row by its line
+    (a DatasetError: exit 2 with a hint), never a traceback from transformers."""
+    from datagen.errors import DatasetError
+    from datagen.models.tiny import make_tokenizer
+    from datagen.regeneration.rounds import ChunkRunner
+    from datagen.regeneration.settings import RegenerationSettings
+
+    tok = make_tokenizer(tmp_path / "tok")
+    runner = ChunkRunner(RegenerationSettings(), tok, None, None, window=4096, source="chats.jsonl")
+    chat = [{"role": "assistant", "content": "welcome"}, {"role": "user", "content": "q"}]
+    prepared = runner.prepare([(6, b"", chat)])
+    assert prepared.first_ids == [tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]]
+
+    tok.chat_template = "{% if messages[0]['role'] == 'user' %}U{% endif %}{{ messages[-1]['content'] }}"
+    with pytest.raises(DatasetError, match="chat template cannot render") as e:
+        runner.prepare([(6, b"", chat)])
+    assert "chats.jsonl:7" in str(e.value) and e.value.hint and e.value.exit_code == EXIT_BAD_INPUT
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(DatasetError, match="renders nothing before assistant message 0"):
+        runner.prepare([(6, b"", chat)])
+    _record(case, "regenerate", "a chat opening with the assistant; a template that cannot render its prompt",
+            "generated from the render of nothing; else refused naming the row, exit 2")
