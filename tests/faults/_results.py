@@ -36,6 +36,16 @@ def examples_scale() -> int:
     return int(value)
 
 
+SEED_ENV = "DATAGEN_FAULTS_SEED"
+
+
+def faults_seed() -> int | None:
+    """``DATAGEN_FAULTS_SEED=S``: another draw (the crash campaign's kill moments, the generated
+    inputs' examples); None: the default draw (generated inputs derandomized)."""
+    value = os.environ.get(SEED_ENV)
+    return int(value) if value else None
+
+
 def full_campaign() -> bool:
     """``make faults`` sets DATAGEN_FAULTS_FULL=1: the full campaign; otherwise the short one."""
     return os.environ.get(FULL_ENV, "0") == "1"
@@ -63,6 +73,8 @@ class CaseRecord:
     def write(self) -> Path:
         assert self.category in CATEGORIES, self.category
         self.details.setdefault("campaign", "full" if full_campaign() else "short")
+        if faults_seed() is not None:
+            self.details.setdefault("seed", faults_seed())
         if examples_scale() != 1:
             self.details.setdefault("examples_scale", examples_scale())
         d = results_dir()

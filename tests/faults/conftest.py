@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from tests.faults._results import CaseRecord, examples_scale, full_campaign  # noqa: F401  (the tests import it from here)
+from tests.faults._results import CaseRecord, examples_scale, faults_seed, full_campaign  # noqa: F401  (the tests import it from here)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,7 +5,8 @@ model's safetensors header.
 Each property: an input is accepted exactly when it is valid (an oracle written from the contract,
 not from the code), and when it is refused, the step exits with its code, names the problem (the
 line, the field), says what to do (``  -> ``), shows no traceback and writes nothing. Hypothesis is
-derandomized: every run draws the same inputs.
+derandomized (every run draws the same inputs) unless ``DATAGEN_FAULTS_SEED`` names another draw;
+``DATAGEN_FAULTS_EXAMPLES_SCALE=N`` draws N times the examples.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import struct
 from collections import Counter
 from pathlib import Path
 
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, example, given, seed, settings
 from hypothesis import strategies as st
 
 from datagen.data.contract import MANIFEST_NAME
@@ -25,14 +26,15 @@ from datagen.data.dataset import ROLES
 from datagen.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_VALIDATION
 from tests.builders import write_jsonl
 from tests.faults._refusal import assert_refused, run_cli, tree
-from tests.faults.conftest import examples_scale, full_campaign
+from tests.faults.conftest import examples_scale, faults_seed, full_campaign
 from tests.support.extracted import extracted_dataset
 
 VOCAB = 512  # the tiny Llama's vocabulary
 MAX_SEQ_LEN = 64
 # DATAGEN_FAULTS_EXAMPLES_SCALE multiplies every count here (a campaign that looks further)
 EXAMPLES = (150 if full_campaign() else 40) * examples_scale()
-FAST = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+SEED = faults_seed()  # DATAGEN_FAULTS_SEED: another draw; unset: derandomized, every run the same inputs
+FAST = settings(max_examples=EXAMPLES, deadline=None, derandomize=SEED is None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                        HealthCheck.data_too_large])
 
@@ -43,6 +45,11 @@ json_values = st.recursive(
     max_leaves=12,
 )
 GOOD_ROW = {"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]}
+
+
+def drawn(test):
+    """The examples of DATAGEN_FAULTS_SEED's draw (outermost decorator of each property)."""
+    return seed(SEED)(test) if SEED is not None else test
 ABSENT = object()
 
 
@@ -140,6 +147,7 @@ def _record(case, name: str, counts: Counter, *, what: str) -> None:
 def test_random_values_in_pre_tokenized_rows_are_accepted_exactly_when_valid(tiny_llama, tmp_path, case):
     counts: Counter = Counter()
 
+    @drawn
     @FAST
     @given(row=token_rows())
     def check(row):
@@ -161,6 +169,7 @@ def test_random_values_in_pre_tokenized_rows_are_accepted_exactly_when_valid(tin
 def test_random_chat_rows_are_accepted_exactly_when_valid(tiny_llama, tmp_path, case):
     counts: Counter = Counter()
 
+    @drawn
     @FAST
     @given(row=chat_rows())
     # a chat that opens with the assistant: its prompt is the render of an empty conversation
@@ -253,6 +262,7 @@ def corruptions(draw):
 def test_random_byte_corruption_of_a_jsonl_line_is_refused_at_that_line(tiny_llama, tmp_path, case):
     counts: Counter = Counter()
 
+    @drawn
     @FAST
     @given(c=corruptions())
     def check(c):
@@ -279,6 +289,7 @@ def test_a_dataset_truncated_anywhere_is_refused_at_its_last_line(tiny_llama, tm
     base = _base_bytes()
     counts: Counter = Counter()
 
+    @drawn
     @FAST
     @given(cut=st.integers(0, len(base) - 1))
     def check(cut):
@@ -307,6 +318,7 @@ def test_random_layer_lists_are_accepted_exactly_when_sorted_unique_and_in_range
     data = write_jsonl(tmp_path / "rows.jsonl", [GOOD_ROW])
     counts: Counter = Counter()
 
+    @drawn
     @FAST
     @given(layers=st.lists(st.integers(-3, 9), max_size=6))
     def check(layers):
@@ -354,6 +366,7 @@ def _spec_case(case, tmp_path, monkeypatch, base: dict, fields: set[str], argv, 
     monkeypatch.chdir(tmp_path)  # a random relative path stays inside the test's directory
     counts: Counter = Counter()
 
+    @drawn
     @FAST
     @given(m=spec_mutations(base, fields))
     def check(m):
@@ -439,6 +452,7 @@ def test_random_corruption_of_manifest_json_fails_validation_and_export(tmp_path
     shutil.copytree(pristine, ds)
     counts: Counter = Counter()
 
+    @drawn
     @settings(FAST, max_examples=max(EXAMPLES // 3, 20))
     @given(edits=byte_edits(len(raw)))
     @example(edits=[(430, "delete", 0)])  # a digit of the first layer's sumsq in the dataset statistics
@@ -477,6 +491,7 @@ def test_random_corruption_of_a_model_header_is_refused_before_loading(tiny_llam
     data = write_jsonl(tmp_path / "rows.jsonl", [GOOD_ROW])
     counts: Counter = Counter()
 
+    @drawn
     @FAST
     @given(edits=byte_edits(8 + n))
     def check(edits):
@@ -503,6 +518,7 @@ def test_random_publish_destinations_are_refused_or_need_validation(tmp_path_fac
     (ds / ".datagen" / "validation.json").unlink(missing_ok=True)
     counts: Counter = Counter()
 
+    @drawn
     @FAST
     @given(uri=st.one_of(st.text(max_size=30), st.builds(lambda b, p: f"s3://{b}/{p}", st.text(max_size=12),
                                                           st.text(max_size=12))))
