@@ -28,6 +28,9 @@ ROWS, NEW_TOKENS = 16, 24
 # subtler off-by-one at a training budget this test cannot afford)
 RIGHT, WRONG = (2, 15, 27, 30), (1, 2, 3, 30)
 SETTINGS = DraftSettings(steps=16, total_seq_len=256, draft_vocab_size=1024, ttt_steps=2, train_ratio=0.75, lr=3e-3)
+# the chats are SmolLM2's own replies (`datagen regenerate`: a vLLM engine, where .cache lacks them), and
+# one test captures with vLLM
+pytestmark = pytest.mark.engine
 
 
 def self_generated_chats(model: Path) -> Path:

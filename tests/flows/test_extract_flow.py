@@ -22,7 +22,7 @@ from tests.flows.conftest import Story
 from tests.support.step_hooks import hooked_runner, write_faults
 from tests.support.prefect_runs import artifacts_by_key, flow_run_logs, state_names, task_runs
 
-pytestmark = pytest.mark.usefixtures("prefect_harness")
+pytestmark = [pytest.mark.prefect_server, pytest.mark.usefixtures("prefect_harness")]
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ from tests.support.docker_engine import BUILD_TIMEOUT_S, built_images, docker_cl
 
 pytestmark = [
     pytest.mark.docker,
+    pytest.mark.prefect_server,  # the prefect_harness, and the local run it compares with (tests/flows/conftest.py)
     pytest.mark.timeout(BUILD_TIMEOUT_S),
     pytest.mark.usefixtures("prefect_harness"),
 ]

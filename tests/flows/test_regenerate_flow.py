@@ -42,6 +42,7 @@ def test_the_pipeline_spec_turns_regeneration_on_and_checks_its_settings(tmp_pat
 
 
 @pytest.mark.engine
+@pytest.mark.prefect_server
 def test_the_flow_regenerates_the_chats_and_extracts_the_regenerated_ones(story):
     root, data, first, _ = story
     summary = first.result()
@@ -58,6 +59,7 @@ def test_the_flow_regenerates_the_chats_and_extracts_the_regenerated_ones(story)
 
 
 @pytest.mark.engine
+@pytest.mark.prefect_server
 def test_a_second_run_finds_the_regeneration_in_the_cache(story):
     _, _, first, second = story
     tasks = task_runs(second.state_details.flow_run_id)

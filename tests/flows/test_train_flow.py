@@ -19,6 +19,7 @@ from tasks import train as train_tasks
 from tests.support.extracted import copy_dataset, extracted_dataset
 
 SETTINGS = {"steps": 3, "total_seq_len": 256, "ttt_steps": 2, "train_ratio": 0.75}
+pytestmark = pytest.mark.prefect_server  # every test reads the nights run against Prefect's test harness
 
 
 def _artifacts(key: str) -> list:

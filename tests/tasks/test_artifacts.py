@@ -47,6 +47,7 @@ def reports_of(flow_run_ids: list) -> list[str]:
     return [by_run[i] for i in flow_run_ids]
 
 
+@pytest.mark.prefect_server
 def test_each_run_plots_itself_after_the_runs_before_and_marks_a_drifted_layer(prefect_harness, tmp_path):
     name = f"nightly-{uuid.uuid4().hex[:8]}"
     run = nightly(name)
@@ -68,6 +69,7 @@ def test_each_run_plots_itself_after_the_runs_before_and_marks_a_drifted_layer(p
     assert len(history) == 4  # one record per run: what the next run's report reads
 
 
+@pytest.mark.prefect_server
 def test_drift_is_measured_against_validations_previous_dataset_when_there_is_one(prefect_harness, tmp_path):
     run = nightly(f"nightly-{uuid.uuid4().hex[:8]}")
     base = make_synthetic_dataset(tmp_path / "base", rows=16, seed=0)
@@ -89,6 +91,7 @@ def test_drift_is_measured_against_validations_previous_dataset_when_there_is_on
     assert "Runs: 4" in report
 
 
+@pytest.mark.prefect_server
 def test_a_report_that_cannot_be_drawn_does_not_fail_the_run(prefect_harness, tmp_path):
     run = nightly(f"nightly-{uuid.uuid4().hex[:8]}")
     state = run(str(tmp_path / "missing"), return_state=True)

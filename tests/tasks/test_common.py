@@ -38,6 +38,7 @@ def test_cache_keys_are_file_names_that_depend_on_every_part():
     assert k != cache_key("extract-range", ["a", "c"], "local:1", "/out")
 
 
+@pytest.mark.prefect_server
 @pytest.mark.usefixtures("prefect_harness")
 def test_prefect_retries_a_transient_fault_and_not_a_permanent_one():
     calls = {"transient": 0, "permanent": 0}

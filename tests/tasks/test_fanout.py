@@ -10,7 +10,7 @@ import pytest
 
 from tasks.fanout import gpu_slots, gpu_slots_name
 
-pytestmark = pytest.mark.usefixtures("prefect_harness")
+pytestmark = [pytest.mark.prefect_server, pytest.mark.usefixtures("prefect_harness")]
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ def export_again(dataset: str, out: str) -> ExportResult | None:
     return export_speculators(dataset, out, cache_key=f"not-cached-{out}", runner=Runner.LOCAL)
 
 
+@pytest.mark.prefect_server
 def test_an_export_there_already_is_kept(prefect_harness, tmp_path_factory, tmp_path):
     ds = copy_dataset(extracted_dataset(tmp_path_factory), tmp_path / "dataset")
     raw = (ds / MANIFEST_NAME).read_bytes()
@@ -37,6 +38,7 @@ def test_an_export_there_already_is_kept(prefect_harness, tmp_path_factory, tmp_
     assert (Path(out) / EXPORT_RECORD).stat().st_mtime_ns == written
 
 
+@pytest.mark.prefect_server
 def test_the_export_task_returns_the_export_steps_result(prefect_harness, tmp_path_factory, tmp_path):
     ds = copy_dataset(extracted_dataset(tmp_path_factory), tmp_path / "dataset")
     raw = (ds / MANIFEST_NAME).read_bytes()
