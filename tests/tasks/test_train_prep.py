@@ -7,6 +7,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import pytest
 from prefect import flow
 
 from datagen.data.contract import MANIFEST_NAME
