@@ -164,15 +164,24 @@ def test_a_model_without_an_image_processor_refuses_image_rows(kimi, tokenizer, 
         _plan(model, load_tokenizer(model, trust_remote_code=True), write_jsonl(tmp_path / "d.jsonl", [image_row("a.png")]))
 
 
-def test_without_vllms_own_processor_a_checkpoint_without_its_code_is_refused(kimi, monkeypatch):
+def test_without_vllms_own_processor_a_checkpoint_without_its_code_is_refused(kimi, monkeypatch, tmp_path):
     """vLLM 0.24.0 has no Kimi-K2.5 image processor of its own: it loads the checkpoint's remote
-    code. The tiny checkpoint ships none, so the engine refuses image rows before it starts."""
+    code. The tiny checkpoint ships it; one whose preprocessor_config.json names none is refused
+    before the engine starts (tests/test_kimi_processor.py holds the shipped one's count)."""
+    import shutil
+
     from datagen.data import media
     from datagen.errors import EngineUnsupportedError
 
     monkeypatch.setattr(media, "fused_processor_class", lambda: None)
+    assert media.engine_kwargs(str(kimi), trust_remote_code=True) == {"mm_processor_cache_gb": 0}
+    bare = tmp_path / "no-code"
+    shutil.copytree(kimi, bare)
+    cfg = json.loads((bare / "preprocessor_config.json").read_text())
+    del cfg["auto_map"]
+    (bare / "preprocessor_config.json").write_text(json.dumps(cfg))
     with pytest.raises(EngineUnsupportedError, match="ships none"):
-        media.engine_kwargs(str(kimi), trust_remote_code=True)
+        media.engine_kwargs(str(bare), trust_remote_code=True)
 
 
 def test_a_shard_job_carries_each_rows_images_over_the_wire():
