@@ -1,12 +1,14 @@
 # Two commands do everything on a fresh machine:
 #   make demo   set up, then extract the embedded default (tiny DeepSeek-V3 model, CPU vLLM, local storage)
 #   make test   set up, then run the whole test suite (starts Docker, S3 and Prefect servers itself)
+# and one is the inner loop:
+#   make check  the fast tier: every test that starts no vLLM engine, no container, no server (minutes)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test images images-cuda bench faults services clean
+.PHONY: setup demo check coverage test images images-cuda bench faults services clean
 
 setup: $(STAMP)
 
@@ -26,7 +28,18 @@ $(STAMP): requirements/lock.txt pyproject.toml
 demo: setup
 	$(PY) -m flows.demo
 
-# The suite runs in file order. SHUFFLE=1 runs it in a random order (pytest-randomly: the
+# The fast tier, what to run after every change: the tests that start no vLLM engine, no container
+# and no S3 or Prefect server, and are not marked slow (scripts/test.sh: CHECK_MARKS). A test that
+# starts one of those without its mark fails (tests/support/marks.py), so the tier stays fast.
+# SHUFFLE=1 and SEED=N as for `make test`. `make coverage` runs the same tier under coverage.py
+# and prints the line coverage of datagen/, tasks/ and flows/ (the processes it starts included).
+check: setup
+	PY=$(PY) SEED="$(SEED)" SHUFFLE="$(SHUFFLE)" TIER=check scripts/test.sh
+
+coverage: setup
+	PY=$(PY) SEED="$(SEED)" SHUFFLE="$(SHUFFLE)" TIER=check COVERAGE=1 scripts/test.sh
+
+# The whole suite runs in file order. SHUFFLE=1 runs it in a random order (pytest-randomly: the
 # modules, then the tests of each module, shuffled) and prints the seed first and last;
 # SEED=N replays the order of seed N. The tests that mostly wait on Prefect's timeouts run in a
 # pytest process of their own (with tests that fill their idle time), and modules that share no

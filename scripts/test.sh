@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The whole suite (`make test`): three pytest processes side by side.
+# The test tiers: the whole suite (`make test`, three pytest processes side by side) or the fast
+# tier (`make check`, TIER=check: one process, every test that starts no vLLM engine, no container
+# and no S3 or Prefect server; the marks hold, tests/support/marks.py).
 #
 # WAITING runs in a process of its own: the scale-out tests spend most of their ten minutes waiting
 # on Prefect's minimum timeouts (heartbeats every 30 s, a 60 s lost-host window, 60 s range leases)
@@ -27,10 +29,18 @@
 #   SEED     run every process in the random order of this seed (pytest-randomly)
 #   SHUFFLE  non-empty: pick a seed
 #   SERIAL   non-empty: one process, every test in file order of tests/ (no overlap)
+#   TIER     check: the fast tier only (CHECK_MARKS), in one process; else the whole suite
+#   COVERAGE non-empty (with TIER=check): measure line coverage of datagen/, tasks/ and flows/
+#            (coverage.py, the pytest process and every process it starts; pyproject.toml
+#            [tool.coverage]) and print the report
 # Extra arguments go to every pytest process.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
+# The fast tier leaves out what starts a vLLM engine, a container, an S3 or a Prefect server (the
+# guard fails a test that starts one without its mark), what needs a GPU, and the few tests marked
+# slow: minutes of work with none of those (pyproject.toml says what each mark means).
+CHECK_MARKS="not engine and not docker and not s3 and not prefect_server and not gpu and not slow"
 WAITING=(tests/flows/test_scale_out.py tests/test_media_engine.py tests/images/test_train_image.py
          tests/test_train_smollm2.py tests/faults/test_infrastructure.py
          tests/test_extract_vllm.py::test_deepseek_v3_states_equal_the_reference_for_every_layer_and_token
@@ -43,7 +53,15 @@ if [ -z "$seed" ] && [ -n "${SHUFFLE:-}" ]; then seed=$(od -An -N4 -tu4 /dev/ura
 order=()
 if [ -n "$seed" ]; then order=(-p randomly "--randomly-seed=$seed"); echo "test order: shuffled with seed $seed"; fi
 
-if [ -n "${SERIAL:-}" ]; then
+if [ "${TIER:-}" = check ] && [ -n "${COVERAGE:-}" ]; then
+    mkdir -p .cache/coverage && rm -f .cache/coverage/data .cache/coverage/data.*
+    "$PY" -m coverage run -m pytest -q "${order[@]}" -m "$CHECK_MARKS" "$@" tests; status=$?
+    if ! { "$PY" -m coverage combine -q && "$PY" -m coverage report --sort=cover; }; then
+        [ "$status" -eq 0 ] && status=1
+    fi
+elif [ "${TIER:-}" = check ]; then
+    "$PY" -m pytest -q "${order[@]}" -m "$CHECK_MARKS" "$@" tests; status=$?
+elif [ -n "${SERIAL:-}" ]; then
     "$PY" -m pytest -q "${order[@]}" "$@" tests; status=$?
 else
     extra=("$@")
@@ -71,5 +89,5 @@ else
         fi
     done
 fi
-if [ -n "$seed" ]; then echo "test order: shuffled with seed $seed (SEED=$seed make test replays it)"; fi
+if [ -n "$seed" ]; then echo "test order: shuffled with seed $seed (SEED=$seed make ${TIER:-test} replays it)"; fi
 exit "$status"

@@ -11,7 +11,7 @@ from tests.builders import make_model_dir
 # without its mark fails (tests/support/marks.py); `make check` selects by these marks.
 from tests.support.marks import (  # noqa: F401  (pytest hooks)
     pytest_configure, pytest_runtest_makereport, pytest_runtest_protocol, pytest_runtest_setup,
-    pytest_unconfigure,
+    pytest_terminal_summary, pytest_unconfigure,
 )
 
 # The CPU engine's KV cache: small, the tests' sequences are short.

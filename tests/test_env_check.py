@@ -59,6 +59,7 @@ def run_cli(spec: dict, tmp_path: Path, **env) -> tuple[int, dict | None, dict, 
 
 
 @cpu_only
+@pytest.mark.slow
 def test_cpu_spec_gets_a_correct_report_on_this_machine(model_dir, tmp_path):
     spec = {"model": str(model_dir), "out": str(tmp_path / "out"), "expected_tokens": 10_000}
     rc, result, report, output = run_cli(spec, tmp_path, AWS_SECRET_ACCESS_KEY=SECRET, HF_TOKEN=SECRET)
@@ -91,6 +92,7 @@ def check_text(report: dict, name: str) -> str:
 
 
 @cpu_only
+@pytest.mark.slow
 def test_amx_mla_fails_the_check_on_a_cpu_without_amx(model_dir, tmp_path):
     from datagen.engines.vllm_engine import cpu_has_amx
 
@@ -104,6 +106,7 @@ def test_amx_mla_fails_the_check_on_a_cpu_without_amx(model_dir, tmp_path):
 
 
 @cpu_only
+@pytest.mark.slow
 def test_spec_asking_for_8_gpus_fails_clearly(model_dir, tmp_path):
     spec = {"model": str(model_dir), "out": str(tmp_path / "out"), "engine": {"tensor_parallel_size": 8}}
     rc, result, report, output = run_cli(spec, tmp_path)

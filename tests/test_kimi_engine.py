@@ -210,6 +210,7 @@ def test_env_check_says_which_layer_this_engine_cannot_capture_from_the_config_a
     assert c.status is env_check.Status.OK, c.detail
 
 
+@pytest.mark.slow
 def test_plan_refuses_a_layer_the_engine_cannot_capture(tmp_path):
     from datagen.models.tiny_kimi import make_tiny_kimi
     from tests.builders import result_of, run_datagen, token_rows, write_jsonl

@@ -1,5 +1,7 @@
 """The marks hold (tests/support/marks.py): a test session of its own, whose tests start a vLLM
-engine, a Docker client, a Prefect server or a declared S3 fixture with and without the mark.
+engine, a Docker client, a Prefect server or a declared S3 fixture with and without the mark (the
+engine and the Prefect server in a slow test of their own: importing vLLM and Prefect's server takes
+seconds).
 Nothing really starts: the guard refuses before the thing runs, and the marked cases call the
 guard alone."""
 
@@ -10,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,7 +88,8 @@ def test_unmarked_start_of_nothing():
 '''
 
 
-def test_a_start_without_its_mark_fails_the_test_in_its_process_in_a_child_and_through_a_fixture(tmp_path):
+def run_inner_session(tmp_path: Path, *select: str) -> tuple[dict[str, str], str]:
+    """Run the tests above in a pytest session of their own; each test's outcome, and the output."""
     (tmp_path / "conftest.py").write_text(textwrap.dedent(CONFTEST))
     (tmp_path / "test_inner.py").write_text(textwrap.dedent(TESTS))
     (tmp_path / "pytest.ini").write_text(
@@ -93,7 +98,7 @@ def test_a_start_without_its_mark_fails_the_test_in_its_process_in_a_child_and_t
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider", "-rA", "-q",
-         "--strict-markers", "test_inner.py"],
+         "--strict-markers", *select, "test_inner.py"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )
     out = run.stdout + run.stderr
@@ -102,18 +107,27 @@ def test_a_start_without_its_mark_fails_the_test_in_its_process_in_a_child_and_t
         for word in ("PASSED", "FAILED", "ERROR"):
             if line.startswith(word + " test_inner.py::"):
                 outcome[line.split("::")[1].split()[0]] = word
+    return outcome, out
+
+
+def test_a_start_without_its_mark_fails_the_test_in_its_process_in_a_child_and_through_a_fixture(tmp_path):
+    outcome, out = run_inner_session(tmp_path, "-k", "not test_unmarked_engine_in_process and not test_unmarked_prefect_server")
     assert outcome == {
-        "test_unmarked_engine_in_process": "FAILED",
         "test_unmarked_docker_client_in_a_child_whose_failure_the_test_expects": "FAILED",
         "test_unmarked_docker_client_whose_error_the_test_swallows": "FAILED",
-        "test_unmarked_prefect_server": "FAILED",
         "test_marked_s3_fixture_first": "PASSED",
         "test_unmarked_s3_fixture_already_set_up": "ERROR",
         "test_marked_engine_and_docker": "PASSED",
         "test_unmarked_start_of_nothing": "PASSED",
     }, out[-6000:]
-    assert "test_unmarked_engine_in_process starts a vLLM engine (vllm.LLM) but is not marked `engine`" in out
     # the child's refusal, reported by the test session though the test passed
     assert "test_unmarked_docker_client_in_a_child_whose_failure_the_test_expects started a client of the Docker engine (process" in out
-    assert "starts a Prefect server" in out and "not marked `prefect_server`" in out
     assert "uses the fixture `pretend_s3`, which starts a pretend S3 server, but is not marked `s3`" in out
+
+
+@pytest.mark.slow  # imports vLLM and Prefect's server (about 15 s)
+def test_a_vllm_engine_or_a_prefect_server_started_without_its_mark_fails_the_test(tmp_path):
+    outcome, out = run_inner_session(tmp_path, "-k", "test_unmarked_engine_in_process or test_unmarked_prefect_server")
+    assert outcome == {"test_unmarked_engine_in_process": "FAILED", "test_unmarked_prefect_server": "FAILED"}, out[-6000:]
+    assert "test_unmarked_engine_in_process starts a vLLM engine (vllm.LLM) but is not marked `engine`" in out
+    assert "test_unmarked_prefect_server starts a Prefect server" in out and "not marked `prefect_server`" in out

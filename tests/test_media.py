@@ -243,6 +243,7 @@ def test_s3_images_are_read_through_the_storage_layer_and_kept_by_sha256(kimi, t
     assert np.array_equal(d.samples[0].input_ids, d.samples[2].input_ids)  # the same image, wherever it lies
 
 
+@pytest.mark.slow
 def test_the_transformers_engine_refuses_image_rows_and_leaves_no_output(kimi, tmp_path):
     from datagen.data.spec import ExtractSpec
     from tests.builders import run_datagen

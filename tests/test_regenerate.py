@@ -136,6 +136,7 @@ def test_greedy_settings_refuse_sampling_knobs():
 
 # --- bad input: refused before the engine starts, output left as found --------------------------
 
+@pytest.mark.slow
 def test_pre_tokenized_rows_are_refused_with_their_line(smollm2, tmp_path):
     data = write_jsonl(tmp_path / "in.jsonl", [regen_rows()[6], {"input_ids": [1, 2, 3]}])
     out = tmp_path / "out"
@@ -145,6 +146,7 @@ def test_pre_tokenized_rows_are_refused_with_their_line(smollm2, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_image_rows_are_refused_with_their_line(smollm2, tmp_path):
     image = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this"},
                                                         {"type": "image_url", "image_url": {"url": "a.png"}}]}]}
@@ -156,6 +158,7 @@ def test_image_rows_are_refused_with_their_line(smollm2, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_an_output_directory_of_something_else_is_left_as_found(smollm2, rows_file, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

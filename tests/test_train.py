@@ -134,6 +134,7 @@ def test_an_empty_training_split_is_refused(tiny_dataset, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_the_draft_is_fed_the_targets_own_states_so_a_mislabelled_dataset_is_caught(trained, tiny_dataset, tmp_path):
     """measure-draft feeds the draft the target's states at the layers its config names (what vLLM
     feeds it), not the dataset's: the stored states of a correct dataset match the target's within

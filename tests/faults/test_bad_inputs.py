@@ -287,6 +287,7 @@ def test_an_enormous_row_is_truncated_and_recorded_not_refused(tiny_llama, tmp_p
     _record(case, "extract", "a 1,000,000-token row", "accepted: truncated to max_seq_len, recorded in the manifest")
 
 
+@pytest.mark.slow
 def test_a_dataset_changed_during_extraction_gets_no_manifest_and_the_rerun_redoes_only_its_shard(
         tiny_llama, tmp_path, case):
     """The shards hold the rows as read at the start; a dataset edited meanwhile is detected before

@@ -58,6 +58,7 @@ ENGINES = ["hf", pytest.param("vllm", marks=[pytest.mark.engine, pytest.mark.ski
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.slow
 def test_the_disk_filling_up_mid_extraction_fails_resumably_and_the_rerun_completes(
         tiny_llama, small_disk, tmp_path, case, engine):
     data = write_jsonl(tmp_path / "rows.jsonl", token_rows([150] * 24, seed=SEED))  # ~2.8 MB of shards

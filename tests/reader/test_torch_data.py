@@ -103,6 +103,7 @@ def _rank_main(rank: int, world: int, init: str, root: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ranks_come_from_torch_distributed(reader, tmp_path):
     import json
 

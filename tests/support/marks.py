@@ -15,6 +15,9 @@ things enforce it, each where the thing starts:
   ``APIClient`` or Prefect's ``SubprocessASGIServer``, which the guard wraps in the test process
   and, through ``sitecustomize`` on PYTHONPATH, in every process the tests start.
 
+The ``slow`` mark has no guard (a duration is no start): a run that leaves out ``slow`` (`make
+check`) names, at its end, the unmarked tests that took over SLOW_S seconds.
+
 The hooks below are imported into tests/conftest.py.
 """
 
@@ -30,6 +33,7 @@ from pathlib import Path
 import pytest
 
 HOOKS_DIR = Path(__file__).resolve().parent / "worker_hooks"
+SLOW_S = 15.0  # a test of the fast tier over this (set-up and call) is named at its end: mark it slow
 # The guard by the same name as the processes the tests start import it (`start_guard`, through
 # sitecustomize): one module, one set of patches, one UnmarkedStart, whichever imported it first.
 if str(HOOKS_DIR) not in sys.path:
@@ -40,6 +44,7 @@ from start_guard import (  # noqa: E402, F401  (re-exported for the harnesses)
     DOCKER, ENGINE, GUARDED, PREFECT_SERVER, S3, UnmarkedStart, check,
 )
 _STARTS_ATTR = "_datagen_test_starts"  # on a fixture function: (mark, what) it starts
+_DURATIONS = pytest.StashKey[dict]()  # node id -> seconds of set-up and call, of tests not marked slow
 
 
 def starts(mark: str, what: str):
@@ -127,6 +132,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call):
     rep = yield
+    if rep.when in ("setup", "call") and item.get_closest_marker("slow") is None:
+        seconds = item.config.stash.setdefault(_DURATIONS, {})
+        seconds[item.nodeid] = seconds.get(item.nodeid, 0.0) + rep.duration
     offset = getattr(item, "_start_guard_offset", None)
     if offset is None:
         return rep
@@ -139,3 +147,13 @@ def pytest_runtest_makereport(item: pytest.Item, call):
             f"add @pytest.mark.{t['mark']} (or `pytestmark` of its module)" for t in mine
         )
     return rep
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    if "not slow" not in (config.option.markexpr or ""):
+        return
+    over = sorted(((t, n) for n, t in config.stash.get(_DURATIONS, {}).items() if t > SLOW_S), reverse=True)
+    if over:
+        terminalreporter.write_sep("=", f"not marked slow, over {SLOW_S:.0f} s (mark them slow, or make them cheaper)")
+        for seconds, nodeid in over:
+            terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}")
