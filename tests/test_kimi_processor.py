@@ -170,6 +170,19 @@ def test_several_images_and_a_video_chunk_in_one_call_match_vllms(processors):
     assert np.array_equal(a["pixel_values"].numpy(), b["pixel_values"].numpy())
 
 
+def test_the_raw_pixels_a_device_normalizing_vllm_asks_for_are_vllms(processors):
+    """vLLM 0.32 normalizes Kimi-K2.5's pixels on the device and asks the processor for raw ones
+    (do_rescale and do_normalize off); 0.24.0 takes them normalized (the defaults)."""
+    ours, theirs, _ = processors
+    items = [_chunk(_image(90, 60, seed=3)), _chunk(_image(500, 41, mode="RGBA", seed=4))]
+    a = ours.preprocess(items, return_tensors="pt", do_rescale=False, do_normalize=False)
+    b = theirs.preprocess([dict(i) for i in items], return_tensors="pt", do_rescale=False, do_normalize=False)
+    assert np.array_equal(a["pixel_values"].numpy(), b["pixel_values"].numpy())
+    assert a["pixel_values"].max().item() > 1.0  # 0..255, not rescaled
+    normalized = ours.preprocess(items, return_tensors="pt")["pixel_values"]
+    assert np.allclose(normalized.numpy(), (a["pixel_values"].numpy() / 255.0 - 0.5) / 0.5, atol=1e-6)
+
+
 def test_the_project_counts_with_ours_where_vllm_has_no_processor_of_its_own(checkpoint):
     """vLLM 0.24.0's path in the project (no fused processor): planning's count is ours."""
     from datagen.data.media import remote_image_processor

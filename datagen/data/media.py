@@ -354,9 +354,13 @@ def expand(ids: np.ndarray, mask: np.ndarray, pad_id: int, counts: list[int]) ->
 _COUNTERS: dict[tuple[int, bool], tuple[object, ImageTokens]] = {}
 
 
-def counter_for(tokenizer, *, trust_remote_code: bool = False) -> ImageTokens:
+def counter_for(tokenizer, *, trust_remote_code: bool | None = None) -> ImageTokens:
     """The ``ImageTokens`` of the model whose tokenizer this is (its ``name_or_path`` directory),
-    made once per tokenizer."""
+    made once per tokenizer. ``trust_remote_code`` None (planning, which is handed the tokenizer
+    and not the spec): as the tokenizer was loaded, i.e. True when it is code shipped in its
+    directory, which transformers builds only where the spec let that directory's code run."""
+    if trust_remote_code is None:
+        trust_remote_code = type(tokenizer).__module__.startswith("transformers_modules.")
     key = (id(tokenizer), trust_remote_code)
     got = _COUNTERS.get(key)
     if got is None or got[0] is not tokenizer:

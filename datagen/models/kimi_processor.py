@@ -143,11 +143,14 @@ class KimiK25VisionProcessor(BaseImageProcessor):
         self.media_proc_cfg = dict(media_proc_cfg)
         self.settings = MediaSettings.from_config(self.media_proc_cfg)
         self.num_frames_per_chunk = self.settings.frames_per_chunk
-        # uint8 value -> normalized float32, per channel: [256, 3]
-        values = np.arange(256, dtype=np.float32)[:, None] / np.float32(255.0)
+        # uint8 value -> float32 per channel, [256, 3]: as is, rescaled to [0, 1], and normalized
+        raw = np.repeat(np.arange(256, dtype=np.float32)[:, None], 3, axis=1)
+        rescaled = raw / np.float32(255.0)
         mean = np.asarray(self.settings.mean, dtype=np.float32)
         inv_std = np.float32(1.0) / np.asarray(self.settings.std, dtype=np.float32)
-        self._normalized = (values - mean[None, :]) * inv_std[None, :]
+        self._tables = {(False, False): raw, (True, False): rescaled,
+                        (False, True): (raw - mean[None, :]) * inv_std[None, :],
+                        (True, True): (rescaled - mean[None, :]) * inv_std[None, :]}
 
     @classmethod
     def from_dict(cls, image_processor_dict: dict, **kwargs: Any):
@@ -176,19 +179,24 @@ class KimiK25VisionProcessor(BaseImageProcessor):
         """The placeholder tokens of one vision chunk (what vLLM's prompt update expands to)."""
         return self.item_layout(item)[0].tokens
 
-    def _patches(self, frame: Image.Image, at: Layout) -> np.ndarray:
-        """One frame resized, padded with black, normalized and cut: [rows * cols, 3, p, p] float32."""
+    def _patches(self, frame: Image.Image, at: Layout, table: np.ndarray) -> np.ndarray:
+        """One frame resized, padded with black, mapped through ``table`` (uint8 -> float32 per
+        channel) and cut: [rows * cols, 3, p, p] float32."""
         p = self.settings.patch_size
         pixels = np.zeros((at.padded_height, at.padded_width, 3), dtype=np.uint8)
         resized = frame.convert("RGB").resize((at.width, at.height), resample=Image.Resampling.BICUBIC)
         pixels[: at.height, : at.width] = np.asarray(resized)
-        normalized = self._normalized[pixels, np.arange(3)]  # [H, W, 3]
+        normalized = table[pixels, np.arange(3)]  # [H, W, 3]
         rows, cols = at.grid(p)
         return normalized.reshape(rows, p, cols, p, 3).transpose(0, 2, 4, 1, 3).reshape(rows * cols, 3, p, p)
 
-    def preprocess(self, images: list[dict] | dict, return_tensors: Any = None, **kwargs: Any) -> BatchFeature:
+    def preprocess(self, images: list[dict] | dict, return_tensors: Any = None, do_rescale: bool = True,
+                   do_normalize: bool = True, **kwargs: Any) -> BatchFeature:
         """``pixel_values`` and ``grid_thws`` of vision chunks, in order (patches of each frame
-        row by row, frames in order, items in order)."""
+        row by row, frames in order, items in order). ``do_rescale`` / ``do_normalize`` off give
+        the values unscaled / without mean and std (a vLLM that normalizes on the device asks
+        for both off: the pixels as 0..255)."""
+        table = self._tables[bool(do_rescale), bool(do_normalize)]
         items = images if isinstance(images, list) else [images]
         if not items:
             return BatchFeature(data={}, tensor_type=return_tensors)
@@ -196,7 +204,7 @@ class KimiK25VisionProcessor(BaseImageProcessor):
         for item in items:
             at, _ = self.item_layout(item)
             frames = _frames(item)
-            patches += [self._patches(f, at) for f in frames]
+            patches += [self._patches(f, at, table) for f in frames]
             grids.append((len(frames), *at.grid(self.settings.patch_size)))
         data = {"pixel_values": torch.from_numpy(np.ascontiguousarray(np.concatenate(patches))),
                 "grid_thws": torch.tensor(grids, dtype=torch.int64)}
