@@ -6,7 +6,9 @@ AutoImageProcessor through vLLM's get_image_processor, trust_remote_code, the cl
 generated preprocessor_config.json); vLLM 0.32's reads the same file. Their token counts
 (media_tokens_calculator, what the prompt update expands each placeholder to) must agree for every
 image: 1x1 up to past the largest the window takes, odd aspect ratios, every PIL mode a row may
-bring; and so must what the vision tower is given (pixel_values, grid_thws). No engine starts.
+bring; and so must what the vision tower is given (pixel_values, grid_thws). No engine starts,
+but in the last test (marked engine): ``datagen extract`` through the shipped processor on a vLLM
+that has none of its own (numba hidden from the run, as on 0.24.0) against vLLM 0.32's own.
 """
 
 from __future__ import annotations
@@ -259,14 +261,63 @@ sys.meta_path.insert(0, _NoNumba())
 """
 
 
+def _hidden_numba(tmp_path: Path) -> dict:
+    """The environment of a run whose processes see no numba."""
+    import os
+
+    hide = tmp_path / "no-numba"
+    hide.mkdir(exist_ok=True)
+    (hide / "sitecustomize.py").write_text(_NO_NUMBA)
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(hide), os.environ.get("PYTHONPATH")]))}
+
+
+_PLAN = """
+import json, sys
+from datagen.data import media
+from datagen.data.planning import prepare_dataset
+from datagen.models.tokenizer import load_tokenizer
+
+model, data = sys.argv[1], sys.argv[2]
+plan = prepare_dataset(data, load_tokenizer=lambda: load_tokenizer(model, trust_remote_code=True), vocab_size=1024,
+                       max_seq_len=512, workers=1)
+print(json.dumps({"fused": media.fused_processor_class() is not None,
+                  "tokens": {r: [m.tokens for m in s.media] for r, s in sorted(plan.samples.items())}}))
+"""
+
+
+def test_planning_counts_with_the_shipped_processor_where_vllm_has_none(checkpoint, tmp_path):
+    """No engine: planning (in a process that sees no numba, so no processor of vLLM's own) loads
+    the checkpoint's processor under its shipped tokenizer's permission and counts with it."""
+    import os
+    import subprocess
+    import sys
+
+    from datagen.models.tiny_tiktoken import write_kimi_tokenizer
+    from tests.builders import REPO, write_jsonl
+
+    model = _copy(checkpoint, tmp_path / "kimi")
+    write_kimi_tokenizer(model, vocab_size=512)
+    _image(90, 60).save(tmp_path / "a.png")
+    _image(37, 700, mode="RGBA").save(tmp_path / "c.png")
+    parts = [{"type": "text", "text": "What is in it?"}, {"type": "image_url", "image_url": {"url": "a.png"}},
+             {"type": "image_url", "image_url": {"url": "c.png"}}]
+    data = write_jsonl(tmp_path / "rows.jsonl", [{"messages": [{"role": "user", "content": parts},
+                                                               {"role": "assistant", "content": "Two."}]}])
+    env = {**os.environ, **_hidden_numba(tmp_path)}
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(REPO)])
+    proc = subprocess.run([sys.executable, "-c", _PLAN, str(model), str(data)], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"fused": False, "tokens": {"0": [12, 16]}}
+
+
 @pytest.mark.engine
 def test_through_datagen_extract_the_shipped_processor_gives_vllms_own_shards(tmp_path):
     """``datagen extract`` of image rows on a vLLM without a Kimi-K2.5 processor of its own (the
     path of vLLM 0.24.0: planning counts with the shipped processor, the engine loads it through
     AutoImageProcessor, profiles with it and expands the placeholders with it) writes the shards
     the same run with vLLM 0.32's own processor writes, tensor for tensor."""
-    import os
-
     import torch
     from safetensors.torch import load_file
 
@@ -286,12 +337,8 @@ def test_through_datagen_extract_the_shipped_processor_gives_vllms_own_shards(tm
         return {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": "A cat."}]}
 
     data = write_jsonl(tmp_path / "rows.jsonl", [row("a.png"), row("b.png", "c.png"), row("c.png")])
-    hide = tmp_path / "no-numba"
-    hide.mkdir()
-    (hide / "sitecustomize.py").write_text(_NO_NUMBA)
     outs, logs = {}, {}
-    for name, env in {"own": {}, "shipped": {"PYTHONPATH": os.pathsep.join(
-            filter(None, [str(hide), os.environ.get("PYTHONPATH")]))}}.items():
+    for name, env in {"own": {}, "shipped": _hidden_numba(tmp_path)}.items():
         out = tmp_path / f"out-{name}"
         spec = ExtractSpec(model=str(p.model), dataset=str(data), out=str(out), layer_ids=[1, 2], max_seq_len=512,
                            samples_per_shard=2, engine={"name": "vllm", "trust_remote_code": True,
