@@ -172,6 +172,30 @@ def test_several_images_and_a_video_chunk_in_one_call_match_vllms(processors):
     assert np.array_equal(a["pixel_values"].numpy(), b["pixel_values"].numpy())
 
 
+@pytest.mark.parametrize("overrides", [{"in_patch_limit_video": 301}, {"in_patch_limit_each_frame": 90},
+                                       {"fixed_output_tokens": 7}, {"merge_kernel_size": [2, 2]}])
+def test_the_other_settings_of_media_proc_cfg_count_as_vllms(processors, overrides):
+    """Keys the two budgets above leave at their defaults: a cap over a whole video chunk, a
+    per-frame limit, a fixed count, the merge written as a pair."""
+    default, theirs, _ = processors
+    cfg = {**default.media_proc_cfg, **overrides}
+    ours, theirs = type(default)(media_proc_cfg=cfg), type(theirs)(media_proc_cfg=cfg)
+    changed = False
+    for n in (1, 3, 4):
+        for w, h in [(3000, 3000), (300, 200), (29, 900)]:
+            for item in ({"type": "video_chunk", "video_chunk": [_blank(w, h)] * n}, _chunk(_blank(w, h))):
+                got = ours.media_tokens_calculator(item)
+                assert got == theirs.media_tokens_calculator(dict(item)), (item["type"], n, w, h)
+                changed |= got != default.media_tokens_calculator(item)
+    assert changed == ("merge_kernel_size" not in overrides)  # the setting is read (the pair is the same 2)
+
+
+def _blank(w: int, h: int):
+    from PIL import Image
+
+    return Image.new("RGB", (w, h))
+
+
 def test_the_raw_pixels_a_device_normalizing_vllm_asks_for_are_vllms(processors):
     """vLLM 0.32 normalizes Kimi-K2.5's pixels on the device and asks the processor for raw ones
     (do_rescale and do_normalize off); 0.24.0 takes them normalized (the defaults)."""
