@@ -49,9 +49,7 @@ CHECK_MARKS="not engine and not docker and not s3 and not prefect_server and not
 # behind a file lock). To rebalance, compare the two `N passed in S s` lines and move a module.
 CHECK_BESIDE=(tests/test_stored_plan.py tests/test_kimi_processor.py tests/test_kimi_tokenizer.py
               tests/test_smollm2.py tests/tasks/test_local_runner.py tests/test_planning.py tests/test_report.py
-              tests/test_architecture.py tests/test_capture.py tests/test_extract_inputs.py
-              tests/test_regenerate_layout.py tests/test_shards.py tests/images/test_build.py
-              tests/test_kimi_engine.py)
+              tests/test_architecture.py tests/test_capture.py tests/test_shards.py)
 WAITING=(tests/flows/test_scale_out.py tests/test_media_engine.py tests/images/test_train_image.py
          tests/test_train_smollm2.py tests/faults/test_infrastructure.py
          tests/test_extract_vllm.py::test_deepseek_v3_states_equal_the_reference_for_every_layer_and_token
