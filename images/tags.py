@@ -46,6 +46,7 @@ class ImageName(str, enum.Enum):
     EXTRACT_CUDA = "datagen-extract-cuda"  # the engine on GPUs: CUDA wheels on the offline base
     EXTRACT_CUDA_OFFICIAL = "datagen-extract-cuda-official"  # the same on the official vLLM image
     TRAIN_CPU = "datagen-train-cpu"  # train, measure-draft: speculators (pinned) and the CPU engine
+    TRAIN_CUDA = "datagen-train-cuda"  # the same on GPUs: the CUDA extract image's lock plus speculators
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,9 @@ class ImageRecipe:
     # resolver made for exactly its roots (requirements/lock-cuda.txt, images/lock_cuda.py).
     lock: str = "requirements/lock.txt"
     whole_lock: bool = False
+    # A whole-lock image's own pins on top of that lock (a file of name==version lines): each one
+    # is added, or replaces the lock's pin of that name. "" for none.
+    overlay: str = ""
     # The OCI label dev.datagen.cuda.version: "none", or "lock-cuda" (the CUDA lock's runtime,
     # what torch.version.cuda says; the build checks that the image's torch agrees).
     cuda_version: str = "none"
@@ -124,6 +128,21 @@ RECIPES = {
         vllm_version="lock",
         default_base=ENGINE_BASE.tag,
     ),
+    # The train image on GPUs: the CUDA extract image's base, Dockerfile stage and whole lock (the
+    # engine for measure-draft's EAGLE-3 speculative decoding, CUDA torch), with speculators pinned
+    # on top (images/train/pins-cuda.txt). Over 10 GB like it: `make images-cuda` builds both.
+    ImageName.TRAIN_CUDA: ImageRecipe(
+        name=ImageName.TRAIN_CUDA,
+        target="extract",
+        requirements_in="images/train/requirements-cuda.in",
+        default_base=ENGINE_BASE.tag,
+        vllm_version=CUDA_VLLM_RELEASE,
+        lock="requirements/lock-cuda.txt",
+        whole_lock=True,
+        overlay="images/train/pins-cuda.txt",
+        cuda_version="lock-cuda",
+        build_command="make images-cuda",
+    ),
 }
 # What `make images` builds when no image is named: what this machine can build and run.
 DEFAULT_IMAGES = (ImageName.STEPS, ImageName.EXTRACT_CPU)
@@ -174,7 +193,10 @@ def plan_image(name: ImageName, *, base_image: str | None = None, root: Path = R
     """
     recipe = RECIPES[name]
     if recipe.whole_lock:
-        chosen = tuple(sorted(check_lock(root).values(), key=lambda p: p.name))
+        pins = check_lock(root)
+        if recipe.overlay:
+            pins = {**pins, **read_lock(root / recipe.overlay)}
+        chosen = tuple(sorted(pins.values(), key=lambda p: p.name))
     else:
         pins = read_lock(root / recipe.lock)
         roots = project_dependencies(root / "pyproject.toml")

@@ -187,7 +187,7 @@ def _step_images(*, gpu: bool) -> dict[str, str]:
     # validate may re-extract golden rows with the engine itself (models transformers cannot load).
     # regenerate generates with the engine (vLLM offline generation).
     # train and measure-draft: the train image (speculators), resolved when a train run starts its step
-    train = plan_image(ImageName.TRAIN_CPU).tag
+    train = plan_image(ImageName.TRAIN_CUDA if gpu else ImageName.TRAIN_CPU).tag
     return {"*": steps, "extract": extract, "plan": extract, "assemble": extract, "env-check": extract,
             "validate": extract, "regenerate": extract, "train": train, "measure-draft": train}
 

@@ -39,8 +39,38 @@ NIGHTS_KEY_PREFIX = "draft-agreement"
 REPORT_NIGHTS = 8  # nights on the plot: this one and up to 7 before it
 
 
+# Work pools whose workers have GPUs: a flow run on one trains there, in the CUDA train image.
+GPU_POOLS = frozenset({"gpu"})
+# On the GPU, the shards are read by DataLoader workers (one process cannot feed the trainer at 8B width:
+# bench/gpu/results/train, docs/gpu.md).
+GPU_SETTINGS = {"loader_workers": 8}
+
+
 class AcceptanceDropped(RuntimeError):
     """The draft of tonight's dataset accepts fewer tokens per step than last night's, beyond the threshold."""
+
+
+class FeaturesMismatch(RuntimeError):
+    """The dataset's stored states of a layer are not the target's states of the layer they are labelled as."""
+
+
+def pool_device(pool: str | None = None) -> str:
+    """``cuda`` when the flow run is on a GPU work pool (``GPU_POOLS``), else ``cpu``. ``pool``: the work
+    pool's name; None: the current flow run's."""
+    if pool is None:
+        from prefect.context import FlowRunContext
+
+        ctx = FlowRunContext.get()
+        pool = ctx.flow_run.work_pool_name if ctx and ctx.flow_run else None
+    return "cuda" if pool in GPU_POOLS else "cpu"
+
+
+def settings_for(settings: dict | None, *, device: str) -> dict:
+    """The draft settings a run trains with: the pool's device and, on a GPU, ``GPU_SETTINGS``; what the
+    caller gives wins."""
+    given = dict(settings or {})
+    base = GPU_SETTINGS if given.get("device", device) == "cuda" else {}
+    return {**base, "device": device, **given}
 
 
 def train_cache_key(*, fingerprint: str, settings: dict, out: str) -> str:
@@ -52,7 +82,7 @@ measure_step = step_task("measure-draft")
 
 
 def train_draft(dataset: str, out: str, *, model: str | None, settings: dict, cache_key: str,
-                runner: Runner) -> TrainResult:
+                runner: Runner) -> TrainResult:  # on a GPU (the CUDA train image) when settings' device is cuda
     """`datagen train` of ``dataset`` into ``out`` with ``settings`` (``DraftSettings`` fields); without a
     model, the step takes the one the dataset's manifest names."""
     from datagen.steps.train import Spec
@@ -60,17 +90,20 @@ def train_draft(dataset: str, out: str, *, model: str | None, settings: dict, ca
     spec = Spec(dataset=dataset, out=out, model=model, **settings)
     call = StepCall(step="train", spec=spec.model_dump(mode="json"),
                     mounts=mounts_for(Path(out).parent, read_only=(dataset, *([model] if model else []))),
-                    known={"draft": out})
+                    known={"draft": out}, gpus=1 if spec.device.value == "cuda" else 0)
     return train_step(call, cache_key=cache_key, runner=runner)
 
 
-def measure_draft(draft: str, dataset: str, *, model: str | None, acceptance: str, runner: Runner) -> MeasureResult:
-    """`datagen measure-draft DRAFT DATASET` (without a model: the one the draft's lineage names)."""
+def measure_draft(draft: str, dataset: str, *, model: str | None, acceptance: str, runner: Runner,
+                  device: str = "cpu") -> MeasureResult:
+    """`datagen measure-draft DRAFT DATASET` (without a model: the one the draft's lineage names), in the
+    image of ``device`` (cuda: the CUDA train image, with a GPU for vLLM's speculative decoding)."""
     from datagen.steps.measure_draft import Spec
 
     spec = Spec(draft=draft, dataset=dataset, model=model, acceptance=acceptance)
     call = StepCall(step="measure-draft", spec=spec.model_dump(mode="json"),
-                    mounts=mounts_for(read_only=(draft, dataset, *([model] if model else []))))
+                    mounts=mounts_for(read_only=(draft, dataset, *([model] if model else []))),
+                    gpus=1 if device == "cuda" else 0)
     return measure_step(call, runner=runner)
 
 
@@ -132,3 +165,17 @@ def check_drop(report: dict, *, dataset: str, threshold: float) -> None:
             f"the EAGLE-3 draft trained on {dataset} accepts {report['fall']:.1%} fewer tokens per step than the "
             f"night before (threshold {threshold:.0%}): look at this dataset's rows, layers and storage dtype "
             f"(the draft-report artifact shows the nights)")
+
+
+def check_features(measured: MeasureResult, *, dataset: str, threshold: float) -> None:
+    """Raise ``FeaturesMismatch`` naming the dataset and the layers whose stored states are further from
+    the target's than ``threshold`` (median relative error over the held-out tokens). A right dataset
+    is at its storage's rounding (bf16 0.2%, fp8 2.3%); off-by-one layers are 21% or more away, and
+    agreement alone did not separate them (docs/training.md)."""
+    bad = [e for e in measured.feature_error if e.median > threshold]
+    if bad:
+        raise FeaturesMismatch(
+            f"the states stored in {dataset} are not the target's states of the layers they are labelled as: "
+            + ", ".join(f"layer {e.layer} {e.median:.1%} away (p99 {e.p99:.1%})" for e in bad)
+            + f" (threshold {threshold:.0%}): check the extraction's layer_ids against the capture (an off-by-one "
+              f"layer list is tens of percent away)")

