@@ -309,6 +309,7 @@ print(json.dumps({"fused": media.fused_processor_class() is not None,
 """
 
 
+@pytest.mark.slow  # a tokenizer trained and a process importing vLLM: about 15 s
 def test_planning_counts_with_the_shipped_processor_where_vllm_has_none(checkpoint, tmp_path):
     """No engine: planning (in a process that sees no numba, so no processor of vLLM's own) loads
     the checkpoint's processor under its shipped tokenizer's permission and counts with it."""
