@@ -481,7 +481,7 @@ def tokenize_chats(tokenizer, chats: list[tuple[list[dict], int]], *, path: str 
             out.append(e)
             return out
         except Exception as e:  # noqa: BLE001 - the tokenizer's own error, as this row's
-            out.append(template_error(e, what="the chat's tokens (the tokenizer raised)", path=path, line=line))
+            out.append(_tokenizer_error(e, path=path, line=line))
             return out
         at += n
     return out + ([failed] if failed is not None else [])
@@ -491,8 +491,14 @@ def _tokenized(tokenizer, texts: list[str], *, path: str, line: int) -> list[lis
     try:
         return _ids_batch(tokenizer, texts)
     except Exception as e:  # noqa: BLE001 - the tokenizer's own error, as this row's
-        raise DatasetError(f"the tokenizer cannot tokenize the chat's render: {type(e).__name__}: {e}",
-                           path=path, line=line, hint="pre-tokenize this row with input_ids and loss_mask") from e
+        raise _tokenizer_error(e, path=path, line=line) from e
+
+
+def _tokenizer_error(e: Exception, *, path: str, line: int) -> DatasetError:
+    error = DatasetError(f"the tokenizer cannot tokenize the chat's render: {type(e).__name__}: {e}",
+                         path=path, line=line, hint="pre-tokenize this row with input_ids and loss_mask")
+    error.__cause__ = e
+    return error
 
 
 def _masked(tokenizer, full: str, spans, cuts, encoded: list[list[int]], trusted: bool, *, path: str,
