@@ -143,3 +143,19 @@ def test_the_image_holds_exactly_its_pins(train_image):
 
     assert {n: installed.get(n) for n in pins} == pins
     assert set(installed) - set(pins) == {"datagen", "pip"}
+
+
+def test_stored_states_far_from_the_targets_fail_the_run_naming_the_dataset_and_layers():
+    from datagen.steps.measure_draft import MeasureResult
+    from datagen.training.agreement import FeatureError
+    from flows.train import DEFAULT_FEATURE_THRESHOLD
+    from tasks.train import FeaturesMismatch, check_features
+
+    # measured: a right bf16 dataset 0.16% (p99 0.26%), fp8 2.3% (p99 2.9%), off-by-one layers 21-59%
+    right = MeasureResult.model_construct(feature_error=[FeatureError(layer=k, median=0.023, p99=0.029)
+                                                         for k in (2, 15, 27, 30)])
+    check_features(right, dataset="/data/right", threshold=DEFAULT_FEATURE_THRESHOLD)
+    off = MeasureResult.model_construct(feature_error=[FeatureError(layer=2, median=0.21, p99=0.4),
+                                                       FeatureError(layer=30, median=0.002, p99=0.003)])
+    with pytest.raises(FeaturesMismatch, match=r"/data/off.*layer 2 21\.0% away"):
+        check_features(off, dataset="/data/off", threshold=DEFAULT_FEATURE_THRESHOLD)
