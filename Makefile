@@ -65,6 +65,8 @@ images: setup services
 images-cuda: setup services
 	tag=$$($(PY) images/build.py datagen-extract-cuda) && \
 	DATAGEN_CUDA_IMAGE=$$tag $(PY) -m pytest -q -p no:cacheprovider tests/images/test_cuda_image.py
+	tag=$$($(PY) images/build.py datagen-train-cuda) && \
+	DATAGEN_CUDA_TRAIN_IMAGE=$$tag $(PY) -m pytest -q -p no:cacheprovider tests/images/test_train_cuda_image.py
 
 bench: setup
 	$(PY) -m bench.run
