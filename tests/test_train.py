@@ -109,6 +109,23 @@ def test_the_untrained_draft_is_the_trained_one_before_its_first_step(trained, t
     assert torch.equal(load_file(again.path / "model.safetensors")["fc.weight"], a["fc.weight"])  # seeded
 
 
+def test_loader_workers_read_the_shards_in_processes_of_their_own_with_the_same_batches(tiny_dataset, tmp_path):
+    """The GPU pool trains with DataLoader workers (speculators' spawn workers): the dataset travels to
+    them pickled, and they hand the trainer the batches the training process would have read itself."""
+    from datagen.reader import open_dataset
+    from datagen.reader.for_speculators import SpeculatorsDataset
+    from datagen.training.draft import _loader
+
+    data = SpeculatorsDataset(open_dataset(tiny_dataset), max_len=256, train_ratio=0.75, split="train")
+    inline = list(_loader(data, TINY, seed=0))
+    workers = list(_loader(data, TINY.model_copy(update={"loader_workers": 2}), seed=0))
+
+    assert len(workers) == len(inline) > 0
+    for a, b in zip(inline, workers):
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
 def test_an_existing_draft_directory_is_refused_and_left_as_found(tiny_dataset, tmp_path):
     out = tmp_path / "draft"
     out.mkdir()
