@@ -536,6 +536,15 @@ def proof_drafts(spec_path: str, out_path: str) -> None:
 
 # --- report: tables and plots from the JSON ---------------------------------------------------------
 
+def _label_loss_axes(ax, title: str, ylabel: str, legend_size: int) -> None:
+    """A loss-per-step plot's title, axes, legend and grid (the width and proof figures alike)."""
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=legend_size)
+    ax.grid(alpha=0.3)
+
+
 def report(args) -> None:
     """Markdown tables (printed and saved) and plots of every result JSON under --results."""
     import matplotlib
@@ -568,11 +577,7 @@ def report(args) -> None:
             for rd in r.get("reader", []):
                 lines.append(f"| {name} | shard reader alone, {rd['workers']} workers | {rd['tokens_per_s']:,.0f} | | | | "
                              f"{rd['gb_per_s']:.2f} GB/s |")
-            ax.set_title(f"{name}: hidden {r['shape']['hidden']}, training loss per step")
-            ax.set_xlabel("step")
-            ax.set_ylabel("loss")
-            ax.legend(fontsize=8)
-            ax.grid(alpha=0.3)
+            _label_loss_axes(ax, f"{name}: hidden {r['shape']['hidden']}, training loss per step", "loss", 8)
         fig.tight_layout()
         fig.savefig(res / "train_width.png", dpi=90)
         plt.close(fig)
@@ -600,11 +605,7 @@ def report(args) -> None:
                     ys = [statistics.mean(e["losses"][i:i + k]) for i in range(0, len(e["losses"]), k)]
                     ax.plot([i * k for i in range(len(ys))], ys, alpha=0.7,
                             label=f"{case} s{e['seed']}" if e["seed"] == 0 else None)
-        ax.set_xlabel("step")
-        ax.set_ylabel("training loss")
-        ax.set_title("SmolLM2 drafts on the H200: training loss")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
+        _label_loss_axes(ax, "SmolLM2 drafts on the H200: training loss", "training loss", 7)
         fig.tight_layout()
         fig.savefig(res / "train_proof_gpu_loss.png", dpi=90)
         plt.close(fig)
