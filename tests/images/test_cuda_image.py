@@ -26,7 +26,7 @@ from images.lock_cuda import LOCK, check_lock, lock_text, roots
 from images.requirements import read_lock
 from images.tags import ROOT, ImageName, plan_image
 from tests.images.test_build import changed, tags, tree  # noqa: F401  (tree: a fixture)
-from tests.support.docker_engine import docker_client
+from tests.support.docker_engine import built_release_image, docker_client
 
 CUDA = ImageName.EXTRACT_CUDA
 BUILT = "DATAGEN_CUDA_IMAGE"  # the tag `make images-cuda` built: checked, never skipped
@@ -148,19 +148,7 @@ def test_env_check_says_no_gpu_is_visible_when_a_cuda_vllm_has_none(monkeypatch)
 @pytest.fixture(scope="module")
 def cuda_image() -> str:
     """The tag `make images-cuda` built, else the current tree's (skips when that is not built)."""
-    import docker
-
-    client = docker_client()
-    tag = os.environ.get(BUILT) or plan_image(CUDA).tag
-    try:
-        client.images.get(tag)
-    except docker.errors.ImageNotFound:
-        if os.environ.get(BUILT):
-            pytest.fail(f"{BUILT}={tag}: no such image")
-        pytest.skip(
-            f"{tag} is not built (over 10 GB and many minutes cold, so `make test` does not "
-            "build it): `make images-cuda` builds it and runs these checks"
-        )
+    tag = built_release_image(os.environ.get(BUILT) or plan_image(CUDA).tag, named_by=BUILT)
     assert tag.startswith(CUDA.value + ":"), tag
     return tag
 

@@ -21,7 +21,7 @@ from images.lock_cuda import LOCK
 from images.requirements import read_lock
 from images.tags import RECIPES, ROOT, ImageName, plan_image
 from tests.images.test_build import tree  # noqa: F401  (a fixture)
-from tests.support.docker_engine import docker_client
+from tests.support.docker_engine import built_release_image, docker_client
 
 TRAIN = ImageName.TRAIN_CUDA
 OVERLAY = "images/train/pins-cuda.txt"
@@ -107,18 +107,7 @@ def test_the_missing_image_names_the_command_that_builds_it():
 
 @pytest.fixture(scope="module")
 def train_image() -> str:
-    import docker
-
-    client = docker_client()
-    tag = os.environ.get(BUILT) or plan_image(TRAIN).tag
-    try:
-        client.images.get(tag)
-    except docker.errors.ImageNotFound:
-        if os.environ.get(BUILT):
-            pytest.fail(f"{BUILT}={tag}: no such image")
-        pytest.skip(f"{tag} is not built (over 10 GB, so `make test` does not build it): "
-                    "`make images-cuda` builds it and runs these checks")
-    return tag
+    return built_release_image(os.environ.get(BUILT) or plan_image(TRAIN).tag, named_by=BUILT)
 
 
 def _run(tag: str, command: list[str], *, entrypoint: list[str] | None = None) -> str:

@@ -8,6 +8,7 @@ missing with the same code as `make images` (cold: a few minutes; warm: about a 
 from __future__ import annotations
 
 import functools
+import os
 import subprocess
 from pathlib import Path
 
@@ -69,3 +70,21 @@ def containers_labelled(client, test_id: str) -> list:
     return client.containers.list(
         all=True, filters={"label": f"{LABEL_PREFIX}{TEST_LABEL}={test_id}"}
     )
+
+
+def built_release_image(tag: str, *, named_by: str) -> str:
+    """``tag`` if the engine has it; fails when the variable ``named_by`` asked for it, else skips.
+
+    The release images (over 10 GB, many minutes cold) are built by `make images-cuda`, not by
+    `make test`: their checks run on the image just built, or on the current tree's if it exists.
+    """
+    import docker
+
+    try:
+        docker_client().images.get(tag)
+    except docker.errors.ImageNotFound:
+        if os.environ.get(named_by):
+            pytest.fail(f"{named_by}={tag}: no such image")
+        pytest.skip(f"{tag} is not built (over 10 GB and many minutes cold, so `make test` does not "
+                    "build it): `make images-cuda` builds it and runs these checks")
+    return tag
