@@ -55,8 +55,17 @@ class FeaturesMismatch(RuntimeError):
 
 
 def pool_device(pool: str | None = None) -> str:
-    """``cuda`` when the flow run is on a GPU work pool (``GPU_POOLS``), else ``cpu``. ``pool``: the work
-    pool's name; None: the current flow run's."""
+    """Where a flow run trains: the host's own ``DATAGEN_TRAIN_DEVICE`` (``cpu`` or ``cuda``) when its
+    worker sets it, else ``cuda`` on a GPU work pool (``GPU_POOLS``) and ``cpu`` on any other. ``pool``:
+    the work pool's name; None: the current flow run's."""
+    import os
+
+    declared = os.environ.get("DATAGEN_TRAIN_DEVICE", "").strip()
+    if declared:
+        if declared not in ("cpu", "cuda"):
+            raise ValueError(f"DATAGEN_TRAIN_DEVICE={declared!r}: a host trains on 'cpu' or 'cuda'; "
+                             "set one of them in the worker's environment, or unset it to let the pool decide")
+        return declared
     if pool is None:
         from prefect.context import FlowRunContext
 

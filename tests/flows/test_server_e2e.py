@@ -202,8 +202,10 @@ def test_the_triggered_training_run_trains_and_measures_a_draft_on_its_pools_wor
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     manifest = json.loads((project / "out" / "tiny" / "manifest.json").read_text())
+    # this CPU machine stands in for a GPU host: its worker declares that it trains on the CPU
     gpu_worker = server.start_worker("gpu", name="gpu-1", cwd=project,
-                                     env={"DATAGEN_ENFORCE_EAGER": "1", "DATAGEN_PROJECT_DIR": str(project)})
+                                     env={"DATAGEN_ENFORCE_EAGER": "1", "DATAGEN_PROJECT_DIR": str(project),
+                                          "DATAGEN_TRAIN_DEVICE": "cpu"})
     deadline = time.monotonic() + 900
     with temporary_settings(updates={PREFECT_API_URL: server.url}):
         with get_client(sync_client=True) as client:

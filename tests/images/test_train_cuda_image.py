@@ -78,10 +78,11 @@ def test_an_overlay_pin_change_changes_only_the_train_tag(tree):  # noqa: F811
     assert [n for n in before if before[n] != after[n]] == [TRAIN]
 
 
-def test_a_gpu_pools_run_trains_on_the_gpu_in_the_cuda_train_image():
+def test_a_gpu_pools_run_trains_on_the_gpu_in_the_cuda_train_image(monkeypatch):
     from tasks._common import _step_images
     from tasks.train import pool_device, settings_for
 
+    monkeypatch.delenv("DATAGEN_TRAIN_DEVICE", raising=False)
     assert pool_device("gpu") == "cuda" and pool_device("cpu") == "cpu" and pool_device(None) == "cpu"
     assert settings_for({"steps": 5}, device="cuda") == {"steps": 5, "device": "cuda", "loader_workers": 8}
     assert settings_for({"steps": 5}, device="cpu") == {"steps": 5, "device": "cpu"}
@@ -148,3 +149,15 @@ def test_stored_states_far_from_the_targets_fail_the_run_naming_the_dataset_and_
                                                        FeatureError(layer=30, median=0.002, p99=0.003)])
     with pytest.raises(FeaturesMismatch, match=r"/data/off.*layer 2 21\.0% away"):
         check_features(off, dataset="/data/off", threshold=DEFAULT_FEATURE_THRESHOLD)
+
+
+def test_a_host_that_declares_its_device_trains_there_whatever_its_pool(monkeypatch):
+    from tasks.train import pool_device
+
+    monkeypatch.setenv("DATAGEN_TRAIN_DEVICE", "cpu")
+    assert pool_device("gpu") == "cpu"
+    monkeypatch.setenv("DATAGEN_TRAIN_DEVICE", "cuda")
+    assert pool_device("cpu") == "cuda"
+    monkeypatch.setenv("DATAGEN_TRAIN_DEVICE", "gpu0")
+    with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
+        pool_device("gpu")
