@@ -26,19 +26,18 @@ from datagen.data.spec import ExtractSpec
 from datagen.storage.sources import LocalSource, parse_model_source
 from tasks import artifacts
 from tasks._common import runner_identity
+from tasks.assemble import assemble, assemble_call
 from tasks.download import download, model_location
 from tasks.env_check import env_checked, start_env_check
-from tasks.pipeline_spec import PipelineSpec, ShardRange
 from tasks.extract import (
-    PlanResult, RangeOutcome, extract_range, finalize, finalize_call, finalize_cache_key, plan, plan_call,
-    range_cache_key, range_call,
+    RangeOutcome, extract_range, finalize, finalize_call, finalize_cache_key, range_cache_key, range_call,
 )
-from tasks.fanout import (
-    assemble, assemble_call, bucket_dataset, bucket_state, dispatch_range, fetch_shards, publish_manifest,
-)
-from tasks.handoff import announce, publish_cache_key, publish_dataset
-from tasks.report import layer_report
+from tasks.fanout import bucket_dataset, bucket_state, dispatch_range, fetch_shards, publish_manifest
+from tasks.pipeline_spec import PipelineSpec, ShardRange
+from tasks.plan import PlanResult, plan, plan_call
+from tasks.publish import announce, publish_cache_key, publish_dataset
 from tasks.regenerate import RegenerateResult, regenerate_dataset
+from tasks.report import layer_report
 from tasks.validate import validate_cache_key, validate_dataset, validation_summary
 
 

@@ -1,6 +1,6 @@
-"""The extraction tasks: plan, extract one shard range, finalize (write the manifest). Each is the
-step task (``tasks/step.py``) under its name; this module says what each call of it runs, and each
-returns its step's own result (``PlanResult``, ``ExtractResult``). ``RangeOutcome`` is a range's
+"""The extraction tasks: extract one shard range, finalize (write the manifest). Each is the step
+task (``tasks/step.py``) under its name; this module says what each call of it runs, and each
+returns the extract step's own result (``ExtractResult``); the plan before them is ``tasks/plan.py``. ``RangeOutcome`` is a range's
 result with what the orchestration adds: which range, and which worker's flow run did it.
 
 Caching. A range's cache key is built from the cache keys of its shards (each: the extraction
@@ -67,7 +67,6 @@ class RangeOutcome(BaseModel):
                 "shards_extracted": self.shards_extracted, "shards_cached": self.shards_cached}
 
 
-plan = step_task("plan")  # not cached: it is what notices that the dataset or the model changed
 extract_range = step_task("extract-range", cache_policy=STEP_CACHE, task_run_name="extract-range-{call.label}")
 finalize = step_task("finalize", cache_policy=STEP_CACHE)
 
@@ -98,13 +97,6 @@ def media_step_env(dataset: str) -> dict:
     if not media_sources(dataset).remote:
         return {}
     return {"env": s3_step_env(), "secret_env_names": AWS_CREDENTIAL_ENV}
-
-
-def plan_call(spec: ExtractSpec) -> StepCall:
-    """`datagen plan`: fingerprints, shard keys, and what is on disk (the manifest, its validation).
-    Loads no weights."""
-    return StepCall(step="plan", spec=spec.model_dump(mode="json"), mounts=extract_mounts(spec),
-                    **media_step_env(spec.dataset))
 
 
 def range_call(spec: ExtractSpec, shard_range: ShardRange, *, gpus: int = 0, progress: UUID | None = None) -> StepCall:

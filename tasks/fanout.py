@@ -14,8 +14,8 @@ Parent side (the `extract` flow with ``ranges_in_flight > 1``):
   lost-host automation when its heartbeats stop (``flows/automations.py``) -- and the range is
   submitted again (up to ``fan_out.max_resubmits``). Failed or Cancelled: permanent, the parent
   fails. Same cache key as ``extract_range``: a second run submits nothing.
-* ``fetch_shards`` then the ``assemble`` step: every shard object checked and copied into the
-  local dataset directory, the manifest written there; the flow validates that dataset (the
+* ``fetch_shards`` then the ``assemble`` step (``tasks/assemble.py``): every shard object checked
+  and copied into the local dataset directory, the manifest written there; the flow validates that dataset (the
   bucket's bytes), and only then ``publish_manifest`` writes the manifest to the bucket, last.
 
 Child side (``flows/extract_shards.py``):
@@ -50,14 +50,14 @@ from datagen.data.contract import MANIFEST_NAME, STATE_DIR, ShardRecord
 from datagen.data.spec import ExtractSpec, sha256_hex
 from datagen.errors import StorageError, TransientError
 from datagen.steps.assemble import AssembleResult
-from datagen.steps.assemble import Spec as AssembleSpec
 from datagen.steps.extract import ExtractResult
+from datagen.steps.plan import PlanResult
 from datagen.storage import fleet, s3
 from tasks import artifacts
 from tasks._common import STEP_RETRY_DELAYS_S, STEP_RETRY_POLICY
-from tasks.extract import PlanResult, RangeOutcome, extract_mounts, extract_range, media_step_env, range_call
+from tasks.extract import RangeOutcome, extract_range, range_call
 from tasks.pipeline_spec import PipelineSpec, ShardRange
-from tasks.step import RESULT_SERIALIZER, STEP_CACHE, StepCall, step_task
+from tasks.step import RESULT_SERIALIZER, STEP_CACHE
 
 WAITING_LOG_INTERVAL_S = 300.0  # how often "still waiting for a worker" is logged
 UPLOAD_POLL_S = 1.0  # how often a range looks for newly written shards to upload
@@ -257,17 +257,6 @@ def fetch_shards(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult) ->
 
 
 BUCKET_RECORDS = "bucket-records"  # under the local dataset's .datagen: the records `datagen assemble` reads
-
-assemble = step_task("assemble")  # not cached: it is cheap, and what it writes is validated right after
-
-
-def assemble_call(xspec: ExtractSpec, records: str) -> StepCall:
-    """`datagen assemble`: the manifest of the bucket's shards, from their checked records, written
-    into the local dataset directory. Its result: the step's ``AssembleResult``."""
-    spec = AssembleSpec(**xspec.model_dump(mode="json"), records=records)
-    return StepCall(step="assemble", spec=spec.model_dump(mode="json"), mounts=extract_mounts(xspec),
-                    **media_step_env(xspec.dataset))  # it plans the rows again: s3:// images need S3
-
 
 @task(name="publish-manifest", **STEP_RETRY_POLICY)
 def publish_manifest(spec: PipelineSpec, assembled: AssembleResult) -> AssembleResult:

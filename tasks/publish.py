@@ -1,4 +1,5 @@
-"""The handoff tasks: publish the dataset where training reads it, and announce it.
+"""The publish step's task, and the announcement that follows it: publish the dataset where training
+reads it, then announce it.
 
 ``publish`` (the step task under that name, ``tasks/step.py``) runs `datagen publish DATASET --to
 s3://...` when the spec names a destination (cached on the manifest's bytes and the destination:

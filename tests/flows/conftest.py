@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from flows.extract import extract
-from tasks import handoff
+from tasks import publish as publish_tasks
 from tests.flows.builders import chat_rows, pipeline_spec
 from tests.support.prefect_harness import prefect_harness  # noqa: F401
 
@@ -56,7 +56,7 @@ class Runs:
 def _recorded_run(story: Story) -> Run:
     events: list[dict] = []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(handoff, "emit_event", lambda **kwargs: events.append(kwargs))
+        mp.setattr(publish_tasks, "emit_event", lambda **kwargs: events.append(kwargs))
         state, run_id, seconds = story.run()
     return Run(state, run_id, seconds, events)
 

@@ -4,7 +4,7 @@ limits and the training trigger are what the docs say."""
 from __future__ import annotations
 
 from flows._deployments import deployment_parameters, deployments
-from tasks.handoff import EVENT_READY, RESOURCE_PREFIX
+from tasks.publish import EVENT_READY, RESOURCE_PREFIX
 from tasks.pipeline_spec import PipelineSpec
 
 

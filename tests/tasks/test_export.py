@@ -13,7 +13,7 @@ from prefect import flow
 from datagen.data.contract import MANIFEST_NAME
 from datagen.steps.export import EXPORT_RECORD, ExportResult
 from tasks.pipeline_spec import Runner
-from tasks.train_prep import export_speculators
+from tasks.export import export_speculators
 from tests.support.extracted import copy_dataset, extracted_dataset
 
 

@@ -1,0 +1,21 @@
+"""The assemble task: `datagen assemble`, the step task (``tasks/step.py``) under the step's name. Used
+by a fanned-out run (``tasks/fanout.py``) instead of finalize: the manifest of the bucket's shards,
+from the records ``fetch_shards`` checked, written into the local dataset directory. Its result is
+the step's own, ``AssembleResult``."""
+
+from __future__ import annotations
+
+from datagen.data.spec import ExtractSpec
+from datagen.steps.assemble import Spec as AssembleSpec
+from tasks.extract import extract_mounts, media_step_env
+from tasks.step import StepCall, step_task
+
+assemble = step_task("assemble")  # not cached: it is cheap, and what it writes is validated right after
+
+
+def assemble_call(xspec: ExtractSpec, records: str) -> StepCall:
+    """`datagen assemble`: the manifest of the bucket's shards, from their checked records, written
+    into the local dataset directory. Its result: the step's ``AssembleResult``."""
+    spec = AssembleSpec(**xspec.model_dump(mode="json"), records=records)
+    return StepCall(step="assemble", spec=spec.model_dump(mode="json"), mounts=extract_mounts(xspec),
+                    **media_step_env(xspec.dataset))  # it plans the rows again: s3:// images need S3
