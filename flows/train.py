@@ -19,13 +19,13 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger
 
+from tasks.measure_draft import measure_draft
 from tasks.pipeline_spec import Runner
 from tasks.train import (
     announce_draft,
     check_drop,
     check_features,
     draft_report,
-    measure_draft,
     pool_device,
     settings_for,
     train_cache_key,

@@ -1,9 +1,9 @@
 """The training tasks: train an EAGLE-3 draft on an announced dataset, measure it, report the night.
 
-``train`` and ``measure-draft`` are the step tasks (``tasks/step.py``) under the steps' names:
-`datagen train DATASET --out DRAFT --model MODEL ...` (cached on the dataset's fingerprint, the
-settings and the draft directory: one draft per dataset and settings) and `datagen measure-draft
-DRAFT DATASET`. Their results are the steps' own, ``TrainResult`` and ``MeasureResult``.
+``train`` is the step task (``tasks/step.py``) under the step's name: `datagen train DATASET --out
+DRAFT --model MODEL ...` (cached on the dataset's fingerprint, the settings and the draft directory:
+one draft per dataset and settings). Its result is the step's own, ``TrainResult``. The draft is
+measured by ``tasks/measure_draft.py``.
 
 ``draft_report`` attaches the night's agreement (a table and a plot of the last nights, next to the
 layer report) and records this night's figures for the next; ``announce_draft`` emits
@@ -87,7 +87,6 @@ def train_cache_key(*, fingerprint: str, settings: dict, out: str) -> str:
 
 
 train_step = step_task("train", cache_policy=STEP_CACHE)
-measure_step = step_task("measure-draft")
 
 
 def train_draft(dataset: str, out: str, *, model: str | None, settings: dict, cache_key: str,
@@ -101,19 +100,6 @@ def train_draft(dataset: str, out: str, *, model: str | None, settings: dict, ca
                     mounts=mounts_for(Path(out).parent, read_only=(dataset, *([model] if model else []))),
                     known={"draft": out}, gpus=1 if spec.device.value == "cuda" else 0)
     return train_step(call, cache_key=cache_key, runner=runner)
-
-
-def measure_draft(draft: str, dataset: str, *, model: str | None, acceptance: str, runner: Runner,
-                  device: str = "cpu") -> MeasureResult:
-    """`datagen measure-draft DRAFT DATASET` (without a model: the one the draft's lineage names), in the
-    image of ``device`` (cuda: the CUDA train image, with a GPU for vLLM's speculative decoding)."""
-    from datagen.steps.measure_draft import Spec
-
-    spec = Spec(draft=draft, dataset=dataset, model=model, acceptance=acceptance)
-    call = StepCall(step="measure-draft", spec=spec.model_dump(mode="json"),
-                    mounts=mounts_for(read_only=(draft, dataset, *([model] if model else []))),
-                    gpus=1 if device == "cuda" else 0)
-    return measure_step(call, runner=runner)
 
 
 def nights_key(flow_name: str | None, deployment_name: str | None) -> str:
