@@ -10,9 +10,10 @@ expensive. Shard ranges are the unit of caching, retry and fan-out: with ``range
 they run one after the other in this process; with more, each runs as a flow run of the
 ``extract-shards`` deployment on a work pool (``flows/extract_shards.py``), so every GPU host's
 worker takes the next range, and the dataset is written straight to its bucket (``publish_to``):
-ranges upload their shards; this flow checks every shard object, copies them into its own output,
-assembles the manifest there, validates that dataset like any other and writes the manifest to the
-bucket last (``tasks/fanout.py``). Nothing is published or announced before it is validated.
+ranges upload their shards (``tasks/range_worker.py``); this flow checks every shard object,
+copies them into its own output, assembles the manifest there, validates that dataset like any
+other and writes the manifest to the bucket last (``tasks/fanout.py``). Nothing is published or
+announced before it is validated.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Fan-out: shard ranges as flow runs of the `extract-shards` deployment, the dataset in a bucket.
+"""Fan-out, the parent: shard ranges as flow runs of the `extract-shards` deployment, the dataset in a
+bucket; the range worker those runs execute is ``tasks/range_worker.py``.
 
 Nothing here is a scheduler or a lock of ours: exclusivity, lost hosts and placement are Prefect's,
 and the only store hosts share is the dataset's bucket (``datagen.storage.fleet``).
@@ -15,8 +16,9 @@ Parent side (the `extract` flow with ``ranges_in_flight > 1``):
   submitted again (up to ``fan_out.max_resubmits``). Failed or Cancelled: permanent, the parent
   fails. Same cache key as ``extract_range``: a second run submits nothing.
 * ``fetch_shards`` then the ``assemble`` step (``tasks/assemble.py``): every shard object checked
-  and copied into the local dataset directory, the manifest written there; the flow validates that dataset (the
-  bucket's bytes), and only then ``publish_manifest`` writes the manifest to the bucket, last.
+  and copied into the local dataset directory, the manifest written there; the flow validates that
+  dataset (the bucket's bytes), and only then ``publish_manifest`` writes the manifest to the
+  bucket, last.
 
 Child side (``flows/extract_shards.py``):
 
@@ -24,8 +26,8 @@ Child side (``flows/extract_shards.py``):
   holder. A second run of the range waits for it; a holder that stops renewing (its host died) loses
   it when it expires and the server's repossessor frees the slot; a holder whose renewal fails stops
   its own execution, so two runs never write one range.
-* ``extract_to_bucket``: extract the shards the bucket lacks into this host's spool, upload each as
-  soon as it is written (publish path, checksums), remove it from the spool.
+* the range's work under that lease, extracting into the bucket and writing the range's receipt:
+  ``tasks/range_worker.py``.
 
 Per-host GPU limits are global concurrency limits too (``gpu_slots``).
 """
@@ -33,7 +35,6 @@ Per-host GPU limits are global concurrency limits too (``gpu_slots``).
 from __future__ import annotations
 
 import shutil
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,22 +46,20 @@ from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
 from pydantic import ValidationError
 
-from datagen import settings
-from datagen.data.contract import MANIFEST_NAME, STATE_DIR, ShardRecord
+from datagen.data.contract import MANIFEST_NAME, STATE_DIR
 from datagen.data.spec import ExtractSpec, sha256_hex
-from datagen.errors import StorageError, TransientError
+from datagen.errors import StorageError
 from datagen.steps.assemble import AssembleResult
-from datagen.steps.extract import ExtractResult
 from datagen.steps.plan import PlanResult
 from datagen.storage import fleet, s3
 from tasks import artifacts
-from tasks._common import STEP_RETRY_DELAYS_S, STEP_RETRY_POLICY
-from tasks.extract import RangeOutcome, extract_range, range_call
+from tasks._common import STEP_RETRY_POLICY
+from tasks.bucket import bucket_of, retrying
+from tasks.extract import RangeOutcome
 from tasks.pipeline_spec import PipelineSpec, ShardRange
 from tasks.step import RESULT_SERIALIZER, STEP_CACHE
 
 WAITING_LOG_INTERVAL_S = 300.0  # how often "still waiting for a worker" is logged
-UPLOAD_POLL_S = 1.0  # how often a range looks for newly written shards to upload
 RANGE_LIMIT_PREFIX = "datagen-range"
 
 
@@ -73,11 +72,6 @@ def range_limit_name(fingerprint: str, shard_range: ShardRange) -> str:
     return f"{RANGE_LIMIT_PREFIX}-{fingerprint[:16]}-{shard_range.first}-{shard_range.stop}"
 
 
-def _client(spec: PipelineSpec):
-    transfer = s3.TransferSettings.from_settings()
-    return s3.make_client(transfer), transfer, fleet.location(spec.publish_to)
-
-
 # --- parent side --------------------------------------------------------------------------------
 
 @task(name="bucket-state", **STEP_RETRY_POLICY)
@@ -85,7 +79,7 @@ def bucket_state(spec: PipelineSpec, planned: PlanResult) -> PlanResult:
     """The plan with what the dataset's bucket holds: its complete shards, and the fingerprint of
     its manifest. Refuses a bucket location that holds another dataset."""
     logger = get_run_logger()
-    client, _, dest = _client(spec)
+    client, _, dest = bucket_of(spec)
     manifest = fleet.check_destination(client, dest, planned.fingerprint)
     done = fleet.shards_in_bucket(client, dest, dict(enumerate(planned.shard_keys)))
     logger.info("%s holds %d of %d shards%s", dest.uri, len(done), planned.num_shards,
@@ -119,11 +113,11 @@ def dispatch_range(
     ``in_bucket``: every shard of the range is in the bucket already; nothing is submitted."""
     logger = get_run_logger()
     fan = spec.fan_out
-    client, _, dest = _client(spec)
+    client, _, dest = bucket_of(spec)
     board = artifacts.board(progress)
     if in_bucket:
         logger.info("range %s: every shard is in %s already; nothing to submit", shard_range, dest.uri)
-        receipt = _retrying(lambda: fleet.read_receipt(client, dest, cache_key), "reading the range's receipt", logger)
+        receipt = retrying(lambda: fleet.read_receipt(client, dest, cache_key), "reading the range's receipt", logger)
         return _outcome(shard_range, receipt).served_from_cache()
     limit = range_limit_name(fingerprint, shard_range)
     _ensure_limit(limit)
@@ -139,7 +133,7 @@ def dispatch_range(
         logger.info("range %s: submitted as flow run %s (%s)", shard_range, child.name, child.id)
         outcome = _watch(child.id, shard_range, spec, logger)
         if outcome == "completed":
-            receipt = _retrying(lambda: fleet.read_receipt(client, dest, cache_key), "reading the range's receipt", logger)
+            receipt = retrying(lambda: fleet.read_receipt(client, dest, cache_key), "reading the range's receipt", logger)
             done = _outcome(shard_range, receipt)
             if board is not None:
                 board.set(shard_range.arg, 1.0, force=True)
@@ -150,19 +144,6 @@ def dispatch_range(
         f"range {shard_range}: its flow run was lost {fan.max_resubmits + 1} times; giving up "
         "(check the workers of the pool, then re-run: the shards in the bucket are kept)"
     )
-
-
-def _retrying(call, what: str, log):
-    """``call()``, again after STEP_RETRY_DELAYS_S when the bucket fails transiently (a range run
-    is a flow, not a task: nothing else would retry it, and a failed range fails the parent)."""
-    for delay in [*STEP_RETRY_DELAYS_S, None]:
-        try:
-            return call()
-        except TransientError as e:
-            if delay is None:
-                raise
-            log.warning("%s failed (%s); retrying in %d s", what, str(e).splitlines()[0], delay)
-            time.sleep(delay)
 
 
 def _outcome(shard_range: ShardRange, receipt: dict | None) -> RangeOutcome:
@@ -225,7 +206,7 @@ def _watch(run_id: UUID, shard_range: ShardRange, spec: PipelineSpec, logger) ->
 @task(name="bucket-dataset", **STEP_RETRY_POLICY)
 def bucket_dataset(spec: PipelineSpec) -> AssembleResult:
     """The account of the manifest the dataset's bucket holds (a run before validated it, then wrote it)."""
-    client, _, dest = _client(spec)
+    client, _, dest = bucket_of(spec)
     found = fleet.manifest_in_bucket(client, dest)
     if found is None:
         raise StorageError(f"{dest.uri}/{MANIFEST_NAME} is gone since this run planned",
@@ -241,7 +222,7 @@ def fetch_shards(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult) ->
     the dataset validated: validation reads the bytes the bucket holds. Returns the directory of the
     records found (the input of `datagen assemble`, which refuses a dataset that lacks one)."""
     logger = get_run_logger()
-    client, transfer, dest = _client(spec)
+    client, transfer, dest = bucket_of(spec)
     fleet.check_destination(client, dest, planned.fingerprint)
     records = fleet.shards_in_bucket(client, dest, dict(enumerate(planned.shard_keys)))
     logger.info("%s: %d of %d shard objects checked (size, sha256)", dest.uri, len(records), planned.num_shards)
@@ -263,7 +244,7 @@ def publish_manifest(spec: PipelineSpec, assembled: AssembleResult) -> AssembleR
     """Upload the validated manifest to the dataset's bucket, last: from now on it is complete there.
     Returns the assemble step's result with the bucket as its ``dataset``."""
     logger = get_run_logger()
-    client, _, dest = _client(spec)
+    client, _, dest = bucket_of(spec)
     path = Path(assembled.dataset) / MANIFEST_NAME
     raw = path.read_bytes()
     if sha256_hex(raw) != assembled.manifest_sha256:
@@ -277,7 +258,7 @@ def publish_manifest(spec: PipelineSpec, assembled: AssembleResult) -> AssembleR
     return assembled.model_copy(update={"dataset": dest.uri})
 
 
-# --- child side ---------------------------------------------------------------------------------
+# --- the range's lease, held by the child --------------------------------------------------------
 
 @contextmanager
 def range_lease(spec: PipelineSpec, shard_range: ShardRange, fingerprint: str, *, log) -> Iterator[None]:
@@ -297,131 +278,6 @@ def range_lease(spec: PipelineSpec, shard_range: ShardRange, fingerprint: str, *
                      raise_on_lease_renewal_failure=True):
         log.info("range %s: lease held (waited %.1f s)", shard_range, time.monotonic() - t0)
         yield
-
-
-def spool_dir(spec: PipelineSpec) -> Path:
-    """This host's local directory for the range's shards before upload: ``$DATAGEN_SPOOL/<name of
-    the output>``, or the spec's output when DATAGEN_SPOOL is not set."""
-    root = settings.spool_dir()
-    return (root / Path(spec.output).name).absolute() if root is not None else Path(spec.output)
-
-
-def extract_to_bucket(spec: PipelineSpec, xspec: ExtractSpec, shard_range: ShardRange, *, shard_keys: list[str],
-                      cache_key: str, log) -> ExtractResult | None:
-    """Extract the range's shards that the bucket lacks into the spool (``xspec.out``), uploading
-    each as soon as it is written. Returns the extract step's result for the whole range (its runs,
-    one per run of consecutive missing shards, taken together); None when the bucket held every
-    shard and no step ran. The parent's plan gives the shard keys."""
-    client, transfer, dest = _client(spec)
-    expected = {k: shard_keys[k - shard_range.first] for k in shard_range.shards}
-    t0 = time.monotonic()
-    held = _retrying(lambda: fleet.shards_in_bucket(client, dest, expected), "reading the bucket", log)
-    todo = [k for k in shard_range.shards if k not in held]
-    log.info("range %s: %d shards in %s already, %d to extract", shard_range, len(held), dest.uri, len(todo))
-    storage = {"result_storage": spec.result_storage} if spec.result_storage else {}
-    spool = Path(xspec.out)
-    extracted: list[ExtractResult] = []
-    for run in _runs(todo):
-        sub = ShardRange(first=run[0], stop=run[-1] + 1)
-        with _Uploader(client, spool, dest, {k: expected[k] for k in sub.shards}, transfer, log):
-            extracted.append(extract_range.with_options(refresh_cache=True, **storage)(
-                range_call(xspec, sub, gpus=spec.gpus), cache_key=f"{cache_key}-{sub.first}-{sub.stop}",
-                runner=spec.runner,
-            ))
-    final = _retrying(lambda: fleet.shards_in_bucket(client, dest, expected), "reading the bucket", log)
-    missing = [k for k in shard_range.shards if k not in final]
-    if missing:
-        raise StorageError(f"range {shard_range}: shards {missing} are not in {dest.uri} after the range ran",
-                           hint="retry: the range extracts and uploads what is missing")
-    if not extracted:
-        return None
-    seconds = time.monotonic() - t0
-    tokens_extracted = sum(r.tokens_extracted for r in extracted)
-    return extracted[0].model_copy(update={  # the runs share the dataset's identity, layers and engine
-        "shards_extracted": todo,
-        "shards_cached": sorted(held),
-        "tokens": sum(final[k].tokens for k in shard_range.shards),
-        "tokens_extracted": tokens_extracted,
-        "seconds": round(seconds, 3),
-        "tokens_per_s": round(tokens_extracted / seconds, 1) if tokens_extracted and seconds > 0 else 0.0,
-    })
-
-
-def write_receipt(spec: PipelineSpec, cache_key: str, outcome: RangeOutcome, *, log) -> None:
-    """The range's receipt in the bucket: its outcome (what the parent's ``dispatch_range`` returns)."""
-    client, _, dest = _client(spec)
-    receipt = outcome.model_dump(mode="json")
-    _retrying(lambda: fleet.write_receipt(client, dest, cache_key, receipt), "writing the range's receipt", log)
-
-
-def _runs(indices: list[int]) -> list[list[int]]:
-    """Consecutive runs of sorted indices: each is one `datagen extract --shards A:B`."""
-    runs: list[list[int]] = []
-    for k in indices:
-        if runs and runs[-1][-1] == k - 1:
-            runs[-1].append(k)
-        else:
-            runs.append([k])
-    return runs
-
-
-class _Uploader:
-    """Uploads each shard of ``expected`` as soon as the extraction has written it (its record in
-    the spool names the expected key), then removes it from the spool. A background thread while
-    the extraction runs; a last pass, whose errors are raised, when the block ends."""
-
-    def __init__(self, client, spool: Path, dest, expected: dict[int, str], transfer, log) -> None:
-        self.client, self.spool, self.dest, self.expected, self.transfer, self.log = client, spool, dest, expected, transfer, log
-        self.uploaded: set[int] = set()
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="shard-upload", daemon=True)
-
-    def __enter__(self) -> "_Uploader":
-        self._thread.start()
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self._stop.set()
-        self._thread.join(timeout=600)
-        if exc_type is None:
-            _retrying(self.sweep, "uploading shards", self.log)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(UPLOAD_POLL_S):
-            try:
-                self.sweep()
-            except Exception as e:  # the last pass retries and raises
-                self.log.warning("uploading shards failed (retried at the end of the range): %s", e)
-
-    def _ready(self) -> list[ShardRecord]:
-        ready = []
-        for k, key in self.expected.items():
-            if k in self.uploaded:
-                continue
-            path = self.spool / fleet.record_rel(k)
-            try:
-                rec = ShardRecord.model_validate_json(path.read_bytes())
-            except (OSError, ValueError):
-                continue
-            f = self.spool / rec.path
-            if rec.shard_key == key and rec.index == k and f.is_file() and f.stat().st_size == rec.bytes:
-                ready.append(rec)
-        return ready
-
-    def sweep(self) -> None:
-        with self._lock:
-            ready = self._ready()
-            if not ready:
-                return
-            t0 = time.monotonic()
-            sent = fleet.upload_shards(self.client, self.spool, ready, self.dest, transfer=self.transfer)
-            for rec in ready:
-                self.uploaded.add(rec.index)
-                (self.spool / rec.path).unlink(missing_ok=True)
-            dt = max(time.monotonic() - t0, 1e-6)
-            self.log.info("uploaded shards %s to %s: %.1f MB at %.1f MB/s", [r.index for r in ready], self.dest.uri,
-                          sent / 1e6, sent / dt / 1e6)
 
 
 # --- per-host GPU limits ------------------------------------------------------------------------
