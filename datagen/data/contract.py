@@ -203,6 +203,9 @@ class ResolvedEngine(_Recorded):
     version: str | None = Field(None, description="The engine's package version.")
     patches: list[str] | None = Field(None, description="Names of the vLLM patches applied.")
     attention_backend: str | None = Field(None, description="vLLM's attention backend (vllm only).")
+    capture_path: str | None = Field(None, description="How the states left vLLM: internal (the worker extension "
+                                     "on the V1 runner) or public (extract_hidden_states and the KV connector).")
+    model_runner: str | None = Field(None, description="vLLM's model runner: v1, v2, or auto (vLLM's pick).")
     tensor_parallel_size: int | None = Field(None, description="GPUs per engine.")
 
 

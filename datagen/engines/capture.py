@@ -296,8 +296,24 @@ class Capture:
                         runs.append([pos, pos + c])
             pos += c
         self.steps += 1
-        if not mine:
+        if mine:
+            self._capture_runs(aux_hidden_states, mine, runs)
+
+    def on_request(self, req_id: str, states: torch.Tensor) -> None:
+        """A whole request's states [T, L, H] at once (the public-API path: vLLM's
+        extract_hidden_states drafter stored them in its KV cache, the connector read them out when
+        the request finished). Staged, handed out and written exactly as a step's."""
+        if states.shape[1] != len(self.layer_ids):
+            raise RuntimeError(f"engine returned {states.shape[1]} aux states for layers {self.layer_ids}")
+        ext = self._external(req_id)
+        if ext is None:
             return
+        n = int(states.shape[0])
+        self._capture_runs([states[:, j] for j in range(states.shape[1])], [(ext, 0, n)], [[0, n]])
+
+    def _capture_runs(self, aux_hidden_states, mine, runs) -> None:
+        """Stage the rows ``runs`` of the per-layer states (this rank's requests ``mine``: external
+        id, first row, rows), copy them to the host and hand each request its piece."""
         m = sum(c for _, _, c in mine)
         L, H = len(self.layer_ids), self.hidden
         if self.cuda:

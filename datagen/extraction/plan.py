@@ -59,10 +59,14 @@ def describe_engine(spec: ExtractSpec, info: ModelInfo) -> dict:
     fingerprint). The vLLM engine checks, once started, that its worker runs that backend."""
     if spec.engine.name is EngineName.VLLM:
         from datagen.engines import patches
-        from datagen.engines.vllm_engine import choose_attention_backend
+        from datagen.engines.capture_paths import choose_path, model_runner
+        from datagen.engines.vllm_engine import choose_attention_backend, is_cpu_build
 
-        return {"name": "vllm", "version": patches.check_vllm_version(), "patches": patches.patch_names(),
-                "attention_backend": choose_attention_backend(info, spec.engine.mla_backend)}
+        version = patches.check_vllm_version()
+        path = choose_path(version)
+        return {"name": "vllm", "version": version, "patches": patches.patch_names(),
+                "attention_backend": choose_attention_backend(info, spec.engine.mla_backend),
+                "capture_path": path, "model_runner": model_runner(version, path, cpu_build=is_cpu_build())}
     import transformers
 
     return {"name": "hf", "version": transformers.__version__, "patches": []}

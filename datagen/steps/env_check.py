@@ -6,7 +6,10 @@
   the spec's tensor parallel size fits the GPUs (and the model fits their memory); on a
   CPU-only machine, that the CPU build of vLLM is installed;
 * the engine: vLLM installed at a tested version (``datagen.engines.patches``), every patch's
-  self-test passes, the model's architecture supports aux hidden-state capture;
+  self-test passes, the model's architecture supports aux hidden-state capture; the report's
+  ``engine`` says which capture path (internal or public, ``datagen.engines.capture_paths``) and
+  which model runner a run takes on the installed vLLM, and why; on the public path its self-test
+  runs with the patches';
 * the model: config readable (from the local dir, the S3 mirror or the Hub, without
   downloading weights), layer ids valid for its depth, hidden size;
 * storage: free space at the model cache (model size, less what is cached) and at a local
@@ -86,6 +89,8 @@ class EnvReport(BaseModel):
     accelerators: Accelerators
     model: dict = Field(description="architecture, num_hidden_layers, hidden_size, layer_ids, bytes.")
     estimate: dict = Field(description="Bytes the run needs: model cache and output.")
+    engine: dict = Field(default_factory=dict, description="vLLM: the capture path and model runner a run "
+                         "takes on the installed vLLM (capture_path, model_runner, why, public_path self-test).")
     seconds: float
 
 
@@ -266,12 +271,16 @@ def check_engine_version(spec: SourcesSpec) -> Check:
     )
 
 
-def check_engine_patches(spec: SourcesSpec, version_ok: bool) -> Check:
+def check_engine_patches(spec: SourcesSpec, version_ok: bool, engine: dict | None = None) -> Check:
+    """Every patch's self-test; on the public capture path (``engine``: ``_engine_path``'s) its own too."""
     if spec.engine.name is EngineName.HF or not version_ok:
         return Check(name="engine_patches", status=Status.SKIPPED, detail="no tested vLLM to test the patches on")
     from datagen.engines import patches
 
     results = patches.run_self_tests()
+    if engine and engine.get("capture_path") == "public":
+        results["public-capture"] = _public_self_test()
+        engine["public_path"] = results["public-capture"]
     failed = {name: why for name, why in results.items() if why != "ok"}
     if failed:
         return Check(
@@ -281,6 +290,31 @@ def check_engine_patches(spec: SourcesSpec, version_ok: bool) -> Check:
             fix="install a tested vLLM release, or update datagen/engines/patches.py for this one",
         )
     return Check(name="engine_patches", status=Status.OK, detail=f"{len(results)} self-tests pass: {', '.join(results)}")
+
+
+def _engine_path() -> dict:
+    """The capture path and model runner a run will take on the installed vLLM (empty without one),
+    with the public path's self-test."""
+    if "vllm" not in _installed_engine_modules():
+        return {}
+    from datagen.engines import capture_paths, patches
+    from datagen.engines.vllm_engine import is_cpu_build
+
+    version = patches.installed_vllm_version()
+    try:
+        return {"vllm": version, **capture_paths.describe(version, cpu_build=is_cpu_build())}
+    except DatagenError as e:
+        return {"vllm": version, "error": e.message}
+
+
+def _public_self_test() -> str:
+    from datagen.engines import capture_paths
+
+    try:
+        capture_paths.public_path_self_test()
+        return "ok"
+    except Exception as e:  # noqa: BLE001 (an import error means the interface moved)
+        return f"failed: {type(e).__name__}: {e}"
 
 
 def check_architecture(spec: SourcesSpec, config: dict) -> Check:
@@ -517,7 +551,13 @@ def check(spec: SourcesSpec) -> EnvReport:
     checks.append(check_cpu_engine(spec, acc))
     version = _guarded("engine_version", lambda: check_engine_version(spec))
     checks.append(version)
-    checks.append(_guarded("engine_patches", lambda: check_engine_patches(spec, version.status is Status.OK)))
+    engine: dict = {}
+    if spec.engine.name is EngineName.VLLM:
+        try:
+            engine = _engine_path()
+        except Exception as e:  # noqa: BLE001 (the report is returned in every case)
+            engine = {"error": f"{type(e).__name__}: {e}"}
+    checks.append(_guarded("engine_patches", lambda: check_engine_patches(spec, version.status is Status.OK, engine)))
     output_bytes = None
     if spec.expected_tokens and layer_ids and hidden:
         per_token = output_bytes_per_token(len(layer_ids), hidden, spec.engine.resolved_storage_dtype)
@@ -527,7 +567,11 @@ def check(spec: SourcesSpec) -> EnvReport:
     checks.append(_guarded("remote.hub_token", lambda: check_hub_token(spec)))
 
     text = _text_config(facts.config) if facts else {}
+    if engine.get("capture_path"):
+        log.info("%-18s %s on model runner %s (%s)", "capture_path", engine["capture_path"],
+                 engine["model_runner"], engine["why"])
     report = EnvReport(
+        engine=engine,
         ok=all(c.status in (Status.OK, Status.SKIPPED) for c in checks),
         checks=checks,
         accelerators=acc,
