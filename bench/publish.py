@@ -4,7 +4,7 @@
 
 Runs ``bench/publish_throughput.py`` (SeaweedFS on loopback from
 ``tests/support/s3server.py``; a contract-valid dataset; each repeat into a fresh prefix:
-``datagen.steps.publish.publish``, then one ``upload_file`` of a single file of the same bytes with boto3's
+``datagen.storage.publish.publish``, then one ``upload_file`` of a single file of the same bytes with boto3's
 defaults, then the same with a SHA-256 checksum) and turns its JSON into the figure.
 """
 

@@ -5,7 +5,7 @@
 Starts SeaweedFS on loopback (tests.support.s3server), writes a contract-valid dataset of random
 shards (tests.support.fake_dataset), then times, each ``--repeats`` times into a fresh prefix:
 
-* ``publish``: ``datagen.steps.publish.publish`` (re-hashes every shard, uploads them through one transfer
+* ``publish``: ``datagen.storage.publish.publish`` (re-hashes every shard, uploads them through one transfer
   manager with a SHA-256 checksum per part, checks every object, then writes the manifest);
 * ``boto3-one-file``: one ``upload_file`` of a single file holding the same number of bytes,
   with boto3's default TransferConfig (8 MiB parts, 10 threads, its default CRC32 checksum);
@@ -44,7 +44,7 @@ def main() -> None:
     try:
         os.environ.update(server.env())
         from datagen import settings
-        from datagen.steps import publish
+        from datagen.storage import publish
 
         hidden, layers = 1024, 4
         tokens = args.shard_mb * 1024 * 1024 // (layers * hidden * 2)

@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     mode = Mode(args.mode)
     from datagen.reader import Verify
-    from datagen.steps import publish
+    from datagen.storage import publish
     from tests.support.s3server import S3Server
 
     # imported once here: the first-batch times are of the data, not of importing a trainer

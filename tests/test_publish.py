@@ -14,7 +14,7 @@ import pytest
 
 from datagen.data.contract import MANIFEST_NAME
 from datagen.errors import EXIT_TRANSIENT, EXIT_VALIDATION, OutputConflictError, SpecError, ValidationFailed
-from datagen.steps import publish
+from datagen.storage import publish
 from tests.support.fake_dataset import approve, make_dataset
 from tests.support.s3server import s3_env, s3_server, s3_server_private  # noqa: F401  (fixtures)
 

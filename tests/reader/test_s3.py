@@ -7,7 +7,7 @@ import torch
 
 from datagen.errors import StorageError
 from datagen.reader import ShardRefused, Verify, open_dataset
-from datagen.steps import publish
+from datagen.storage import publish
 from tests.support.fake_dataset import approve
 from tests.support.s3server import s3_env, s3_server, upload_tree  # noqa: F401  (fixtures)
 from tests.support.synthetic_shards import make_synthetic_dataset
