@@ -8,7 +8,7 @@ warm:
 
 - read: one thread reading every shard file sequentially in 8 MiB blocks;
 - sha256: hashing the same files (the part of validation no parallelism can skip per file);
-- validate: ``datagen.steps.validate.validate`` with no golden samples and no reachable source (the
+- validate: ``datagen.validation.dataset.validate`` with no golden samples and no reachable source (the
   structure, checksum, tensor, offsets, row, NaN/Inf and statistics checks: every byte).
 
 "Cold" evicts the files from the page cache first: by default with
@@ -127,7 +127,7 @@ def sha_only(files: list[Path]) -> float:
 
 
 def validate_once(root: Path, workers: int) -> float:
-    from datagen.steps.validate import validate as run
+    from datagen.validation.dataset import validate as run
     from datagen.validation.settings import ValidationSettings
 
     t = time.perf_counter()

@@ -4,7 +4,7 @@
 
 Reuses ``bench/validate_throughput.py``: its synthetic dataset
 (written by the real shard writer, a manifest that passes), its plain read (one thread, 8 MiB
-blocks), its sha256-only pass and ``datagen.steps.validate.validate`` with no golden samples (structure,
+blocks), its sha256-only pass and ``datagen.validation.dataset.validate`` with no golden samples (structure,
 checksums, tensors, offsets, rows, NaN/Inf, statistics: every byte). Here each is run several
 times, alternating, cold (pages evicted with fadvise) and warm, and the medians are compared.
 """

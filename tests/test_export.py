@@ -116,7 +116,7 @@ def test_exporting_again_is_a_no_op_and_another_output_is_refused(pristine, expo
 
 
 def test_a_manifest_changed_after_its_validation_is_refused_and_nothing_is_written(pristine, tmp_path):
-    from datagen.steps.validate import validate
+    from datagen.validation.dataset import validate
 
     ds = copy_dataset(pristine, tmp_path / "ds")
     from datagen.validation.settings import ValidationSettings

@@ -201,7 +201,7 @@ def test_missing_bucket_is_named(s3_env, tmp_path):
 
 def test_a_dataset_extracted_and_validated_by_datagen_is_published(s3_env, tmp_path, tmp_path_factory):
     """The gate end to end: the real extraction and `datagen validate` write what publish reads."""
-    from datagen.steps import validate
+    from datagen.validation.dataset import validate
     from tests.support.extracted import copy_dataset, extracted_dataset
 
     ds = copy_dataset(extracted_dataset(tmp_path_factory), tmp_path / "ds")
@@ -209,6 +209,6 @@ def test_a_dataset_extracted_and_validated_by_datagen_is_published(s3_env, tmp_p
     bucket = s3_env.create_bucket()
     with pytest.raises(ValidationFailed, match="has not been validated"):
         publish.publish(ds, to=f"s3://{bucket}/real")
-    assert validate.validate(ds)["ok"]
+    assert validate(ds)["ok"]
     result = publish.publish(ds, to=f"s3://{bucket}/real")
     assert result.manifest_uploaded and len(result.uploaded) == result.shards == len(manifest_of(ds)["shards"])

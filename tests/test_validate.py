@@ -21,7 +21,8 @@ import torch
 
 from datagen import cli
 from datagen.errors import EXIT_VALIDATION, ValidationFailed
-from datagen.steps.validate import validate as run, validation_path
+from datagen.data.contract import validation_path
+from datagen.validation.dataset import validate as run
 from datagen.validation.settings import ValidationSettings
 from datagen.validation.golden import draw_rows
 from datagen.validation.shardfile import read_header

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from datagen.steps.validate import validate as run
+from datagen.validation.dataset import validate as run
 from datagen.validation.settings import ValidationSettings
 from datagen.validation.golden import POST_NORM, GoldenCriterionName, GoldenReference
 from tests.builders import result_of, run_datagen, token_rows, write_jsonl

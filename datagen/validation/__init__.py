@@ -1,5 +1,6 @@
 """The checks behind ``datagen validate`` (the step module is ``datagen.steps.validate``).
 
+dataset     ``validate``: every check below in order, the report (the step's work)
 report      problem records and the JSON report
 shardfile   safetensors shard files: bounded header parsing, memory-mapped one-pass scans
 manifest    checks of manifest.json on its own (version, fingerprints, ranges, paths)
