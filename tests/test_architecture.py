@@ -121,3 +121,30 @@ def test_the_orchestration_declares_no_result_of_its_own():
                 (wrappers if held else own).append(f"{module.__name__}.{name}")
     assert own == [], "result models declared by the orchestration instead of the steps"
     assert "tasks.extract.RangeOutcome" in wrappers  # the check sees the models it is about
+
+
+# Steps whose library code is still inside the step module (issue 38): bench/ may import only these.
+STEPS_STILL_LIBRARIES = {"datagen.steps.export"}
+
+
+def test_bench_imports_libraries_not_steps():
+    picture = _picture()
+    found = {(str(path.relative_to(ROOT)), mod) for path in (ROOT / "bench").rglob("*.py")
+             for mod in picture.imports(path)
+             if mod.startswith("datagen.steps.") and mod not in STEPS_STILL_LIBRARIES}
+    assert found == set()
+
+
+def test_a_step_is_called_from_the_task_module_named_as_the_step():
+    import re
+
+    from datagen.steps import STEPS
+
+    called = set()
+    for path in sorted((ROOT / "tasks").glob("*.py")):
+        text = path.read_text()
+        for step in re.findall(r'\bstep="([a-z-]+)"', text) + re.findall(r'^STEP = "([a-z-]+)"', text, re.M):
+            called.add(step)
+            assert step in STEPS, (path.name, step)
+            assert path.stem == step.replace("-", "_"), f"{path.name} calls the step {step}"
+    assert {"plan", "extract", "assemble", "publish", "export", "measure-draft"} <= called  # the check sees them
