@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -58,11 +59,11 @@ def pool_device(pool: str | None = None) -> str:
     """Where a flow run trains: the host's own ``DATAGEN_TRAIN_DEVICE`` (``cpu`` or ``cuda``) when its
     worker sets it, else ``cuda`` on a GPU work pool (``GPU_POOLS``) and ``cpu`` on any other. ``pool``:
     the work pool's name; None: the current flow run's."""
-    import os
+    from datagen.training.settings import Device
 
     declared = os.environ.get("DATAGEN_TRAIN_DEVICE", "").strip()
     if declared:
-        if declared not in ("cpu", "cuda"):
+        if declared not in {d.value for d in Device}:
             raise ValueError(f"DATAGEN_TRAIN_DEVICE={declared!r}: a host trains on 'cpu' or 'cuda'; "
                              "set one of them in the worker's environment, or unset it to let the pool decide")
         return declared
