@@ -50,6 +50,9 @@ FP8_SCALE_TENSORS = {"hidden_states_scale": ("float32", "[T, L]")}
 # bytes of one stored value of hidden_states, by storage dtype
 STORED_VALUE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8_e4m3": 1}
 TOKEN_OVERHEAD_BYTES = 5  # input_ids int32 + loss_mask uint8 per token
+# The capture's and the writer's float32 workspace, in elements: statistics and fp8 scales are
+# computed over chunks of this many values (tokens x hidden), never a float32 copy of the whole step.
+WORK_ELEMENTS = 8 << 20  # 32 MiB
 
 
 def token_bytes(storage_dtype: str, *, n_layers: int, hidden_size: int) -> int:

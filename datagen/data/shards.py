@@ -23,7 +23,7 @@ import torch
 
 from datagen import settings
 from datagen.data.files import atomic_write_bytes, atomic_write_json, fsync_dir  # noqa: F401 (re-exported)
-from datagen.data.contract import LayerStats, ShardRecord
+from datagen.data.contract import WORK_ELEMENTS, LayerStats, ShardRecord
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # storage dtype name (the spec's storage_dtype) -> dtype of the stored hidden_states
@@ -106,7 +106,6 @@ def token_stats(states: torch.Tensor) -> torch.Tensor:
     return out.permute(1, 2, 0).contiguous()
 
 
-WORK_ELEMENTS = 8 << 20  # float32 values in the statistics' and fp8's workspace (32 MiB)
 
 
 def work_rows(hidden: int, tokens: int | None = None) -> int:

@@ -250,7 +250,7 @@ class VllmEngine(Engine):
 
     @property
     def storage_dtype(self) -> str:
-        return self.config.storage_dtype or self.config.dtype
+        return self.config.storage_dtype
 
     @property
     def attention_backend(self) -> str | None:

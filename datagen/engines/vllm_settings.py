@@ -11,16 +11,14 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from datagen.data.contract import STORED_VALUE_BYTES, WORK_ELEMENTS
+
 CONFIG_KEY = "datagen_capture"  # key in vllm_config.additional_config
 
 # The two ways the states leave vLLM (docs/vllm-versions.md, "Runner matrix"):
 INTERNAL = "internal"  # the worker extension reads the V1 model runner's execute_model_state
 PUBLIC = "public"  # vLLM's extract_hidden_states speculative method and the project's KV connector
 CAPTURE_PATHS = (INTERNAL, PUBLIC)
-
-# The capture's float32 workspace, in elements: statistics and fp8 scales are computed over
-# chunks of this many values (tokens x hidden) instead of a float32 copy of the whole step.
-WORK_ELEMENTS = 8 << 20  # 32 MiB
 
 
 def _writers_default(tp: int) -> int:
@@ -77,7 +75,7 @@ def device_bytes(cfg: CaptureConfig, hidden_size: int) -> int:
     and fp8 scales [max_tokens, L] (float32), and the float32 workspace. Nothing else is
     allocated per step: the peak does not grow with the step."""
     L = len(cfg.layer_ids)
-    item = 1 if cfg.storage_dtype == "fp8_e4m3" else 4 if cfg.storage_dtype == "float32" else 2
+    item = STORED_VALUE_BYTES[cfg.storage_dtype]
     staged = cfg.max_tokens * L * hidden_size * item
     stats = 3 * cfg.max_tokens * L * 4
     scales = cfg.max_tokens * L * 4 if cfg.storage_dtype == "fp8_e4m3" else 0
@@ -92,7 +90,7 @@ class VllmSettings:
     layer_ids: tuple[int, ...]
     dtype: str
     max_seq_len: int
-    storage_dtype: str | None = None  # None: the engine's dtype
+    storage_dtype: str | None = None  # None: the engine's dtype (filled in once, when made)
     tensor_parallel_size: int = 1
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
@@ -104,13 +102,17 @@ class VllmSettings:
     media: bool = False  # some rows hold images: the engine loads the tokenizer and the image processor
     capture_path: str = INTERNAL  # INTERNAL or PUBLIC (datagen.engines.capture_path resolves it)
 
+    def __post_init__(self) -> None:
+        if self.storage_dtype is None:  # the one place the engine's storage dtype defaults
+            object.__setattr__(self, "storage_dtype", self.dtype)
+
     @property
     def step_tokens(self) -> int:
         return max(self.max_num_batched_tokens, 16)
 
     def capture(self) -> CaptureConfig:
         return CaptureConfig(
-            layer_ids=tuple(self.layer_ids), dtype=self.dtype, storage_dtype=self.storage_dtype or self.dtype,
+            layer_ids=tuple(self.layer_ids), dtype=self.dtype, storage_dtype=self.storage_dtype,
             max_tokens=self.step_tokens,
             writers=self.writers or _writers_default(self.tensor_parallel_size),
             host_budget_bytes=self.host_budget_bytes or _host_budget_default(), path=self.capture_path)
