@@ -1,38 +1,23 @@
 """The regeneration step: ``datagen regenerate --model DIR --dataset IN.jsonl --out DIR``.
 
-The target model writes the assistant turns of a chat dataset again, turn by turn
-(``datagen.regeneration``): each assistant turn is generated from the conversation so far, with
-the earlier assistant turns already replaced by generated ones; system, user and tool turns stay.
-The output directory holds ``chats.jsonl``, which ``datagen extract`` reads as any dataset, and a
-manifest with the lineage of every row (``datagen.regeneration.output``).
-
-Order of work, so that bad input never costs an engine start or leaves output: check the settings
--> read the model's config and tokenizer -> read and check every row -> check the output
-directory -> start the engine -> generate the chunks not yet done -> the dataset files -> the
-manifest. A killed run resumes at its first missing chunk and writes the same bytes as an
-uninterrupted one; a finished one is not generated again.
+The target model writes the assistant turns of a chat dataset again, turn by turn; the output
+directory holds ``chats.jsonl``, which ``datagen extract`` reads as any dataset, and a manifest with
+the lineage of every row. The work is ``datagen.regeneration.run.regenerate`` (the order of work,
+resuming: its module docstring); this module is its command line and result.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-from pathlib import Path
+from dataclasses import asdict
 from typing import Annotated, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from datagen.data.dataset import _check_messages, read_rows, tokenizer_hashes
-from datagen.data.spec import sha256_hex
-from datagen.errors import DatasetError, ModelError, SpecError
-from datagen.models.modelinfo import ModelInfo, inspect_model, model_content_hash
-from datagen.regeneration.output import CHATS, MANIFEST, TURNS, ChunkRecord, OutputDir, RegenerationManifest
-from datagen.regeneration.rounds import ChunkRunner
-from datagen.regeneration.settings import FORMAT_VERSION, Layout, RegenerationSettings, fingerprint
+from datagen.regeneration.run import regenerate
+from datagen.regeneration.settings import RegenerationSettings
 from datagen.steps._args import Arg, StepSpec
 
 HELP = "Regenerate the assistant turns of a chat dataset with the target model (vLLM), turn by turn."
-log = logging.getLogger(__name__)
 
 
 class Spec(RegenerationSettings, StepSpec):
@@ -78,176 +63,8 @@ class RegenerateResult(BaseModel):
 Result = RegenerateResult
 
 
-# --- inputs, checked before the engine starts ---------------------------------------------------
-
-def _load_tokenizer(model: str, info: ModelInfo, *, trust_remote_code: bool):
-    if not info.has_tokenizer:
-        raise ModelError(f"model {model} has no tokenizer: regeneration renders chats with it",
-                         hint="add the tokenizer files and chat template to the model directory")
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, ImportError) as e:
-        raise ModelError(f"transformers cannot load the tokenizer of {model}: {e}",
-                         hint="a tokenizer shipped as code needs --trust-remote-code") from e
-    if not getattr(tok, "chat_template", None):
-        raise ModelError(f"the tokenizer of {model} has no chat template",
-                         hint="add chat_template to tokenizer_config.json (or chat_template.jinja)")
-    return tok
-
-
-def _window(settings: RegenerationSettings, info: ModelInfo) -> int:
-    positions = info.max_position_embeddings
-    if settings.max_model_len is None:
-        if not positions:
-            raise SpecError(f"model {info.path} does not say its max_position_embeddings",
-                            hint="give --max-model-len")
-        return positions
-    if positions and settings.max_model_len > positions:
-        raise SpecError(f"max_model_len {settings.max_model_len} exceeds the model's {positions} positions",
-                        hint=f"use --max-model-len {positions} or less, or leave it out")
-    return settings.max_model_len
-
-
-def _read_chats(path: str) -> tuple[list[tuple[int, bytes, list[dict]]], str]:
-    """Every row's messages, checked as extraction checks them, and the file's sha256."""
-    import hashlib
-
-    if not Path(path).is_file():
-        raise DatasetError("no such file", path=path, hint="give the JSONL file of chat rows")
-    digest = hashlib.sha256()
-    rows = read_rows(path, digest=digest)
-    chats = []
-    for row, raw, obj in rows:
-        if "messages" not in obj:
-            raise DatasetError(f"row has no 'messages' (fields: {sorted(obj)}): only chat rows can be regenerated",
-                               path=path, line=row + 1,
-                               hint="give chat rows; pre-tokenized rows go to `datagen extract` as they are")
-        messages = _check_messages(obj, path=path, line=row + 1)
-        if any(isinstance(m.get("content"), list) for m in messages):
-            raise DatasetError("row has image parts: regeneration takes text chats only (the engine generates "
-                               "from token ids; no image reaches it)", path=path, line=row + 1,
-                               hint="regenerate the text rows apart and extract the image rows as written")
-        chats.append((row, raw, messages))
-    return chats, digest.hexdigest()
-
-
-def _totals(chunks: list[ChunkRecord], source_rows: int) -> dict:
-    turns = [t for rec in chunks for e in rec.lineage for t in e["turns"]]
-    reasons: dict[str, int] = {}
-    for rec in chunks:
-        for s in rec.skipped:
-            reasons[s.reason] = reasons.get(s.reason, 0) + 1
-    return {
-        "source_rows": source_rows,
-        "rows": sum(len(rec.chats) for rec in chunks),
-        "skipped": sum(reasons.values()),
-        "skipped_by_reason": dict(sorted(reasons.items())),
-        "generated_turns": len(turns),
-        "generated_tokens": sum(t["tokens"] for t in turns),
-        "length_turns": sum(t["finish"] == "length" for t in turns),
-        "kept_tool_turns": sum(len(e["kept"]) for rec in chunks for e in rec.lineage),
-        "cut_rows": sum(len(rec.cut) for rec in chunks),
-    }
-
-
-def regenerate(spec: Spec) -> RegenerateResult:
-    """Regenerate ``spec.dataset`` into ``spec.out`` (module docstring).
-
-    Raises:
-        SpecError: a setting does not fit the model (window, reasoning parser).
-        DatasetError: a row is not a valid chat row.
-        ModelError: the model or its tokenizer cannot be loaded.
-        OutputConflictError: ``out`` holds something other than this regeneration.
-        EngineUnsupportedError: vLLM is missing or outside the tested releases.
-    """
-    from datagen.engines import patches
-
-    start = time.monotonic()
-    s = spec.settings()
-    info = inspect_model(spec.model, trust_remote_code=s.trust_remote_code)
-    window = _window(s, info)
-    tokenizer = _load_tokenizer(spec.model, info, trust_remote_code=s.trust_remote_code)
-    chats, source_sha = _read_chats(spec.dataset)
-    version = patches.check_vllm_version()
-    splitter = None
-    if s.reasoning_parser:
-        from datagen.regeneration.reasoning import ReasoningSplitter
-
-        splitter = ReasoningSplitter(s.reasoning_parser, tokenizer)
-    template_hash, tok_hash = tokenizer_hashes(tokenizer)
-    revision = spec.model_revision or model_content_hash(info)
-    from datagen.engines.vllm_engine import choose_attention_backend
-
-    attention = choose_attention_backend(info, None)  # None on GPU builds: vLLM's pick
-    engine = {"name": "vllm", "version": version, **({"attention_backend": attention} if attention else {})}
-    fp = fingerprint(s, source_sha256=source_sha, model_revision=revision, engine=engine,
-                     tokenizer={"chat_template_sha256": template_hash, "tokenizer_sha256": tok_hash})
-    out = OutputDir(spec.out, fp)
-
-    def result(m: RegenerationManifest, *, cached: bool, generated: int, reused: int) -> RegenerateResult:
-        t = m.totals
-        return RegenerateResult(
-            out=str(out.root.resolve()), dataset=str((out.root / m.dataset).resolve()),
-            manifest=str((out.root / MANIFEST).resolve()), fingerprint=fp, cached=cached, source_sha256=source_sha,
-            model_revision=revision, engine_version=version, rows=t["rows"], skipped=t["skipped"],
-            generated_turns=t["generated_turns"], generated_tokens=t["generated_tokens"],
-            length_turns=t["length_turns"], chunks_generated=generated, chunks_reused=reused,
-            seconds=round(time.monotonic() - start, 3))
-
-    done = out.finished()
-    if done is not None:
-        log.info("regenerate: %s is finished (fingerprint %s): nothing to do", out.root, fp[:12])
-        return result(done, cached=True, generated=0, reused=0)
-    out.check_resumable()
-
-    c = s.rows_per_chunk
-    parts = [chats[i:i + c] for i in range(0, len(chats), c)]
-    keys = [sha256_hex(b"\n".join(raw for _, raw, _ in part)) for part in parts]
-    records: list[ChunkRecord | None] = [out.done_chunk(k, keys[k]) for k in range(len(parts))]
-    reused = sum(r is not None for r in records)
-    todo = [k for k, r in enumerate(records) if r is None]
-    log.info("regenerate: %d rows in %d chunks of %d; %d done already", len(chats), len(parts), c, reused)
-    if todo:
-        from datagen.regeneration.generator import Generator, stop_token_ids
-
-        generator = Generator(spec.model, s, max_model_len=window, stop_ids=stop_token_ids(spec.model, tokenizer),
-                              attention_backend=attention)
-        generator.start()
-        try:
-            out.begin()
-            chunks = ChunkRunner(s, tokenizer, generator, splitter, window, source=spec.dataset)
-            t0 = time.monotonic()
-            for n, rec in enumerate(chunks.run_all([(k, parts[k], keys[k]) for k in todo], fp=fp,
-                                                   write=out.write_chunk), 1):
-                records[rec.chunk] = rec
-                tokens = sum(t["tokens"] for e in rec.lineage for t in e["turns"])
-                log.info("regenerate: chunk %d (%d/%d): %d tokens, %.1f s since the engine started", rec.chunk, n,
-                         len(todo), tokens, time.monotonic() - t0)
-        finally:
-            generator.close()
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "source": {"path": str(Path(spec.dataset).resolve()), "sha256": source_sha, "rows": len(chats)},
-        "model": {"path": str(Path(spec.model).resolve()), "revision": revision, "architecture": info.architecture,
-                  "model_type": info.model_type},
-        "tokenizer": {"chat_template_sha256": template_hash, "tokenizer_sha256": tok_hash},
-        "engine": {**engine, "dtype": s.dtype, "tensor_parallel_size": s.tensor_parallel_size,
-                   "max_model_len": window},
-        "settings": s.model_dump(mode="json"),
-        "sampling": s.sampling(),
-        "seed": s.seed,
-        "chunks": {"rows_per_chunk": c, "count": len(parts)},
-        "totals": _totals(records, len(chats)),
-        "dataset": TURNS if s.layout is Layout.AS_GENERATED else CHATS,
-    }
-    m = out.finish(records, manifest)
-    log.info("regenerate: %d chats, %d turns, %d tokens -> %s", m.totals["rows"], m.totals["generated_turns"],
-             m.totals["generated_tokens"], out.root / m.dataset)
-    return result(m, cached=False, generated=len(todo), reused=reused)
-
-
 def run(spec: Spec) -> RegenerateResult:
-    """``datagen regenerate`` (``regenerate``)."""
-    return regenerate(spec)
+    """``datagen regenerate`` (``datagen.regeneration.run.regenerate``)."""
+    done = regenerate(spec.dataset, spec.out, model=spec.model, settings=spec.settings(),
+                      model_revision=spec.model_revision)
+    return RegenerateResult(**asdict(done))
