@@ -83,9 +83,9 @@ def _run(tmp_path, storage, rank=0, world=1):
         runner.input_batch.req_ids = req
         cap.on_step(so, aux)
     reply = cap.collect(True)
-    assert not reply["errors"], reply["errors"]
-    assert reply["pending_requests"] == 0 and reply["pending_shards"] == []
-    return states, {r["record"]["index"]: r["record"] for r in reply["records"]}
+    assert not reply.errors, reply.errors
+    assert reply.pending_requests == 0 and reply.pending_shards == ()
+    return states, {r.index: r.model_dump() for r in reply.records}
 
 
 @pytest.mark.parametrize("storage", ["bfloat16", "fp8_e4m3"])
@@ -132,7 +132,7 @@ def test_a_request_of_no_announced_shard_is_kept_apart_until_taken(tmp_path):
     cap.on_step(so, x)
     got = torch.cat([c.host for c in cap.take_loose("x")])
     assert torch.equal(got, torch.stack(x, dim=1))
-    assert cap.collect(True)["records"] == [] and not cap.requests
+    assert cap.collect(True).records == () and not cap.requests
 
 
 class _LiveBytes(TorchDispatchMode):

@@ -134,13 +134,13 @@ def run_shape(hidden: int, storage: str, root: Path, *, rows: int, row_len: int,
         cap.on_step(so, aux)
     reply = cap.collect(True)
     dt = time.time() - t0
-    if reply["errors"]:
-        raise RuntimeError(reply["errors"][0])
-    recs = [r["record"] for r in reply["records"]]
+    if reply.errors:
+        raise RuntimeError(reply.errors[0])
+    recs = [r.model_dump() for r in reply.records]
     tokens = rows * row_len
     res.update(tokens=tokens, seconds=dt, tokens_per_s=tokens / dt, bytes=sum(r["bytes"] for r in recs),
                bytes_per_s=sum(r["bytes"] for r in recs) / dt, shards=len(recs), steps=len(steps),
-               backpressure_s=reply["backpressure_s"], host_outside_bytes=reply.get("host_outside_bytes"))
+               backpressure_s=reply.backpressure_s, host_outside_bytes=reply.host_outside_bytes)
     # every shard holds exactly what was fed
     from safetensors.torch import load_file
 

@@ -38,6 +38,7 @@ from datagen.data.shards import (
     write_shard,
     writer_rank,
 )
+from datagen.engines.messages import CaptureReply
 from datagen.engines.vllm_settings import CaptureConfig
 
 
@@ -431,7 +432,7 @@ class Capture:
                                      [[ch.stats.transpose(1, 2) for ch in st.chunks] for st in taken],
                                      [[ch.scale for ch in st.chunks] for st in taken] if self.fp8 else None)
                 with self.lock:
-                    self.done.append({"record": record.model_dump(), "rank": self.rank})
+                    self.done.append(record)
             except Exception as e:  # reported to the driver on its next collect
                 with self.lock:
                     self.errors.append(f"shard {job.index}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
@@ -445,15 +446,17 @@ class Capture:
                     self.inflight -= 1
                 self.jobs.task_done()
 
-    def collect(self, wait: bool) -> dict:
+    def collect(self, wait: bool) -> CaptureReply:
+        """What was written (and what failed) since the last call; ``wait``: after every queued write."""
         if wait:
             self.jobs.join()
         with self.lock:
             done, self.done = self.done, []
             errors, self.errors = self.errors, []
-        return {"records": done, "errors": errors, "pending_requests": len(self.requests),
-                "pending_shards": sorted(self.shards), "rank": self.rank, "backpressure_s": self.backpressure_s,
-                "host_outside_bytes": self.arena.outside_bytes}
+        return CaptureReply(rank=self.rank, records=tuple(r.model_copy(update={"written_by": self.rank}) for r in done),
+                            errors=tuple(errors), pending_requests=len(self.requests),
+                            pending_shards=tuple(sorted(self.shards)), backpressure_s=self.backpressure_s,
+                            host_outside_bytes=self.arena.outside_bytes)
 
 
 

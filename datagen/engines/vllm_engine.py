@@ -29,6 +29,7 @@ from datagen.data.shards import ShardJob
 from datagen.data.spec import MlaBackend
 from datagen.engines import patches
 from datagen.engines.base import Engine, Handout
+from datagen.engines.messages import CaptureReply
 from datagen.engines.vllm_settings import INTERNAL, PUBLIC, VllmSettings
 from datagen.errors import (CannotRunHereError, EngineSettingError, EngineUnsupportedError, ModelError, SpecError,
                             StorageError)
@@ -237,7 +238,7 @@ class VllmEngine(Engine):
         self._submitted = 0
         self.written_by: dict[int, int] = {}  # shard index -> tensor-parallel rank that wrote it
         self.backpressure_s = 0.0  # time the workers' steps waited for host memory (reported by rank 0)
-        self._replies: list[dict] = []  # the workers' last replies
+        self._replies: list[CaptureReply] = []  # the workers' last replies
 
     # settings read by callers (benches, tests)
     @property
@@ -413,10 +414,10 @@ class VllmEngine(Engine):
         deadline = time.monotonic() + PUBLIC_DRAIN_S
         while True:
             self._collect(wait=False)
-            if not any(r.get("pending_shards") for r in self._replies):
+            if not any(r.pending_shards for r in self._replies):
                 return
             if time.monotonic() > deadline:
-                stuck = sorted(k for r in self._replies for k in r.get("pending_shards", []))
+                stuck = sorted(k for r in self._replies for k in r.pending_shards)
                 raise RuntimeError(f"shards {stuck} (of {jobs[0].index}-{jobs[-1].index}): their requests finished "
                                    f"but the KV connector had not handed over their states after {PUBLIC_DRAIN_S} s")
             time.sleep(0.01)
@@ -436,16 +437,16 @@ class VllmEngine(Engine):
             return False
         return True
 
-    def _take(self, replies: list) -> list[ShardRecord]:
-        replies = self._replies = [r for r in replies if r is not None]
+    def _take(self, wires: list) -> list[ShardRecord]:
+        replies = self._replies = [CaptureReply.from_wire(w) for w in wires if w is not None]
         if not replies:
             raise RuntimeError("no worker answered: the capture extension is not active")
         records = self._records(replies)
         for reply in replies:
-            for r in reply["records"]:
-                self.written_by[int(r["record"]["index"])] = int(reply["rank"])
-            if reply["rank"] == 0:
-                self.backpressure_s = reply.get("backpressure_s", 0.0)
+            for r in reply.records:
+                self.written_by[r.index] = reply.rank
+            if reply.rank == 0:
+                self.backpressure_s = reply.backpressure_s
         self._pending.add(records)
         return records
 
@@ -453,17 +454,16 @@ class VllmEngine(Engine):
         return self._take(self.llm.collective_rpc("datagen_collect", args=(wait,)))
 
     @staticmethod
-    def _records(replies: list[dict]) -> list[ShardRecord]:
+    def _records(replies: list[CaptureReply]) -> list[ShardRecord]:
         records = []
         for reply in replies:
-            if reply["errors"]:
-                first = reply["errors"][0]
+            if reply.errors:
+                first = reply.errors[0]
                 if "No space left" in first or "OSError" in first:
                     raise StorageError(f"writing a shard failed: {first.splitlines()[0]}",
                                        hint="free space at the output location, then re-run to resume")
-                raise RuntimeError("writing a shard failed in the worker:\n" + "\n".join(reply["errors"]))
-            records.extend(ShardRecord.model_validate({**r["record"], "written_by": int(reply["rank"])})
-                           for r in reply["records"])
+                raise RuntimeError("writing a shard failed in the worker:\n" + "\n".join(reply.errors))
+            records.extend(reply.records)
         return records
 
     def completed(self) -> list[ShardRecord]:
@@ -472,7 +472,7 @@ class VllmEngine(Engine):
     def finish(self) -> list[ShardRecord]:
         self._run_group()
         self._collect(wait=True)
-        stuck = sorted(k for r in self._replies for k in r.get("pending_shards", []))
+        stuck = sorted(k for r in self._replies for k in r.pending_shards)
         if stuck:
             raise RuntimeError(f"shards {stuck}: their requests finished but were not all captured")
         return self.completed()

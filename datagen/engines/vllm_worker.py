@@ -142,11 +142,11 @@ class CaptureExtension:
         if capture is None:
             return None
         capture.announce(shards)
-        return capture.collect(False)
+        return capture.collect(False).to_wire()
 
     def datagen_collect(self, wait: bool = False) -> dict | None:
         capture = self._datagen()
-        return None if capture is None else capture.collect(wait)
+        return None if capture is None else capture.collect(wait).to_wire()
 
     def datagen_step_trace(self) -> list | None:
         """The engine steps since the last call (rank 0), for profiles: (start, end of execute_model,
