@@ -28,8 +28,8 @@ FLOORS = [
     ["images"],
     ["datagen.cli"],
     ["datagen.steps"],
-    ["datagen.training"],
-    ["datagen.reader", "datagen.validation", "datagen.regeneration"],
+    ["datagen.training", "datagen.validation"],  # validation's layer report reads a manifest through the reader's store
+    ["datagen.reader", "datagen.regeneration", "datagen.envcheck"],
     ["datagen.extraction"],
     ["datagen.engines"],
     ["datagen.storage", "datagen.models"],

@@ -201,7 +201,7 @@ def table_history(key: str, limit: int, *, exclude_flow_run) -> list[list[dict]]
 
 def run_history(key: str, limit: int, *, exclude_flow_run) -> list:
     """The last ``limit`` runs' statistics recorded under ``key``, oldest first."""
-    from datagen.steps.report import RunStats
+    from datagen.validation.layer_report import RunStats
 
     return [RunStats.from_rows(rows) for rows in table_history(key, limit, exclude_flow_run=exclude_flow_run)]
 

@@ -20,7 +20,7 @@ from tasks.settings import s3_step_env
 from tasks.step import StepCall, step_task
 
 if TYPE_CHECKING:
-    from datagen.steps.env_check import EnvReport
+    from datagen.envcheck.report import EnvReport
 
 STEP = "env-check"
 SECRET_ENV = HUB_AND_AWS_CREDENTIAL_ENV

@@ -106,12 +106,12 @@ def test_a_request_whose_prompt_differs_from_its_row_is_refused(tmp_path):
 
 @pytest.mark.slow
 def test_env_check_names_the_path_and_runner_on_this_vllm(monkeypatch):
-    from datagen.steps import env_check
+    from datagen.envcheck import engine as envcheck_engine
 
     monkeypatch.delenv("DATAGEN_CAPTURE_PATH", raising=False)
-    engine = env_check._engine_path()
+    engine = envcheck_engine._engine_path()
     assert engine["vllm"] == CPU_VLLM_RELEASE
     assert engine["capture_path"] == "internal" and engine["model_runner"] == "v1"
     monkeypatch.setenv("DATAGEN_CAPTURE_PATH", "public")
-    assert env_check._engine_path()["capture_path"] == "public"
-    assert env_check._public_self_test() == "ok"
+    assert envcheck_engine._engine_path()["capture_path"] == "public"
+    assert envcheck_engine._public_self_test() == "ok"

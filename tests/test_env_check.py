@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from datagen.engines.accelerators import Accelerators, Device, ProbeSource
+from datagen.engines.accelerators import Accelerators, Device, ProbeSource, probe
 from datagen.errors import EXIT_CANNOT_RUN_HERE, EXIT_OK, EXIT_TRANSIENT, CannotRunHereError, TransientError
 from datagen.models.tiny import TinyArch, make_model
-from datagen.steps import env_check
-from datagen.steps.env_check import Status
+from datagen.envcheck import run as envcheck
+from datagen.envcheck.engine import check_tensor_parallel
+from datagen.envcheck.report import Status
 from datagen.storage.sources import parse_sources_spec
 from tests.support.hub_cache import populate_hub_cache
 from tests.support.s3server import s3_env, s3_server, upload_tree  # noqa: F401  (fixtures)
@@ -26,7 +27,7 @@ SECRET = "sEcReT-vAlUe-never-printed-0123456789"
 
 
 def has_gpu() -> bool:
-    return env_check.probe().count > 0
+    return probe().count > 0
 
 
 cpu_only = pytest.mark.skipif("has_gpu()", reason="asserts the report of a machine without GPUs")
@@ -121,12 +122,12 @@ def test_gpu_count_and_memory_decide_tensor_parallel():
     h200 = [Device(index=i, name="NVIDIA H200", memory_bytes=141 * 10**9) for i in range(8)]
     eight = Accelerators(source=ProbeSource.NVML, devices=h200, driver_version="570.1", cuda_version="12.8")
     kimi = 595 * 10**9  # INT4 Kimi-K2.5 weights
-    ok = env_check.check_tensor_parallel(spec_for("/m", "/o", engine={"tensor_parallel_size": 8}), eight, kimi)
+    ok = check_tensor_parallel(spec_for("/m", "/o", engine={"tensor_parallel_size": 8}), eight, kimi)
     assert ok.status is Status.OK
-    small = env_check.check_tensor_parallel(spec_for("/m", "/o", engine={"tensor_parallel_size": 4}), eight, kimi)
+    small = check_tensor_parallel(spec_for("/m", "/o", engine={"tensor_parallel_size": 4}), eight, kimi)
     assert small.status is Status.FAILED and "do not fit 4 GPUs" in small.detail
     four = eight.model_copy(update={"devices": h200[:4]})
-    few = env_check.check_tensor_parallel(spec_for("/m", "/o", engine={"tensor_parallel_size": 8}), four, kimi)
+    few = check_tensor_parallel(spec_for("/m", "/o", engine={"tensor_parallel_size": 8}), four, kimi)
     assert few.status is Status.FAILED and "has 4" in few.detail
 
 
@@ -136,13 +137,13 @@ def test_vllm_outside_the_tested_range_is_reported(model_dir, tmp_path, monkeypa
     # A stand-in, named as such: a second vLLM release cannot be installed beside the pinned one
     # in this environment, so the version the check reads is replaced; the check itself is real.
     monkeypatch.setattr(patches, "installed_vllm_version", lambda: "0.10.1")
-    report = env_check.check(spec_for(model_dir, tmp_path / "out"))
+    report = envcheck.check(spec_for(model_dir, tmp_path / "out"))
     version = check(report, "engine_version")
     assert version.status is Status.FAILED and "vLLM 0.10.1 is outside the tested range" in version.detail
     assert version.fix and "0.32.0" in version.fix
     assert check(report, "engine_patches").status is Status.SKIPPED
     with pytest.raises(CannotRunHereError, match="engine_version"):
-        env_check.raise_for_report(report)
+        envcheck.raise_for_report(report)
 
 
 def test_missing_vllm_is_reported(model_dir, tmp_path, monkeypatch):
@@ -150,7 +151,7 @@ def test_missing_vllm_is_reported(model_dir, tmp_path, monkeypatch):
 
     # A stand-in, named as such: the environment has vLLM installed (the tests need it).
     monkeypatch.setattr(patches, "installed_vllm_version", lambda: None)
-    version = check(env_check.check(spec_for(model_dir, tmp_path / "out")), "engine_version")
+    version = check(envcheck.check(spec_for(model_dir, tmp_path / "out")), "engine_version")
     assert version.status is Status.FAILED and "not installed" in version.detail
 
 
@@ -169,7 +170,7 @@ def tiny_disk(tmp_path):
 
 def test_full_output_disk_is_reported(model_dir, tiny_disk):
     spec = spec_for(model_dir, tiny_disk / "dataset", expected_tokens=100_000, engine={"name": "hf"})
-    report = env_check.check(spec)
+    report = envcheck.check(spec)
     out = check(report, "storage.output")
     assert out.status is Status.FAILED and str(tiny_disk) in out.detail and "needs 38.9 MB" in out.detail
     assert "free space at" in out.fix
@@ -180,7 +181,7 @@ def test_an_fp8_output_is_estimated_at_one_byte_per_value_and_its_scales(model_d
     bytes per token), twice what fp8 storage writes: 3 x (64 x 1 + 4-byte scale) + 5 = 209."""
     spec = spec_for(model_dir, tiny_disk / "dataset", expected_tokens=100_000,
                     engine={"name": "vllm", "dtype": "bfloat16", "storage_dtype": "fp8_e4m3"})
-    report = env_check.check(spec)
+    report = envcheck.check(spec)
     assert report.estimate["output_bytes_per_token"] == 209
     assert "needs 20.9 MB" in check(report, "storage.output").detail
 
@@ -190,7 +191,7 @@ def test_full_model_cache_disk_is_reported(model_dir, tiny_disk, s3_env, tmp_pat
     bucket = s3_env.create_bucket()
     upload_tree(s3_env.client(), bucket, "m", model_dir)
     spec = spec_for(f"s3://{bucket}/m", tmp_path / "out", model_cache=str(tiny_disk / "cache"), engine={"name": "hf"})
-    report = env_check.check(spec)
+    report = envcheck.check(spec)
     cache = check(report, "storage.model_cache")
     assert cache.status is Status.FAILED and "the model download needs" in cache.detail
     assert "DATAGEN_MODEL_CACHE" in cache.fix
@@ -198,7 +199,7 @@ def test_full_model_cache_disk_is_reported(model_dir, tiny_disk, s3_env, tmp_pat
 
 
 def test_layer_ids_beyond_the_models_depth_fail(model_dir, tmp_path):
-    report = env_check.check(spec_for(model_dir, tmp_path / "o", layer_ids=[2, 9], engine={"name": "hf"}))
+    report = envcheck.check(spec_for(model_dir, tmp_path / "o", layer_ids=[2, 9], engine={"name": "hf"}))
     cfg = check(report, "model_config")
     assert cfg.status is Status.FAILED and "[9]" in cfg.detail and "4-layer" in cfg.detail
     assert "[1, 2, 4]" in cfg.fix
@@ -208,14 +209,14 @@ def test_unsupported_architecture_fails(model_dir, tmp_path):
     d = shutil.copytree(model_dir, tmp_path / "gpt2")
     cfg = json.loads((d / "config.json").read_text()) | {"architectures": ["GPT2LMHeadModel"]}
     (d / "config.json").write_text(json.dumps(cfg))
-    arch = check(env_check.check(spec_for(d, tmp_path / "o", engine={"name": "hf"})), "architecture")
+    arch = check(envcheck.check(spec_for(d, tmp_path / "o", engine={"name": "hf"})), "architecture")
     assert arch.status is Status.FAILED and "GPT2LMHeadModel" in arch.detail and "LlamaForCausalLM" in arch.fix
 
 
 @pytest.mark.s3
 def test_s3_output_is_probed_for_writing_and_the_probe_removed(model_dir, s3_env, tmp_path):
     bucket = s3_env.create_bucket()
-    report = env_check.check(spec_for(model_dir, f"s3://{bucket}/datasets/run1", engine={"name": "hf"}))
+    report = envcheck.check(spec_for(model_dir, f"s3://{bucket}/datasets/run1", engine={"name": "hf"}))
     remote = check(report, "remote.output")
     assert remote.status is Status.OK and "writable" in remote.detail
     assert s3_env.client().list_objects_v2(Bucket=bucket).get("KeyCount") == 0
@@ -224,7 +225,7 @@ def test_s3_output_is_probed_for_writing_and_the_probe_removed(model_dir, s3_env
 
 @pytest.mark.s3
 def test_s3_output_in_a_missing_bucket_fails_with_the_fix(model_dir, s3_env, tmp_path):
-    remote = check(env_check.check(spec_for(model_dir, "s3://no-such-bucket-x/d", engine={"name": "hf"})), "remote.output")
+    remote = check(envcheck.check(spec_for(model_dir, "s3://no-such-bucket-x/d", engine={"name": "hf"})), "remote.output")
     assert remote.status is Status.FAILED and "does not exist" in remote.detail and "create the bucket" in remote.fix
 
 
@@ -232,7 +233,7 @@ def test_s3_output_in_a_missing_bucket_fails_with_the_fix(model_dir, s3_env, tmp
 def test_s3_output_with_wrong_credentials_fails(model_dir, s3_env, tmp_path, monkeypatch):
     bucket = s3_env.create_bucket()
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
-    remote = check(env_check.check(spec_for(model_dir, f"s3://{bucket}/d", engine={"name": "hf"})), "remote.output")
+    remote = check(envcheck.check(spec_for(model_dir, f"s3://{bucket}/d", engine={"name": "hf"})), "remote.output")
     assert remote.status is Status.FAILED and "access denied" in remote.detail
     assert SECRET not in remote.detail + (remote.fix or "")
 
@@ -246,10 +247,10 @@ def test_unreachable_s3_is_could_not_tell(model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     monkeypatch.setenv("DATAGEN_S3_MAX_ATTEMPTS", "1")
-    report = env_check.check(spec_for(model_dir, "s3://some-bucket/d", engine={"name": "hf"}))
+    report = envcheck.check(spec_for(model_dir, "s3://some-bucket/d", engine={"name": "hf"}))
     assert check(report, "remote.output").status is Status.UNKNOWN
     with pytest.raises(TransientError) as e:
-        env_check.raise_for_report(report)
+        envcheck.raise_for_report(report)
     assert e.value.exit_code == EXIT_TRANSIENT
 
 
@@ -259,7 +260,7 @@ def test_hub_model_in_the_offline_cache(model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     cache = tmp_path / "cache"
     sha = populate_hub_cache(cache / "hub", "acme/tiny", model_dir)
-    report = env_check.check(spec_for("hf://acme/tiny@main", tmp_path / "o", model_cache=str(cache), engine={"name": "hf"}))
+    report = envcheck.check(spec_for("hf://acme/tiny@main", tmp_path / "o", model_cache=str(cache), engine={"name": "hf"}))
     assert check(report, "model_source").status is Status.OK
     assert check(report, "remote.hub_token").status is Status.OK
     assert check(report, "model_config").detail.startswith("4 layers")

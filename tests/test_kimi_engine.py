@@ -190,7 +190,8 @@ def test_tiny_kimi_checkpoint_has_kimi_names_config_and_int4_layout(tmp_path):
 
 def test_env_check_says_which_layer_this_engine_cannot_capture_from_the_config_alone(tmp_path):
     from datagen.models.tiny_kimi import text_config
-    from datagen.steps import env_check
+    from datagen.envcheck import run as envcheck
+    from datagen.envcheck.report import Status
     from datagen.storage.sources import parse_sources_spec
 
     model = tmp_path / "kimi-config-only"
@@ -201,13 +202,13 @@ def test_env_check_says_which_layer_this_engine_cannot_capture_from_the_config_a
                        num_experts_per_tok=8, max_position_embeddings=262144)
     (model / "config.json").write_text(json.dumps({"architectures": ["KimiK25ForConditionalGeneration"],
                                                    "model_type": "kimi_k25", "text_config": text}))
-    bad = env_check.check(parse_sources_spec({"model": str(model), "out": str(tmp_path / "o"), "layer_ids": [0, 30, 61]}))
+    bad = envcheck.check(parse_sources_spec({"model": str(model), "out": str(tmp_path / "o"), "layer_ids": [0, 30, 61]}))
     c = next(c for c in bad.checks if c.name == "capture")
-    assert c.status is env_check.Status.FAILED and "cannot capture layer 0 of this model" in c.detail, c.detail
+    assert c.status is Status.FAILED and "cannot capture layer 0 of this model" in c.detail, c.detail
     assert "kimi_k2" in c.detail and "[2, 30, 58, 61]" in c.fix
-    good = env_check.check(parse_sources_spec({"model": str(model), "out": str(tmp_path / "o"), "layer_ids": [2, 30, 58, 61]}))
+    good = envcheck.check(parse_sources_spec({"model": str(model), "out": str(tmp_path / "o"), "layer_ids": [2, 30, 58, 61]}))
     c = next(c for c in good.checks if c.name == "capture")
-    assert c.status is env_check.Status.OK, c.detail
+    assert c.status is Status.OK, c.detail
 
 
 @pytest.mark.slow

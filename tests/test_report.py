@@ -8,7 +8,7 @@ import pytest
 
 from datagen import cli
 from datagen.errors import EXIT_BAD_INPUT
-from datagen.steps import report
+from datagen.validation import layer_report
 from tests.support.synthetic_shards import make_synthetic_dataset, manifest_of, write_manifest
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -51,12 +51,12 @@ def test_a_layer_beyond_the_threshold_is_named_and_drawn_differently(nights, tmp
     assert got["layers"]["1"]["std_ratio"] == pytest.approx(1.0)
     assert marked.read_bytes() != calm.read_bytes()
     # a looser threshold lets it pass
-    assert report.make_report(nights[2], previous=[str(nights[1])], out=tmp_path / "loose.png", threshold=0.5)[
+    assert layer_report.make_report(nights[2], previous=[str(nights[1])], out=tmp_path / "loose.png", threshold=0.5)[
         "drifted_layers"] == []
 
 
 def test_one_run_alone_is_plotted_without_a_drift_verdict(nights, tmp_path):
-    got = report.make_report(nights[0], out=tmp_path / "one.png")
+    got = layer_report.make_report(nights[0], out=tmp_path / "one.png")
     assert got["runs"] == 1 and got["drifted_layers"] == [] and got["layers"] == {}
 
 

@@ -96,7 +96,8 @@ def _check_output_space(p: Plan, done: dict[int, ShardRecord]) -> None:
     the model and its tokenizer are here); the plan has the exact count, in the dtype stored.
     """
     from datagen.errors import CannotRunHereError
-    from datagen.steps.env_check import Status, check_output_space
+    from datagen.envcheck.report import Status
+    from datagen.envcheck.space import check_output_space
 
     left = p.data.tokens - sum(rec.tokens for rec in done.values())
     check = check_output_space(p.spec.out, tokens=max(left, 0), n_layers=len(p.layer_ids),

