@@ -6,7 +6,9 @@ Everything that makes the draft is speculators' (0.9.x): ``Eagle3DraftModel.from
 multipack batch sampler and collate function (``_setup_dataloader`` with ``shift_batch``, as
 ``speculators train`` sets them up for eagle3), the loss and the ``Trainer``'s epoch loop. What
 datagen adds is the data source (``datagen.reader.for_speculators.SpeculatorsDataset``, the shards
-read directly, no export), a CPU path, and the lineage written next to the draft.
+read directly, no export), a CPU path, data-parallel training under ``torchrun`` on the GPU and the
+CPU (``datagen.training.distributed``: speculators' own topology, DDP and per-rank sampler), and the
+lineage written next to the draft.
 
 The draft directory is what ``speculators train`` saves (``save_pretrained`` in bf16,
 ``config.json`` with ``speculators_config``), the format vLLM loads as an EAGLE-3 speculator
@@ -24,6 +26,7 @@ import math
 import os
 import shutil
 import tempfile
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +36,7 @@ from pydantic import BaseModel, Field
 
 from datagen.errors import ModelError, OutputConflictError, SpecError
 from datagen.reader import DatasetReader, open_dataset
+from datagen.training.distributed import Topology, data_parallel
 from datagen.training.settings import Device, DraftSettings
 
 log = logging.getLogger(__name__)
@@ -61,6 +65,32 @@ class DraftLineage(BaseModel):
     losses: list[float] = Field(description="training loss at each logged step, in step order")
     speculators_version: str = Field(description="the speculators release that trained it")
     created_at: str = Field(description="UTC time the draft was written (ISO 8601)")
+    world_size: int = Field(
+        default=1, ge=1,
+        description="data-parallel training processes (torchrun ranks, one GPU each on cuda); each read its "
+                    "own share of every packed batch, so one optimizer step took world_size batches")
+    steps_per_epoch: int | None = Field(
+        default=None,
+        description="optimizer steps in one pass over the training split (each rank's batches per epoch: "
+                    "about 1/world_size of a one-process run's); None: untrained, or an older lineage")
+    tokens_trained: int | None = Field(
+        default=None,
+        description="tokens the draft was trained on, all steps and ranks (speculators' count: the packed "
+                    "positions that hold a sample); None: untrained, or an older lineage")
+
+
+@dataclass(frozen=True)
+class TrainingRun:
+    """What a training loop did (the same record on every rank)."""
+
+    losses: list[float]  # speculators' logged loss per step, reduced across ranks
+    steps: int  # optimizer steps run
+    steps_per_epoch: int | None  # each rank's batches per pass over the split (None: untrained)
+    tokens: int | None  # tokens trained on, all ranks (None: untrained)
+    seconds: float  # wall time of the loop
+
+
+UNTRAINED = TrainingRun(losses=[], steps=0, steps_per_epoch=None, tokens=None, seconds=0.0)
 
 
 @dataclass(frozen=True)
@@ -264,53 +294,94 @@ def _make(dataset, out, *, verifier: Path, settings: DraftSettings, train: bool)
     if not (verifier / "config.json").is_file():
         raise ModelError(f"{verifier} has no config.json",
                          hint="pass --model: the checkpoint directory the dataset was extracted from")
-    reader = as_reader(dataset)
-    data = SpeculatorsDataset(reader, max_len=settings.total_seq_len, train_ratio=settings.train_ratio, split="train")
-    held_out = len(reader) - len(data)  # at least one: train_ratio < 1
-    model = build_draft(reader, verifier, settings, train=data.indices)
+    # under torchrun every rank builds the same draft (seeded; DDP broadcasts rank 0's weights anyway)
+    # and reads its own share of the batches; rank 0 alone writes, the others read its lineage
+    with data_parallel(settings.device) as topology:
+        reader = as_reader(dataset)
+        data = SpeculatorsDataset(reader, max_len=settings.total_seq_len, train_ratio=settings.train_ratio,
+                                  split="train")
+        model = build_draft(reader, verifier, settings, train=data.indices)
+        run = _train(model, data, settings, topology) if train else UNTRAINED
+        if topology.writes:
+            lineage = DraftLineage(
+                dataset=str(reader.location), dataset_fingerprint=reader.manifest.fingerprint,
+                verifier=str(verifier), layer_ids=list(reader.layer_ids),
+                storage_dtype=str(reader.manifest.spec.storage_dtype), settings=settings, steps_done=run.steps,
+                train_samples=len(data), held_out_samples=len(reader) - len(data),  # at least one: train_ratio < 1
+                losses=run.losses, speculators_version=speculators_version(),
+                created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                world_size=topology.world_size, steps_per_epoch=run.steps_per_epoch, tokens_trained=run.tokens)
+            _write(model, lineage, out)
+        topology.barrier()
+        if not topology.writes:
+            lineage = read_lineage(out)
+    losses = run.losses
+    log.info("draft %s: %d steps on %d samples of %s (loss %s)", out, run.steps, len(data),
+             reader.manifest.fingerprint[:12], f"{losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "untrained")
+    return TrainedDraft(path=out, lineage=lineage)
+
+
+def _write(model, lineage: DraftLineage, out: Path) -> None:
+    """The draft and its lineage, written under a temporary sibling of ``out`` and renamed to it."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        losses: list[float] = []
-        steps = 0
-        if train:
-            losses, steps = _train(model, data, settings, tmp / "checkpoints")
-            shutil.rmtree(tmp / "checkpoints", ignore_errors=True)
         _save(model.to("cpu"), tmp)
-        lineage = DraftLineage(
-            dataset=str(reader.location), dataset_fingerprint=reader.manifest.fingerprint, verifier=str(verifier),
-            layer_ids=list(reader.layer_ids), storage_dtype=str(reader.manifest.spec.storage_dtype),
-            settings=settings, steps_done=steps, train_samples=len(data), held_out_samples=held_out, losses=losses,
-            speculators_version=speculators_version(),
-            created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
         (tmp / LINEAGE_NAME).write_text(lineage.model_dump_json(indent=1) + "\n")
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info("draft %s: %d steps on %d samples of %s (loss %s)", out, steps, len(data),
-             reader.manifest.fingerprint[:12], f"{losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "untrained")
-    return TrainedDraft(path=out, lineage=lineage)
 
 
-def _train(model, data, settings: DraftSettings, save_path: Path) -> tuple[list[float], int]:
-    loader = _loader(data, settings, seed=settings.seed)
+class _TokenCounter:
+    """Counts the tokens each training forward is fed (speculators' own count for its tokens/s: the
+    packed positions whose ``document_ids`` is not -1), from a forward pre-hook on the draft, so what
+    this rank actually trained on is counted, whichever process read the batch."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.tokens = 0
+        self._handle = model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module, args, kwargs) -> None:
+        ids = kwargs.get("document_ids")
+        if module.training and ids is not None:
+            self.tokens += int((ids != -1).sum())
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def _train(model, data, settings: DraftSettings, topology: Topology) -> TrainingRun:
+    """speculators' epoch loop for ``settings.steps`` steps. Every rank runs it (the collectives of DDP
+    and of the metrics are in step); the losses are speculators' logged ones, already reduced across ranks."""
+    loader = _loader(data, settings, seed=settings.seed)  # the sampler takes this rank's share
     recorder = _LossRecorder()
     metrics = logging.getLogger(_METRICS_LOGGER)
     metrics.addHandler(recorder)
     old_level = metrics.level
     metrics.setLevel(logging.INFO)
+    counter = _TokenCounter(model)
+    start = time.perf_counter()
     try:
-        with _on_device(settings.device):
-            trainer = _trainer(model, settings, loader, save_path)
+        # speculators' checkpointer only reads its directory unless asked to save, which datagen never does
+        with _on_device(settings.device), tempfile.TemporaryDirectory(prefix="datagen-train-") as scratch:
+            trainer = _trainer(model, settings, loader, Path(scratch) / "checkpoints")
             for epoch in range(trainer.config.num_epochs):
                 trainer.train_epoch(epoch)
                 if trainer.global_step >= settings.steps:
                     break
     finally:
+        counter.close()
         metrics.removeHandler(recorder)
         metrics.setLevel(old_level)
-    return recorder.losses, trainer.global_step
+    seconds = time.perf_counter() - start
+    tokens = topology.sum(counter.tokens)
+    if topology.writes:
+        log.info("trained %d tokens in %.1f s on %d process(es): %.0f tokens/s", tokens, seconds,
+                 topology.world_size, tokens / seconds if seconds else 0.0)
+    return TrainingRun(losses=recorder.losses, steps=trainer.global_step, steps_per_epoch=len(loader),
+                       tokens=tokens, seconds=seconds)
 
 
 def lineage_json(draft: TrainedDraft) -> str:
