@@ -86,7 +86,7 @@ def test_whole_requests_write_the_same_shard_files_as_chunked_steps(tmp_path, st
             for r, s in reversed(list(zip(rids, states))):  # finished in any order
                 cap.on_request(f"{r}-abcd1234", s)
         reply = cap.collect(True)
-        assert not reply["errors"] and reply["pending_shards"] == []
+        assert not reply.errors and reply.pending_shards == ()
         files[how] = {p.name: p.read_bytes() for p in sorted(out.glob("shard-*.safetensors"))}
     assert len(files["steps"]) == 4 and files["steps"] == files["requests"]
 
