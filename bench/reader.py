@@ -55,7 +55,7 @@ def _dataset(mode: Mode) -> Path:
 
 
 def _export(root: Path) -> Path:
-    from datagen.steps import export
+    from datagen.export import speculators as export
 
     out = root.parent / f"{root.name}-speculators"
     if not (out / export.EXPORT_RECORD).exists():

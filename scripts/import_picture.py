@@ -28,6 +28,7 @@ FLOORS = [
     ["images"],
     ["datagen.cli"],
     ["datagen.steps"],
+    ["datagen.export"],  # reads the shards through validation's checked reader
     ["datagen.training", "datagen.validation"],  # validation's layer report reads a manifest through the reader's store
     ["datagen.reader", "datagen.regeneration", "datagen.envcheck"],
     ["datagen.extraction"],

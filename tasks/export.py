@@ -35,7 +35,8 @@ def export_speculators(dataset: str, out: str, *, cache_key: str, runner: Runner
     if Path(out).exists():
         logger.info("export: %s exists already; kept", out)
         return None
-    from datagen.steps.export import ExportFormat, Spec  # torch: imported where a run exports
+    from datagen.export.speculators import ExportFormat  # torch: imported where a run exports
+    from datagen.steps.export import Spec
 
     call = StepCall(
         step=STEP,

@@ -11,7 +11,7 @@ import torch
 
 from datagen import cli
 from datagen.errors import DatasetError, OutputConflictError, ValidationFailed
-from datagen.steps import export
+from datagen.export import speculators as export
 from tests.support.extracted import (
     SKIPPED_ROWS, copy_dataset, extracted_dataset, manifest, shard_path, stored_samples,
 )

@@ -93,7 +93,7 @@ def test_text_tokens_of_image_rows_equal_the_engine_reference_per_layer(extracte
 
 def test_the_manifest_reader_and_export_say_which_rows_had_images_and_their_tokens(extracted, tmp_path):
     from datagen.reader import open_dataset
-    from datagen.steps.export import export
+    from datagen.export.speculators import export
 
     _, out, plan = extracted
     m = json.loads((out / "manifest.json").read_text())

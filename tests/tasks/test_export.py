@@ -11,7 +11,8 @@ import pytest
 from prefect import flow
 
 from datagen.data.contract import MANIFEST_NAME
-from datagen.steps.export import EXPORT_RECORD, ExportResult
+from datagen.export.speculators import EXPORT_RECORD
+from datagen.steps.export import ExportResult
 from tasks.pipeline_spec import Runner
 from tasks.export import export_speculators
 from tests.support.extracted import copy_dataset, extracted_dataset
