@@ -113,7 +113,7 @@ def _regenerate(spec: PipelineSpec, model_dir: str, model_revision: str | None) 
     result names the chats the rest of the run extracts."""
     result = regenerate_dataset(spec, model_dir=model_dir, model_revision=model_revision,
                                 identity=runner_identity(spec.runner, gpu=spec.regenerate_gpus > 0),
-                                task_options=_storage(spec))
+                                task_options=spec.storage_options)
     get_run_logger().info(
         "regenerate: %d chats (%d skipped), %d turns, %d tokens generated%s -> %s", result.rows, result.skipped,
         result.generated_turns, result.generated_tokens, " (cached)" if result.cached else "", result.dataset)
@@ -145,7 +145,7 @@ def _finalize_validate_publish(spec: PipelineSpec, xspec: ExtractSpec, planned: 
     """A dataset written on this host: the manifest, validation, then the publish to S3. Returns the
     extract step's result (with the manifest), the validation line of the summary, and where the
     dataset was published (None: not)."""
-    dataset = finalize.with_options(refresh_cache=not planned.dataset_complete, **_storage(spec))(
+    dataset = finalize.with_options(refresh_cache=not planned.dataset_complete, **spec.storage_options)(
         finalize_call(xspec), cache_key=finalize_cache_key(planned, identity=identity, out=xspec.out),
         runner=spec.runner,
     )
@@ -162,7 +162,7 @@ def _finalize_validate_publish(spec: PipelineSpec, xspec: ExtractSpec, planned: 
             destination=spec.publish_to,
             cache_key=publish_cache_key(manifest_sha256=dataset.manifest_sha256, destination=spec.publish_to),
             runner=spec.runner,
-            task_options=_storage(spec),
+            task_options=spec.storage_options,
         )
     return dataset, validation_summary(validated), published.destination if published is not None else None
 
@@ -184,13 +184,8 @@ def _validate(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, datas
         trust_remote_code=xspec.engine.trust_remote_code,
         gpus=spec.gpus,
         task_options=dict(refresh_cache=planned.validated_manifest_sha256 != dataset.manifest_sha256,
-                          **_storage(spec)),
+                          **spec.storage_options),
     )
-
-
-def _storage(spec: PipelineSpec) -> dict:
-    """Task options that put results and cache records in the spec's storage block, if it names one."""
-    return {"result_storage": spec.result_storage} if spec.result_storage else {}
 
 
 def _extract_ranges(
@@ -211,11 +206,11 @@ def _extract_ranges(
         # deleted or moved since the cache record was written).
         refresh = not planned.range_on_disk(r)
         if spec.fans_out:
-            return dispatch_range.with_options(refresh_cache=refresh, **_storage(spec)).submit(
+            return dispatch_range.with_options(refresh_cache=refresh, **spec.storage_options).submit(
                 spec, r, cache_key=key, fingerprint=planned.fingerprint, model_revision=xspec.model_revision,
                 shard_keys=planned.shard_keys[r.first : r.stop], in_bucket=not refresh, progress=progress,
             )
-        return extract_range.with_options(refresh_cache=refresh, **_storage(spec)).submit(
+        return extract_range.with_options(refresh_cache=refresh, **spec.storage_options).submit(
             range_call(xspec, r, gpus=spec.gpus, progress=progress), cache_key=key, runner=spec.runner
         )
 

@@ -194,6 +194,11 @@ class PipelineSpec(BaseModel):
     model_cache: str | None = Field(
         None, description="Model cache directory for downloads; None: the DATAGEN_MODEL_CACHE setting."
     )
+
+    @property
+    def storage_options(self) -> dict:
+        """Task options that put results and cache records in ``result_storage``, if it names one."""
+        return {"result_storage": self.result_storage} if self.result_storage else {}
     fan_out: FanOutSettings = Field(
         default_factory=FanOutSettings, description="How ranges run as flow runs of another deployment."
     )

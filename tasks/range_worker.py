@@ -44,13 +44,12 @@ def extract_to_bucket(spec: PipelineSpec, xspec: ExtractSpec, shard_range: Shard
     held = retrying(lambda: fleet.shards_in_bucket(client, dest, expected), "reading the bucket", log)
     todo = [k for k in shard_range.shards if k not in held]
     log.info("range %s: %d shards in %s already, %d to extract", shard_range, len(held), dest.uri, len(todo))
-    storage = {"result_storage": spec.result_storage} if spec.result_storage else {}
     spool = Path(xspec.out)
     extracted: list[ExtractResult] = []
     for run in _runs(todo):
         sub = ShardRange(first=run[0], stop=run[-1] + 1)
         with _Uploader(client, spool, dest, {k: expected[k] for k in sub.shards}, transfer, log):
-            extracted.append(extract_range.with_options(refresh_cache=True, **storage)(
+            extracted.append(extract_range.with_options(refresh_cache=True, **spec.storage_options)(
                 range_call(xspec, sub, gpus=spec.gpus), cache_key=f"{cache_key}-{sub.first}-{sub.stop}",
                 runner=spec.runner,
             ))
