@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 
@@ -41,6 +42,15 @@ def gpu_step_times() -> bool:
     """DATAGEN_GPU_STEP_TIMES: 1 to time each engine step's forward and capture on the GPU (CUDA
     events; for profiles, bench/gpu/storage.py --profile). Off by default: it adds events per step."""
     return os.environ.get("DATAGEN_GPU_STEP_TIMES", "0") == "1"
+
+
+def capture_runner_v2(environ: Mapping[str, str] | None = None) -> bool:
+    """DATAGEN_CAPTURE_RUNNER_V2: 1 to let the internal capture run on vLLM's Model Runner V2
+    (datagen.engines.capture_v2: tested on V2's data structures on the CPU, never run on a GPU);
+    unset or 0: the internal capture pins the V1 runner on CUDA and refuses V2. ``environ``: read
+    instead of the process's environment."""
+    env = os.environ if environ is None else environ
+    return env.get("DATAGEN_CAPTURE_RUNNER_V2", "0") == "1"
 
 
 def model_cache() -> Path:

@@ -11,6 +11,10 @@ when the engine starts. A shard is queued for writing the moment its last
 request's last chunk is captured; writer threads pack, hash and write it. A step
 waits (backpressure) while the ring is full and a write that will free some is
 pending.
+
+What a step hands the capture is one ``StepRows``, whatever the model runner: the V1
+runner's is made by ``step_rows_v1`` below, Model Runner V2's by
+``datagen.engines.capture_v2.step_rows_v2``; everything after that is shared.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import threading
 import time
 import traceback
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +45,47 @@ from datagen.data.shards import (
 )
 from datagen.engines.messages import CaptureReply
 from datagen.engines.vllm_settings import CaptureConfig
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """One engine step's aux hidden states as a model runner's adapter hands them to the capture."""
+
+    req_ids: tuple[str, ...]  # engine-core request ids, in batch order
+    counts: tuple[int, ...]  # req_ids[i] -> its tokens in the step; its rows follow those of req_ids[i - 1]
+    aux: Sequence[torch.Tensor]  # one per captured layer, layer order: [rows, H]; rows past sum(counts) unread
+    prompt: Callable[[str], Sequence[int] | None]  # engine-core id -> the engine's prompt tokens (None: unknown)
+
+
+def runner_prompt(runner) -> Callable[[str], Sequence[int] | None]:
+    """The prompts of the V1 runner's cached requests (``runner.requests``: id -> state with
+    ``prompt_token_ids``); the public path's shim holds the same."""
+
+    def prompt(req_id: str):
+        cached = runner.requests.get(req_id)
+        return getattr(cached, "prompt_token_ids", None) if cached is not None else None
+
+    return prompt
+
+
+def step_rows_v1(runner, scheduler_output, aux_hidden_states) -> StepRows | None:
+    """The V1 runner's step (docs/vllm-versions.md b, g): rows per request in
+    ``runner.input_batch.req_ids`` order, ``scheduler_output.num_scheduled_tokens[req_id]`` each.
+    None for a step without states.
+
+    Raises:
+        RuntimeError: the requests' tokens do not add up to the step's.
+    """
+    if aux_hidden_states is None or len(aux_hidden_states) == 0:  # never test a tensor list's truth
+        return None
+    n = int(scheduler_output.total_num_scheduled_tokens)
+    if n == 0:
+        return None
+    req_ids = tuple(runner.input_batch.req_ids)
+    counts = tuple(int(scheduler_output.num_scheduled_tokens.get(r, 0)) for r in req_ids)
+    if sum(counts) != n:
+        raise RuntimeError(f"batch layout mismatch: {sum(counts)} tokens by request, {n} scheduled")
+    return StepRows(req_ids, counts, aux_hidden_states, runner_prompt(runner))
 
 
 class _HostBlock:
@@ -178,8 +224,9 @@ class Capture:
     """Per-runner capture state: every rank captures the requests of the shards it writes."""
 
     def __init__(self, runner, cfg: CaptureConfig, hidden_size: int, rank: int = 0, world: int = 1):
-        """``runner``: what the capture reads of vLLM's model runner: ``device``, ``input_batch.req_ids``
-        and ``requests`` (each with ``prompt_token_ids``)."""
+        """``runner``: what the capture reads of vLLM's model runner: ``device``; for ``on_step`` and
+        ``on_request`` (the V1 runner, the public path's shim) also ``input_batch.req_ids`` and
+        ``requests`` (each with ``prompt_token_ids``). ``on_rows`` reads only ``device``."""
         self.runner = runner
         self.cfg = cfg
         self.layer_ids = cfg.layer_ids
@@ -246,7 +293,7 @@ class Capture:
 
     # requests outside every announced shard are kept (rank 0) until take_loose
 
-    def _external(self, req_id: str) -> str | None:
+    def _external(self, req_id: str, prompt_of: Callable[[str], Sequence[int] | None]) -> str | None:
         ext = self.internal.get(req_id, "")
         if ext != "":
             return ext
@@ -254,8 +301,7 @@ class Capture:
         cand = req_id if (req_id in self.requests or req_id in self.others) else req_id.rsplit("-", 1)[0]
         if cand in self.requests:
             st = self.requests[cand]
-            cached = self.runner.requests.get(req_id)
-            prompt = getattr(cached, "prompt_token_ids", None) if cached is not None else None
+            prompt = prompt_of(req_id)
             ids = self.shards[st.shard].job.input_ids[st.position]
             if prompt is not None and (len(prompt) != len(ids) or list(prompt) != ids.tolist()):
                 raise RuntimeError(f"row {self.shards[st.shard].job.sample_rows[st.position]}: the engine's prompt "
@@ -273,22 +319,25 @@ class Capture:
 
     # --- per step -------------------------------------------------------------------------
     def on_step(self, scheduler_output, aux_hidden_states) -> None:
-        if aux_hidden_states is None or len(aux_hidden_states) == 0:  # never test a tensor list's truth
-            return
-        n = int(scheduler_output.total_num_scheduled_tokens)
-        if n == 0:
-            return
+        """A V1 runner's step (its ``execute_model_state``'s scheduler output and aux states)."""
+        rows = step_rows_v1(self.runner, scheduler_output, aux_hidden_states)
+        if rows is not None:
+            self.on_rows(rows)
+
+    def on_rows(self, rows: StepRows) -> None:
+        """A step's states, from any runner's adapter: this rank's requests are staged and handed out.
+
+        Raises:
+            RuntimeError: the engine returned states for other layers than the capture's.
+        """
+        aux_hidden_states = rows.aux
         if len(aux_hidden_states) != len(self.layer_ids):
             raise RuntimeError(f"engine returned {len(aux_hidden_states)} aux states for layers {self.layer_ids}")
-        req_ids = list(self.runner.input_batch.req_ids)
-        counts = [int(scheduler_output.num_scheduled_tokens.get(r, 0)) for r in req_ids]
-        if sum(counts) != n:
-            raise RuntimeError(f"batch layout mismatch: {sum(counts)} tokens by request, {n} scheduled")
         # this rank's requests: (external id, first token in the step, tokens), merged into runs
         mine, runs, pos = [], [], 0
-        for req_id, c in zip(req_ids, counts):
+        for req_id, c in zip(rows.req_ids, rows.counts):
             if c:
-                ext = self._external(req_id)
+                ext = self._external(req_id, rows.prompt)
                 if ext is not None:
                     mine.append((ext, pos, c))
                     if runs and runs[-1][1] == pos:
@@ -306,7 +355,7 @@ class Capture:
         the request finished). Staged, handed out and written exactly as a step's."""
         if states.shape[1] != len(self.layer_ids):
             raise RuntimeError(f"engine returned {states.shape[1]} aux states for layers {self.layer_ids}")
-        ext = self._external(req_id)
+        ext = self._external(req_id, runner_prompt(self.runner))
         if ext is None:
             return
         n = int(states.shape[0])

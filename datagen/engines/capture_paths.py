@@ -4,7 +4,9 @@ Two capture paths (docs/vllm-versions.md, "Runner matrix"):
 
 - ``internal``: the worker extension reads the V1 model runner's ``execute_model_state`` after each
   ``execute_model`` (datagen.engines.vllm_worker). Verified on the releases of
-  ``TESTED_VLLM_VERSIONS``; it needs the V1 runner (patch pin-v1-model-runner on CUDA).
+  ``TESTED_VLLM_VERSIONS``; it needs the V1 runner (patch pin-v1-model-runner on CUDA), unless
+  ``DATAGEN_CAPTURE_RUNNER_V2=1`` lets it read Model Runner V2's (datagen.engines.capture_v2: tested
+  on V2's data structures on the CPU, never run on a GPU).
 - ``public``: vLLM's ``extract_hidden_states`` speculative method with the project's KV connector
   (datagen.engines.public_capture): the interface vLLM maintains for the job.
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import os
 
+from datagen import settings
 from datagen.engines.releases import CUDA_VLLM_RELEASE, TESTED_VLLM_VERSIONS
 from datagen.engines.vllm_settings import CAPTURE_PATHS, INTERNAL, PUBLIC
 from datagen.errors import EngineSettingError
@@ -26,6 +29,14 @@ ENV = "DATAGEN_CAPTURE_PATH"
 # Releases whose Model Runner V2 refuses the extract_hidden_states method (it falls back to V1):
 # 0.24.0 config/vllm.py:1994-2080 (docs/vllm-versions.md f).
 V2_WITHOUT_EXTRACT_HIDDEN_STATES = frozenset({CUDA_VLLM_RELEASE})
+
+
+def runner_version(runner_class: str) -> str:
+    """"v2" for a class of Model Runner V2 (vllm.v1.worker.gpu.*, and the CPU build's
+    vllm.v1.worker.cpu.*), else "v1" (GPUModelRunner, CPUModelRunner). ``runner_class``: module and
+    name, as the worker extension's ``datagen_model_runner`` reports it."""
+    module = runner_class.rsplit(".", 1)[0]
+    return "v2" if module.startswith(("vllm.v1.worker.gpu.", "vllm.v1.worker.cpu.")) else "v1"
 
 
 def requested_path(environ=None) -> str | None:
@@ -57,10 +68,16 @@ def model_runner(version: str | None, path: str, *, cpu_build: bool, environ=Non
     """The model runner a run will take: "v1", "v2", or "auto" (vLLM picks by model and GPU).
 
     The CPU build runs V1 (its V2 runner needs Triton: "Model Runner V2 requires Triton"); the
-    internal capture pins V1 on CUDA; the public path leaves vLLM its choice, which is V1 where
-    V2 refuses extract_hidden_states (0.24.0) or VLLM_USE_V2_MODEL_RUNNER says so."""
+    internal capture pins V1 on CUDA unless DATAGEN_CAPTURE_RUNNER_V2=1 leaves vLLM its choice; the
+    public path leaves vLLM its choice, which is V1 where V2 refuses extract_hidden_states (0.24.0)
+    or VLLM_USE_V2_MODEL_RUNNER says so."""
     env = os.environ if environ is None else environ
-    if cpu_build or path == INTERNAL or version in V2_WITHOUT_EXTRACT_HIDDEN_STATES:
+    if cpu_build:
+        return "v1"
+    if path == INTERNAL:
+        if not settings.capture_runner_v2(env):
+            return "v1"
+    elif version in V2_WITHOUT_EXTRACT_HIDDEN_STATES:
         return "v1"
     forced = env.get("VLLM_USE_V2_MODEL_RUNNER")
     if forced in ("0", "1"):
@@ -109,11 +126,13 @@ def describe(version: str | None, *, cpu_build: bool, environ=None) -> dict:
                "but datagen extract refuses an unverified release (no start-up self-test yet)")
     if cpu_build:
         runner_why = "the CPU build runs V1 (its V2 runner needs Triton)"
-    elif path == INTERNAL:
+    elif path == INTERNAL and not settings.capture_runner_v2(env):
         runner_why = "the internal capture pins V1 (patch pin-v1-model-runner)"
     elif runner == "v1":
-        runner_why = "V2 of this release refuses extract_hidden_states" if version in V2_WITHOUT_EXTRACT_HIDDEN_STATES \
-            else "VLLM_USE_V2_MODEL_RUNNER=0"
+        runner_why = "V2 of this release refuses extract_hidden_states" \
+            if path == PUBLIC and version in V2_WITHOUT_EXTRACT_HIDDEN_STATES else "VLLM_USE_V2_MODEL_RUNNER=0"
     else:
         runner_why = "vLLM picks (V2 where it supports the model)" if runner == "auto" else "VLLM_USE_V2_MODEL_RUNNER=1"
+    if path == INTERNAL and runner != "v1":
+        runner_why += "; DATAGEN_CAPTURE_RUNNER_V2=1: on V2 the internal capture reads V2's state (never run on a GPU)"
     return {"capture_path": path, "model_runner": runner, "why": f"{why}; runner: {runner_why}"}

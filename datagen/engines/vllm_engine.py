@@ -29,6 +29,7 @@ from datagen.data.shards import ShardJob
 from datagen.data.spec import MlaBackend
 from datagen.engines import patches
 from datagen.engines.base import Engine, Handout
+from datagen.engines.capture_paths import runner_version
 from datagen.engines.messages import CaptureReply
 from datagen.engines.vllm_settings import INTERNAL, PUBLIC, VllmSettings
 from datagen.errors import (CannotRunHereError, EngineSettingError, EngineUnsupportedError, ModelError, SpecError,
@@ -201,13 +202,6 @@ def set_process_env(*, on_cuda: bool, tensor_parallel_size: int = 1) -> None:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_threads_bind(tensor_parallel_size))
 
 
-def runner_version(runner_class: str) -> str:
-    """"v2" for a class of Model Runner V2 (vllm.v1.worker.gpu.*, and the CPU build's
-    vllm.v1.worker.cpu.*), else "v1" (GPUModelRunner, CPUModelRunner)."""
-    module = runner_class.rsplit(".", 1)[0]
-    return "v2" if module.startswith(("vllm.v1.worker.gpu.", "vllm.v1.worker.cpu.")) else "v1"
-
-
 def prompt(tokens, images=()):
     """The request's prompt: its token ids, and its images as vLLM multimodal inputs beside them."""
     from vllm.inputs import TokensPrompt
@@ -307,12 +301,13 @@ class VllmEngine(Engine):
         # DeepSeek decoders (Kimi's too) return id N on 0.24.0 through patch deepseek-final-layer-aux
         patches.check_capturable(self.info.model_type, self.info.num_hidden_layers, self.layer_ids, self.version,
                                  model=self.info.path)
-        if on_cuda and self.config.capture_path == INTERNAL:
-            # patch pin-v1-model-runner: Model Runner V2 has no execute_model_state.
+        if on_cuda and self.config.capture_path == INTERNAL and not settings.capture_runner_v2():
+            # patch pin-v1-model-runner: the V2 capture (datagen.engines.capture_v2) never ran on a GPU.
             if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1":
                 raise EngineUnsupportedError(
                     "VLLM_USE_V2_MODEL_RUNNER=1: the capture reads the V1 model runner's execute_model_state",
-                    hint="unset VLLM_USE_V2_MODEL_RUNNER or set it to 0",
+                    hint="unset VLLM_USE_V2_MODEL_RUNNER or set it to 0 (DATAGEN_CAPTURE_RUNNER_V2=1 allows the "
+                         "V2 capture, which has never run on a GPU)",
                 )
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         set_process_env(on_cuda=on_cuda, tensor_parallel_size=self.tp)
@@ -329,11 +324,17 @@ class VllmEngine(Engine):
         self._check_model_runner()
 
     def _check_model_runner(self) -> None:
-        """Read back the model runner the workers run; the internal capture needs the V1 runner."""
+        """Read back the model runner the workers run; the internal capture needs the V1 runner unless
+        DATAGEN_CAPTURE_RUNNER_V2=1 allows V2's reader (datagen.engines.capture_v2)."""
         ran = sorted(set(self.llm.collective_rpc("datagen_model_runner")))
         self.model_runner_ran = ran
         log.info("capture path %s, model runner %s", self.config.capture_path, ", ".join(ran))
-        if self.config.capture_path == INTERNAL and any(runner_version(r) != "v1" for r in ran):
+        v2 = [r for r in ran if runner_version(r) != "v1"]
+        if self.config.capture_path == INTERNAL and v2:
+            if settings.capture_runner_v2():
+                log.warning("DATAGEN_CAPTURE_RUNNER_V2=1: the internal capture reads Model Runner V2 (%s), "
+                            "tested on its data structures on the CPU only, never run on a GPU", ", ".join(v2))
+                return
             self.close()
             raise EngineUnsupportedError(
                 f"vLLM {self.version} runs {', '.join(ran)}: the internal capture reads the V1 model runner",

@@ -14,7 +14,10 @@ the steps do not wait for it): each step's states are staged into preallocated
 device buffers (statistics and fp8 quantization in float32 chunks of a fixed
 workspace), copied on a side stream into a ring of pinned host memory allocated
 once (the next step is not held up), and sliced per request from
-``scheduler_output.num_scheduled_tokens`` in ``input_batch.req_ids`` order. A shard is queued for writing the moment its
+``scheduler_output.num_scheduled_tokens`` in ``input_batch.req_ids`` order.
+On Model Runner V2 (only when DATAGEN_CAPTURE_RUNNER_V2=1; never run on a GPU)
+the same capture reads V2's own ``execute_model_state`` through
+datagen.engines.capture_v2; the runner is told apart by its class. A shard is queued for writing the moment its
 last request's last chunk is captured; writer threads pack, hash and write it.
 Every tensor-parallel rank holds the full states after the all-reduce, so each
 rank captures and writes its share: shard k by rank k mod TP.
@@ -29,11 +32,34 @@ import time
 import torch
 
 from datagen import settings
-from datagen.engines.capture import Capture
+from datagen.engines.capture import Capture, StepRows, step_rows_v1
+from datagen.engines.capture_paths import runner_version
+from datagen.engines.capture_v2 import step_rows_v2
 from datagen.engines.vllm_ranks import tp_rank as _tp_rank
 from datagen.engines.vllm_settings import INTERNAL, CaptureConfig
 
 log = logging.getLogger("datagen.engines.vllm_worker")
+
+
+def _runner_class(runner) -> str:
+    """The runner's class, module and name (what ``runner_version`` reads)."""
+    cls = type(runner)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _read_v1(runner, scheduler_output) -> StepRows | None:
+    """The V1 runner's step: its ``execute_model_state`` holds the step's scheduler output."""
+    state = getattr(runner, "execute_model_state", None)
+    return None if state is None else step_rows_v1(runner, state.scheduler_output, state.aux_hidden_states)
+
+
+def _read_v2(runner, scheduler_output) -> StepRows | None:
+    """Model Runner V2's step: its own ``execute_model_state`` (input batch and aux states)."""
+    state = getattr(runner, "execute_model_state", None)
+    return None if state is None else step_rows_v2(state, scheduler_output)
+
+
+_READERS = {"v1": _read_v1, "v2": _read_v2}
 
 
 def _enable_capture(runner) -> None:
@@ -52,6 +78,8 @@ def _enable_capture(runner) -> None:
     capture = Capture(runner, cfg, int(runner.model_config.get_hidden_size()), rank, world)
     runner._datagen_capture = capture  # noqa: SLF001
     original = runner.execute_model
+    version = runner_version(_runner_class(runner))
+    read = _READERS[version]
 
     timed = capture.cuda and settings.gpu_step_times()  # profiles only (bench/gpu)
 
@@ -65,27 +93,32 @@ def _enable_capture(runner) -> None:
     @functools.wraps(original)
     def execute_model(scheduler_output, *args, **kwargs):
         capture.before_step()  # the forward must not overwrite states the capture still reads
+        # V2's own dummy runs (profile, warm-up, CUDA-graph capture, DP padding) go through
+        # execute_model(dummy_run=True) with made-up requests: nothing to capture
+        if version == "v2" and kwargs.get("dummy_run", len(args) > 1 and bool(args[1])):
+            return original(scheduler_output, *args, **kwargs)
         e0 = event()
         t0 = time.perf_counter()
         out = original(scheduler_output, *args, **kwargs)
         t1 = time.perf_counter()
         e1 = event()
-        state = getattr(runner, "execute_model_state", None)
-        if state is not None:
-            capture.on_step(state.scheduler_output, state.aux_hidden_states)
+        rows = read(runner, scheduler_output)
+        if rows is not None:
+            capture.on_rows(rows)
         # the capture's kernels run on its own stream: the third event ends them there
         capture.trace.append((t0, t1, int(scheduler_output.total_num_scheduled_tokens), time.perf_counter(),
                               e0, e1, event(capture.stream)))
         return out
 
     runner.execute_model = execute_model
-    log.info("datagen capture on (rank %d of %d): layers %s, dtype %s, storage %s, %d writers, %.2f GiB of "
-             "device buffers", rank, world, layer_ids, cfg.dtype, cfg.storage_dtype, cfg.writers,
+    log.info("datagen capture on (rank %d of %d, model runner %s): layers %s, dtype %s, storage %s, %d writers, "
+             "%.2f GiB of device buffers", rank, world, version, layer_ids, cfg.dtype, cfg.storage_dtype, cfg.writers,
              capture.device_bytes() / 2**30)
 
 
 def _install_capture_on_load() -> None:
-    """Wrap load_model of every runner class vLLM may use here (idempotent)."""
+    """Wrap load_model of every runner class vLLM may use here (idempotent). Model Runner V2's only
+    when DATAGEN_CAPTURE_RUNNER_V2=1 (its module is not imported otherwise)."""
     classes = []
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -96,6 +129,11 @@ def _install_capture_on_load() -> None:
         classes.append(CPUModelRunner)
     except ImportError:
         pass
+    if settings.capture_runner_v2():
+        # V2's CPU runner (vllm.v1.worker.cpu.model_runner) inherits this load_model
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as ModelRunnerV2
+
+        classes.append(ModelRunnerV2)
     for cls in classes:
         if "load_model" not in cls.__dict__ or getattr(cls.__dict__["load_model"], "_datagen", False):
             continue
@@ -132,8 +170,7 @@ class CaptureExtension:
 
     def datagen_model_runner(self) -> str:
         """The model runner class this worker runs (module and name)."""
-        cls = type(self.model_runner)
-        return f"{cls.__module__}.{cls.__qualname__}"
+        return _runner_class(self.model_runner)
 
     def datagen_announce(self, shards: list[dict]) -> dict | None:
         """A group's shards (job wires with their request ids), before its requests are added;
