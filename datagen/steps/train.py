@@ -5,6 +5,10 @@ from the packed shards (``datagen.training.draft``), and writes it in speculator
 vLLM loads as an EAGLE-3 speculator, with ``datagen_draft.json`` (the lineage: dataset fingerprint,
 steps, settings, losses). ``--steps 0`` writes the untrained draft (the baseline a trained one must
 beat). The draft directory must not exist; it is written under a temporary name and renamed.
+
+Launched by ``torchrun --nproc-per-node N -m datagen train ...`` it trains the one draft on N
+data-parallel processes (one GPU each with ``--device cuda``; gloo processes with ``--device cpu``):
+rank 0 writes it, every rank prints the same result (``datagen.training.distributed``).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class TrainResult(BaseModel):
     first_loss: float | None = Field(description="training loss at the first step (None: untrained)")
     last_loss: float | None = Field(description="training loss at the last step (None: untrained)")
     speculators_version: str = Field(description="the speculators release that trained it")
+    world_size: int = Field(default=1, description="data-parallel processes that trained it (torchrun ranks)")
 
 
 Result = TrainResult
@@ -91,4 +96,5 @@ def run(spec: Spec) -> TrainResult:
     return TrainResult(draft=str(d.path.resolve()), dataset_fingerprint=lin.dataset_fingerprint,
                        steps_done=lin.steps_done, train_samples=lin.train_samples,
                        held_out_samples=lin.held_out_samples, first_loss=lin.losses[0] if lin.losses else None,
-                       last_loss=lin.losses[-1] if lin.losses else None, speculators_version=lin.speculators_version)
+                       last_loss=lin.losses[-1] if lin.losses else None, speculators_version=lin.speculators_version,
+                       world_size=lin.world_size)

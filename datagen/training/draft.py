@@ -71,8 +71,9 @@ class DraftLineage(BaseModel):
                     "own share of every packed batch, so one optimizer step took world_size batches")
     steps_per_epoch: int | None = Field(
         default=None,
-        description="optimizer steps in one pass over the training split (each rank's batches per epoch: "
-                    "about 1/world_size of a one-process run's); None: untrained, or an older lineage")
+        description="optimizer steps in the first pass over the training split (each rank's batches in epoch "
+                    "0: about 1/world_size of a one-process run's; later epochs pack their order into about as "
+                    "many); None: untrained, or an older lineage")
     tokens_trained: int | None = Field(
         default=None,
         description="tokens the draft was trained on, all steps and ranks (speculators' count: the packed "
@@ -85,7 +86,7 @@ class TrainingRun:
 
     losses: list[float]  # speculators' logged loss per step, reduced across ranks
     steps: int  # optimizer steps run
-    steps_per_epoch: int | None  # each rank's batches per pass over the split (None: untrained)
+    steps_per_epoch: int | None  # each rank's batches in the first pass over the split (None: untrained)
     tokens: int | None  # tokens trained on, all ranks (None: untrained)
     seconds: float  # wall time of the loop
 
@@ -356,6 +357,11 @@ def _train(model, data, settings: DraftSettings, topology: Topology) -> Training
     """speculators' epoch loop for ``settings.steps`` steps. Every rank runs it (the collectives of DDP
     and of the metrics are in step); the losses are speculators' logged ones, already reduced across ranks."""
     loader = _loader(data, settings, seed=settings.seed)  # the sampler takes this rank's share
+    steps_per_epoch = len(loader)  # epoch 0's packing (each epoch's order packs a little differently)
+    if not steps_per_epoch:
+        raise SpecError(f"the training split's {len(data)} samples make no batch for {topology.world_size} ranks "
+                        "(speculators' sampler drops a last group of fewer samples than ranks)",
+                        hint="train on fewer processes (torchrun --nproc-per-node) or more samples")
     recorder = _LossRecorder()
     metrics = logging.getLogger(_METRICS_LOGGER)
     metrics.addHandler(recorder)
@@ -367,10 +373,11 @@ def _train(model, data, settings: DraftSettings, topology: Topology) -> Training
         # speculators' checkpointer only reads its directory unless asked to save, which datagen never does
         with _on_device(settings.device), tempfile.TemporaryDirectory(prefix="datagen-train-") as scratch:
             trainer = _trainer(model, settings, loader, Path(scratch) / "checkpoints")
-            for epoch in range(trainer.config.num_epochs):
+            # epochs until the steps are done: a later epoch may pack into fewer batches than the first
+            epoch = 0
+            while trainer.global_step < settings.steps:
                 trainer.train_epoch(epoch)
-                if trainer.global_step >= settings.steps:
-                    break
+                epoch += 1
     finally:
         counter.close()
         metrics.removeHandler(recorder)
@@ -380,7 +387,7 @@ def _train(model, data, settings: DraftSettings, topology: Topology) -> Training
     if topology.writes:
         log.info("trained %d tokens in %.1f s on %d process(es): %.0f tokens/s", tokens, seconds,
                  topology.world_size, tokens / seconds if seconds else 0.0)
-    return TrainingRun(losses=recorder.losses, steps=trainer.global_step, steps_per_epoch=len(loader),
+    return TrainingRun(losses=recorder.losses, steps=trainer.global_step, steps_per_epoch=steps_per_epoch,
                        tokens=tokens, seconds=seconds)
 
 

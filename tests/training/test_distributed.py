@@ -99,6 +99,7 @@ def test_two_cpu_processes_train_one_draft_each_rank_reading_half_the_batches(di
     results = [json.loads(x[len(cli.RESULT_PREFIX):]) for x in proc.stdout.splitlines()
                if x.startswith(cli.RESULT_PREFIX)]
     assert len(results) == 2 and results[0] == results[1] and results[0]["draft"] == str(out.resolve())
+    assert results[0]["world_size"] == 2
     two_proc = read_lineage(out)
     assert two_proc.world_size == 2 and two_proc.steps_done == len(two) == two_proc.steps_per_epoch
     assert len(two_proc.losses) == len(two) and all(math.isfinite(x) for x in two_proc.losses)
