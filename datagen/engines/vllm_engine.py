@@ -19,7 +19,6 @@ import importlib.metadata
 import json
 import logging
 import os
-import re
 import time
 from pathlib import Path
 
@@ -32,8 +31,8 @@ from datagen.engines.base import Engine, Handout
 from datagen.engines.capture_paths import runner_version
 from datagen.engines.messages import CaptureReply
 from datagen.engines.vllm_settings import INTERNAL, PUBLIC, VllmSettings
-from datagen.errors import (CannotRunHereError, EngineSettingError, EngineUnsupportedError, ModelError, SpecError,
-                            StorageError)
+from datagen.engines.vllm_llm import llm_kwargs, start_llm
+from datagen.errors import CannotRunHereError, EngineUnsupportedError, SpecError, StorageError
 from datagen.models.modelinfo import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -109,49 +108,6 @@ def choose_attention_backend(info: ModelInfo, mla_backend: MlaBackend | None) ->
     if mla:
         return (mla_backend or MlaBackend.CPU_MLA).value
     return CPU_ATTENTION
-
-
-# Words of a setting's name that say nothing of what it sets (VLLM_USE_V2_MODEL_RUNNER: "v2 model runner").
-_NAME_FILLER = frozenset({"vllm", "use", "enable", "disable", "num", "max", "config"})
-
-
-def _named_in(name: str, reason: str) -> bool:
-    """Whether vLLM's reason names this setting: its name, or (for a name of two telling words or
-    more) every telling word of it, as words."""
-    words = set(re.findall(r"[a-z0-9]+", reason.lower().replace("_", " ")))
-    if name.lower() in reason.lower():
-        return True
-    telling = [w for w in name.lower().split("_") if w and w not in _NAME_FILLER]
-    return len(telling) >= 2 and all(w in words for w in telling)
-
-
-def start_error(e: Exception, *, model, version: str, kwargs: dict, environ=None) -> ModelError | EngineSettingError:
-    """What a failed ``LLM(...)`` means for the user: the setting vLLM refuses (an engine option or a
-    ``VLLM_*`` variable whose name its reason names), with vLLM's reason; else the model it cannot
-    load, with the engine settings in force to check.
-
-    Args:
-        e: what ``LLM(**kwargs)`` raised.
-        model: the model directory.
-        version: the vLLM release.
-        kwargs: the engine options ``LLM`` was given.
-        environ: the environment (default: this process's).
-    """
-    reason = str(e).strip() or type(e).__name__
-    env = os.environ if environ is None else environ
-    variables = {k: v for k, v in env.items() if k.startswith("VLLM_")}
-    named = [f"{k}={v}" for k, v in sorted(variables.items()) if _named_in(k, reason)]
-    named += [f"{k}={v!r}" for k, v in kwargs.items() if k != "model" and _named_in(k, reason)]
-    if named:
-        return EngineSettingError(
-            f"vLLM {version} refuses the setting {', '.join(named)}: {reason}", settings=named,
-            hint=f"change or unset {' and '.join(n.split('=')[0] for n in named)} (vLLM's reason says what it "
-                 "needs); datagen sets what capture needs itself",
-        )
-    inforce = ", ".join(f"{k}={v}" for k, v in sorted(variables.items()))
-    return ModelError(f"vLLM {version} cannot load {model}: {reason}",
-                      hint="check the model files and the engine settings"
-                           + (f" (VLLM_* variables set here: {inforce})" if inforce else ""))
 
 
 def check_devices(tensor_parallel_size: int) -> bool:
@@ -258,27 +214,25 @@ class VllmEngine(Engine):
         max_model_len = c.max_seq_len + 1  # the prompt plus the one sampled token
         if self.info.max_position_embeddings and max_model_len > self.info.max_position_embeddings:
             max_model_len = self.info.max_position_embeddings
-        kwargs = dict(
-            model=self.info.path,
+        kwargs = llm_kwargs(
+            self.info.path,
             # prompts arrive as token ids; images need vLLM's multimodal processor, which reads the tokenizer
             skip_tokenizer_init=not c.media,
             dtype=c.dtype,
             tensor_parallel_size=c.tensor_parallel_size,
             max_model_len=max_model_len,
+            max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.step_tokens,
+            trust_remote_code=c.trust_remote_code,
+            attention_backend=c.attention_backend,
+        )
+        kwargs.update(
             enable_prefix_caching=False,  # cached prefixes would never be recomputed
             async_scheduling=False,  # one step in flight: execute_model_state is this step's
             enable_chunked_prefill=True,
-            max_num_batched_tokens=c.step_tokens,
-            max_num_seqs=c.max_num_seqs,
             worker_extension_cls=EXTENSION,
             additional_config=c.capture().to_additional_config(),
-            trust_remote_code=c.trust_remote_code,
-            gpu_memory_utilization=settings.gpu_memory_utilization(),
-            enforce_eager=settings.enforce_eager(),
-            seed=0,
         )
-        if c.attention_backend is not None:
-            kwargs["attention_config"] = {"backend": c.attention_backend}
         if c.capture_path == PUBLIC:
             from datagen.engines.public_capture import engine_kwargs as public_kwargs
 
@@ -311,15 +265,10 @@ class VllmEngine(Engine):
                 )
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         set_process_env(on_cuda=on_cuda, tensor_parallel_size=self.tp)
-        from vllm import LLM
-
         kwargs = self.engine_kwargs()
         log.info("starting vLLM %s: %s", self.version,
                  {k: v for k, v in kwargs.items() if k not in ("additional_config",)})
-        try:
-            self.llm = LLM(**kwargs)
-        except (ValueError, OSError) as e:
-            raise start_error(e, model=self.info.path, version=self.version, kwargs=kwargs) from e
+        self.llm = start_llm(kwargs, version=self.version)
         self._check_attention_backend()
         self._check_model_runner()
 

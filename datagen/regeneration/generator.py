@@ -18,8 +18,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from datagen import settings as env
 from datagen.engines import patches
+from datagen.engines.vllm_llm import llm_kwargs, start_llm
 from datagen.errors import ModelError
 from datagen.regeneration.chats import Generated
 from datagen.regeneration.settings import RegenerationSettings
@@ -68,22 +68,18 @@ class Generator:
 
     def engine_kwargs(self) -> dict:
         s = self.settings
-        kwargs = dict(
-            model=self.model_dir,
+        kwargs = llm_kwargs(
+            self.model_dir,
             skip_tokenizer_init=True,  # prompts arrive as ids; our tokenizer decodes (module docstring)
             dtype=s.dtype,
             tensor_parallel_size=s.tensor_parallel_size,
             max_model_len=self.max_model_len,
-            enable_prefix_caching=True,  # reset per chunk (module docstring)
             max_num_seqs=s.max_num_seqs,
             max_num_batched_tokens=s.max_num_batched_tokens,  # longer prompts are chunked
             trust_remote_code=s.trust_remote_code,
-            gpu_memory_utilization=env.gpu_memory_utilization(),
-            enforce_eager=env.enforce_eager(),
-            seed=0,
+            attention_backend=self.attention_backend,
         )
-        if self.attention_backend is not None:
-            kwargs["attention_config"] = {"backend": self.attention_backend}
+        kwargs.update(enable_prefix_caching=True)  # reset per chunk (module docstring)
         return kwargs
 
     def start(self) -> None:
@@ -91,16 +87,9 @@ class Generator:
 
         set_process_env(on_cuda=check_devices(self.settings.tensor_parallel_size),
                         tensor_parallel_size=self.settings.tensor_parallel_size)
-        from vllm import LLM
-
         kwargs = self.engine_kwargs()
         log.info("regenerate: starting vLLM %s: %s", self.version, kwargs)
-        try:
-            self.llm = LLM(**kwargs)
-        except (ValueError, OSError) as e:
-            from datagen.engines.vllm_engine import start_error
-
-            raise start_error(e, model=self.model_dir, version=self.version, kwargs=kwargs) from e
+        self.llm = start_llm(kwargs, version=self.version)
 
     def new_chunk(self) -> None:
         """Forget the prefix cache: the next chunk's batches depend on its rows alone."""

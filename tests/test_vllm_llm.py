@@ -1,0 +1,69 @@
+"""The one way datagen starts ``vllm.LLM``: the arguments both engines share, and what a failed
+start means for the user, the same from the extraction engine and the regeneration generator."""
+
+from __future__ import annotations
+
+import pytest
+
+from datagen.engines import vllm_llm
+from datagen.errors import EngineSettingError, ModelError
+from datagen.regeneration.generator import Generator
+from datagen.regeneration.settings import RegenerationSettings
+
+V2_REFUSED = "Model Runner V2 needs Triton, which this platform lacks (unset VLLM_USE_V2_MODEL_RUNNER)"
+
+
+def _refusing_llm(error: Exception):
+    class RefusingLLM:
+        def __init__(self, **kwargs):
+            raise error
+
+    return RefusingLLM
+
+
+def test_a_refused_vllm_variable_is_named_with_vllms_reason(monkeypatch):
+    import vllm
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    monkeypatch.setattr(vllm, "LLM", _refusing_llm(ValueError(V2_REFUSED)))
+    with pytest.raises(EngineSettingError, match="refuses the setting VLLM_USE_V2_MODEL_RUNNER=1: Model Runner V2") as e:
+        vllm_llm.start_llm({"model": "/m", "dtype": "float32"}, version="0.32.0")
+    assert isinstance(e.value.__cause__, ValueError)
+
+
+def test_a_refused_engine_option_is_named_with_its_value():
+    err = vllm_llm.start_error(ValueError("max_model_len 4096 exceeds the model's 2048"), model="/m",
+                               version="0.32.0", kwargs={"model": "/m", "max_model_len": 4096}, environ={})
+    assert isinstance(err, EngineSettingError)
+    assert "refuses the setting max_model_len=4096" in str(err)
+
+
+def test_a_failure_that_names_no_setting_is_the_model_vllm_cannot_load(monkeypatch):
+    import vllm
+
+    monkeypatch.setattr(vllm, "LLM", _refusing_llm(OSError("config.json not found")))
+    with pytest.raises(ModelError, match="cannot load /m: config.json not found"):
+        vllm_llm.start_llm({"model": "/m"}, version="0.32.0")
+
+
+def test_regeneration_starts_with_the_shared_arguments_plus_its_own(monkeypatch):
+    import vllm
+
+    started = {}
+
+    class RecordingLLM:
+        def __init__(self, **kwargs):
+            started.update(kwargs)
+
+    monkeypatch.setattr(vllm, "LLM", RecordingLLM)
+    monkeypatch.setattr("datagen.engines.vllm_engine.check_devices", lambda tp: False)
+    monkeypatch.setattr("datagen.engines.vllm_engine.set_process_env", lambda **kw: None)
+    gen = Generator("/m", RegenerationSettings(), max_model_len=64, stop_ids=[2], attention_backend="CPU_ATTN")
+    gen.start()
+    s = gen.settings
+    shared = vllm_llm.llm_kwargs("/m", skip_tokenizer_init=True, dtype=s.dtype,
+                                 tensor_parallel_size=s.tensor_parallel_size, max_model_len=64,
+                                 max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                                 trust_remote_code=s.trust_remote_code, attention_backend="CPU_ATTN")
+    assert started == {**shared, "enable_prefix_caching": True}
+    assert shared["attention_config"] == {"backend": "CPU_ATTN"} and shared["seed"] == 0
