@@ -155,6 +155,41 @@ def test_missing_vllm_is_reported(model_dir, tmp_path, monkeypatch):
     assert version.status is Status.FAILED and "not installed" in version.detail
 
 
+def _patches_on_cuda(monkeypatch, **env):
+    """engine_patches as a CUDA machine with ``env`` set would report it (the self-tests read the
+    installed vLLM; only whether CUDA is there is a stand-in)."""
+    from datagen.engines import patches
+    from datagen.envcheck.engine import check_engine_patches
+
+    monkeypatch.setattr(patches, "_on_cuda", lambda: True)
+    for name in ("VLLM_USE_V2_MODEL_RUNNER", "DATAGEN_CAPTURE_RUNNER_V2"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return check_engine_patches(spec_for("/m", "/o"), True)
+
+
+def test_model_runner_v2_forced_without_the_v2_capture_fails_the_v1_pin(monkeypatch):
+    patches_check = _patches_on_cuda(monkeypatch, VLLM_USE_V2_MODEL_RUNNER="1")
+    assert patches_check.status is Status.FAILED
+    assert patches_check.detail.startswith("pin-v1-model-runner: failed: VLLM_USE_V2_MODEL_RUNNER=1 is set")
+    assert "DATAGEN_CAPTURE_RUNNER_V2=1" in patches_check.detail
+
+
+def test_model_runner_v2_with_the_v2_capture_chosen_leaves_the_v1_pin_off_without_failing(monkeypatch):
+    patches_check = _patches_on_cuda(monkeypatch, VLLM_USE_V2_MODEL_RUNNER="1", DATAGEN_CAPTURE_RUNNER_V2="1")
+    assert patches_check.status is Status.OK, patches_check.detail
+    assert "pin-v1-model-runner: not applied: DATAGEN_CAPTURE_RUNNER_V2=1 chose the V2 capture" in patches_check.detail
+    assert "VLLM_USE_V2_MODEL_RUNNER=1 runs V2" in patches_check.detail
+    assert "pin-v1-model-runner" not in patches_check.detail.split(";")[0]  # not among those that pass
+
+
+def test_the_v1_pin_passes_on_cuda_when_nothing_asks_for_v2(monkeypatch):
+    patches_check = _patches_on_cuda(monkeypatch)
+    assert patches_check.status is Status.OK and "pin-v1-model-runner" in patches_check.detail
+    assert "not applied" not in patches_check.detail
+
+
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A 64 KiB tmpfs: a disk that is full for any model or dataset, even a tiny one."""

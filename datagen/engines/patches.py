@@ -16,6 +16,7 @@ import inspect
 import os
 from typing import Callable
 
+from datagen import settings
 from datagen.engines.releases import CUDA_VLLM_RELEASE, TESTED_VLLM_VERSIONS
 from datagen.errors import EngineUnsupportedError
 
@@ -27,7 +28,12 @@ class Patch:
     name: str
     versions: tuple[str, ...]  # vLLM releases this adapter is tested on
     what: str  # what it changes, in one sentence
-    self_test: Callable[[], None]  # raises AssertionError with a reason when it no longer holds
+    # raises AssertionError with a reason when it no longer holds; returns why the patch is deliberately
+    # not applied in this environment (a choice of the user's, not a failure), else None
+    self_test: Callable[[], str | None]
+
+
+NOT_APPLIED = "not applied"  # run_self_tests' word for a patch deliberately left off ("not applied: <why>")
 
 
 def installed_vllm_version() -> str | None:
@@ -77,14 +83,23 @@ def _test_request_ids() -> None:
     assert "request_id" in EngineCoreRequest.__struct_fields__, "EngineCoreRequest has no request_id"
 
 
-def _test_v1_runner_pin() -> None:
+def _test_v1_runner_pin() -> str | None:
     from vllm import envs
 
-    if hasattr(envs, "VLLM_USE_V2_MODEL_RUNNER"):
-        assert os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") == "0" or not _on_cuda(), (
-            "VLLM_USE_V2_MODEL_RUNNER=1 is set: the capture reads the V1 runner's "
-            "execute_model_state; unset it or set VLLM_USE_V2_MODEL_RUNNER=0"
-        )
+    if not hasattr(envs, "VLLM_USE_V2_MODEL_RUNNER") or not _on_cuda():
+        return None
+    forced = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0")
+    if settings.capture_runner_v2():
+        # the engine leaves the runner to vLLM (VllmEngine.start): the capture reads V2's state too
+        runner = "VLLM_USE_V2_MODEL_RUNNER=1 runs V2" if forced == "1" else "vLLM picks the runner"
+        return (f"DATAGEN_CAPTURE_RUNNER_V2=1 chose the V2 capture (datagen.engines.capture_v2, never run on a "
+                f"GPU), so V1 is not pinned; {runner}")
+    assert forced == "0", (
+        "VLLM_USE_V2_MODEL_RUNNER=1 is set: the capture reads the V1 runner's "
+        "execute_model_state; unset it or set VLLM_USE_V2_MODEL_RUNNER=0 (DATAGEN_CAPTURE_RUNNER_V2=1 "
+        "allows the V2 capture, which has never run on a GPU)"
+    )
+    return None
 
 
 def _on_cuda() -> bool:
@@ -330,7 +345,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "pin-v1-model-runner",
         (CUDA_VLLM_RELEASE,),
-        "on CUDA, set VLLM_USE_V2_MODEL_RUNNER=0: Model Runner V2 has no execute_model_state",
+        "on CUDA, set VLLM_USE_V2_MODEL_RUNNER=0: Model Runner V2 has no execute_model_state (not applied "
+        "where DATAGEN_CAPTURE_RUNNER_V2=1 chooses the V2 capture)",
         _test_v1_runner_pin,
     ),
 )
@@ -358,12 +374,13 @@ def check_vllm_version(version: str | None = None) -> str:
 
 
 def run_self_tests() -> dict[str, str]:
-    """name -> "ok" or the reason the patch no longer applies."""
+    """name -> "ok", "not applied: <why>" (deliberately left off here: no failure), or "failed: <the
+    reason the patch no longer applies>"."""
     out = {}
     for p in PATCHES:
         try:
-            p.self_test()
-            out[p.name] = "ok"
+            off = p.self_test()
+            out[p.name] = "ok" if off is None else f"{NOT_APPLIED}: {off}"
         except AssertionError as e:
             out[p.name] = f"failed: {e}"
         except Exception as e:  # an import error means the internals moved

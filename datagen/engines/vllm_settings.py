@@ -16,7 +16,8 @@ from datagen.data.contract import STORED_VALUE_BYTES, WORK_ELEMENTS
 CONFIG_KEY = "datagen_capture"  # key in vllm_config.additional_config
 
 # The two ways the states leave vLLM (docs/vllm-versions.md, "Runner matrix"):
-INTERNAL = "internal"  # the worker extension reads the V1 model runner's execute_model_state
+INTERNAL = "internal"  # the worker extension reads the model runner's execute_model_state (V1; V2 as well
+# where DATAGEN_CAPTURE_RUNNER_V2=1: datagen.engines.capture_v2)
 PUBLIC = "public"  # vLLM's extract_hidden_states speculative method and the project's KV connector
 CAPTURE_PATHS = (INTERNAL, PUBLIC)
 
@@ -47,7 +48,12 @@ class CaptureConfig:
     max_tokens: int  # the step's token budget: rows of the preallocated device buffers
     writers: int = 4  # shard writer threads per rank
     host_budget_bytes: int = 8 << 30  # pinned host memory a rank holds for captured states (one ring, CUDA)
-    path: str = "internal"  # INTERNAL: the worker extension reads the V1 runner; PUBLIC: extract_hidden_states
+    # The run's capture path, the plan's (capture_paths.choose_path: DATAGEN_CAPTURE_PATH, else INTERNAL on a
+    # verified release; recorded in the fingerprint). What the worker does with it: INTERNAL, the extension
+    # hooks the model runner's execute_model and reads each step's aux states, on V1 (pinned on CUDA by patch
+    # pin-v1-model-runner) or on V2 where DATAGEN_CAPTURE_RUNNER_V2=1; PUBLIC, it leaves the runner alone and
+    # its capture is public_capture.worker_capture's, fed by the KV connector of vLLM's extract_hidden_states.
+    path: str = INTERNAL
 
     def to_additional_config(self) -> dict:
         d = dataclasses.asdict(self)
@@ -100,7 +106,7 @@ class VllmSettings:
     writers: int | None = None  # shard writers per rank; None: DATAGEN_WRITERS or from the cores
     host_budget_bytes: int | None = None  # None: DATAGEN_CAPTURE_HOST_GIB or 8 GiB
     media: bool = False  # some rows hold images: the engine loads the tokenizer and the image processor
-    capture_path: str = INTERNAL  # INTERNAL or PUBLIC (datagen.engines.capture_path resolves it)
+    capture_path: str = INTERNAL  # INTERNAL or PUBLIC (datagen.engines.capture_paths resolves it)
 
     def __post_init__(self) -> None:
         if self.storage_dtype is None:  # the one place the engine's storage dtype defaults
