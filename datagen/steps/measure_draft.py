@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from datagen.data.files import atomic_write_json
 from datagen.steps._args import Arg, StepSpec
 from datagen.training.agreement import AgreementReport, FeatureError, Features, PositionAgreement
+from datagen.training.settings import Device
 from datagen.training.spec_decode import SpecDecodeResult
 
 HELP = "Measure a draft on a dataset's held-out rows: per-position agreement, acceptance length (vLLM EAGLE-3)."
@@ -50,6 +51,9 @@ class Spec(StepSpec):
     acceptance: Acceptance = Field(Acceptance.AGREEMENT, description="agreement, or vllm (also real speculative decoding)")
     prompts: int = Field(16, ge=1, description="held-out prompts vLLM generates from (--acceptance vllm)")
     max_tokens: int = Field(48, ge=1, description="tokens vLLM generates per prompt (--acceptance vllm)")
+    device: Device | None = Field(
+        None, description="where the draft and the target's states are computed (default: where the draft trained, "
+                          "its lineage's device)")
     out: str | None = Field(None, description="also write the result here (JSON)")
 
 
@@ -80,8 +84,9 @@ def measure(spec: Spec) -> MeasureResult:
     from datagen.training.draft import read_lineage
 
     lineage = read_lineage(spec.draft)
+    device = (spec.device or lineage.settings.device).value
     report: AgreementReport = measure_agreement(spec.draft, spec.dataset, verifier=spec.model,
-                                                        features=spec.features)
+                                                features=spec.features, device=device)
     decoded = None
     if spec.acceptance is Acceptance.VLLM:
         from datagen.training.spec_decode import held_out_prompts, measure_spec_decode

@@ -94,12 +94,12 @@ class TargetStates:
     """The target's own states of token rows, by layer id (the project's convention,
     ``datagen.engines.hf``): one model load for every draft measured, each row computed once."""
 
-    def __init__(self, verifier: str | Path, *, dtype: str = "float32") -> None:
+    def __init__(self, verifier: str | Path, *, dtype: str = "float32", device: str = "cpu") -> None:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(verifier)
         self.num_hidden_layers = getattr(config, "text_config", config).num_hidden_layers
-        self.verifier, self.dtype = str(verifier), dtype
+        self.verifier, self.dtype, self.device = str(verifier), dtype, device
         self._ref = None
         self._cache: dict[tuple[int, ...], dict[int, torch.Tensor]] = {}
 
@@ -109,7 +109,7 @@ class TargetStates:
             from datagen.engines.hf import HFReference
 
             self._ref = HFReference(self.verifier, layer_ids=(self.num_hidden_layers,),
-                                    num_hidden_layers=self.num_hidden_layers, dtype=self.dtype, device="cpu")
+                                    num_hidden_layers=self.num_hidden_layers, dtype=self.dtype, device=self.device)
         key = tuple(input_ids.tolist())
         have = self._cache.setdefault(key, {})
         missing = [k for k in layer_ids if k not in have]
@@ -165,12 +165,14 @@ def load_draft(draft: str | Path, *, verifier: str | Path | None = None):
 @torch.no_grad()
 def measure_agreement(draft: str | Path, dataset: str | Path, *, verifier: str | Path | None = None,
                       train_ratio: float | None = None, max_samples: int | None = None,
-                      features: Features = Features.TARGET, target: TargetStates | None = None) -> AgreementReport:
+                      features: Features = Features.TARGET, target: TargetStates | None = None,
+                      device: str = "cpu") -> AgreementReport:
     """Measure ``draft`` on ``dataset``'s held-out split (its lineage's ``train_ratio`` unless given).
 
     ``features``: the target's own states of the held-out rows at the draft's layers (default; pass
     ``target`` to share one loaded target between drafts), or the dataset's stored ones (module
     docstring). ``dataset`` may be another extraction of the same rows: the split is by sample.
+    ``device``: where the draft and the target's head run (the counting stays on the CPU).
     """
     from speculators.models.metrics import compute_accepted_length_counts
 
@@ -190,23 +192,27 @@ def measure_agreement(draft: str | Path, dataset: str | Path, *, verifier: str |
     features = Features(features)
     errors: dict[int, list[torch.Tensor]] = {}
     if features is Features.TARGET:
-        target = target or TargetStates(verifier or lineage.verifier)
+        target = target or TargetStates(verifier or lineage.verifier, device=device)
         data = _target_fed(data, target, draft_layer_ids(draft), errors)
-    head = _target_head(str(verifier or lineage.verifier))
+    model = model.to(device)
+    head = _target_head(str(verifier or lineage.verifier)).to(device)
     d2t = getattr(model, "d2t", None)
+    d2t = d2t.cpu() if d2t is not None else None
     correct_all, valid_all = [], []
     # in this process: the target-fed dataset wraps a closure, which spawn workers cannot take
     for batch in _loader(data, settings.model_copy(update={"loader_workers": 0}), seed=0):
-        tokens = model(hidden_states=batch["hidden_states"].float(), input_ids=batch["input_ids"],
-                       document_ids=batch["document_ids"], position_ids=batch["position_ids"], ttt_steps=k)
+        on = {key: batch[key].to(device) for key in ("hidden_states", "input_ids", "document_ids", "position_ids",
+                                                     "verifier_last_hidden_states")}
+        tokens = model(hidden_states=on["hidden_states"].float(), input_ids=on["input_ids"],
+                       document_ids=on["document_ids"], position_ids=on["position_ids"], ttt_steps=k)
         doc = batch["document_ids"][0]  # [T], -1 = padding
         mask = batch["loss_mask"][0].bool() & (doc >= 0)
-        target = (model.verifier_norm(batch["verifier_last_hidden_states"][0].float()) @ head.T).argmax(-1)  # [T]
+        target = (model.verifier_norm(on["verifier_last_hidden_states"][0].float()) @ head.T).argmax(-1).cpu()  # [T]
         n = doc.shape[0]
         correct = torch.zeros(n, k, dtype=torch.bool)
         valid = torch.zeros(n, k, dtype=torch.bool)
         for j in range(k):
-            pred = tokens[j][0]
+            pred = tokens[j][0].cpu()
             if d2t is not None:
                 pred = pred + d2t[pred]
             # slot j of block t is compared with the target at t + j (speculators' align_for_step)

@@ -301,6 +301,8 @@ def _make(dataset, out, *, verifier: Path, settings: DraftSettings, train: bool)
         reader = as_reader(dataset)
         data = SpeculatorsDataset(reader, max_len=settings.total_seq_len, train_ratio=settings.train_ratio,
                                   split="train")
+        if train:  # the shards' content checked once, here, not again in every loader worker
+            reader.verify_samples(data.indices)
         model = build_draft(reader, verifier, settings, train=data.indices)
         run = _train(model, data, settings, topology) if train else UNTRAINED
         if topology.writes:

@@ -100,6 +100,32 @@ def test_a_changed_byte_is_refused_before_any_sample_of_its_shard_is_handed_out(
     assert unchecked[in_shard_1[0]].row == reader.rows[in_shard_1[0]]
 
 
+def test_verifying_up_front_hashes_the_shards_of_the_samples_asked_once_and_workers_inherit_it(pristine, tmp_path):
+    import pickle
+
+    ds = copy_dataset(pristine, tmp_path / "ds")
+    reader = open_dataset(ds)
+    in_shard_0 = [i for i, r in enumerate(reader.rows) if r < 8]
+    sizes = {s.record.index: s.record.bytes for s in reader.shards}
+
+    assert reader.verify_samples(in_shard_0[:2]) == sizes[0]  # only the shard that holds them
+    assert [s.verified for s in reader.shards] == [s.record.index == 0 for s in reader.shards]
+    assert reader.verify_samples(in_shard_0) == 0  # done once
+    assert reader.verify_samples() == sum(sizes.values()) - sizes[0]
+    # what a spawned loader worker receives reads without hashing again: a byte changed now goes through
+    worker = pickle.loads(pickle.dumps(reader))
+    p = shard_path(ds, 1)
+    data = bytearray(p.read_bytes())
+    data[-len(data) // 3] ^= 0x40
+    p.write_bytes(bytes(data))
+    assert all(s.verified for s in worker.shards)
+    in_shard_1 = next(i for i, r in enumerate(reader.rows) if 8 <= r < 16)
+    assert worker[in_shard_1].row == reader.rows[in_shard_1]
+    # while a reader that checks up front refuses the changed shard before training starts
+    with pytest.raises(ShardRefused, match="shard-000001.*sha256"):
+        open_dataset(ds).verify_samples()
+
+
 def test_a_dataset_without_a_manifest_is_refused(tmp_path):
     (tmp_path / "shards").mkdir()
     with pytest.raises(DatasetError, match="manifest"):
