@@ -288,19 +288,14 @@ def wide_bench(args) -> None:
     """In one process: plain prefill, then the project's extraction, each timed on a started engine."""
     import statistics
 
-    import torch
-
     sys.path.insert(0, str(REPO))
     from datagen.data.spec import parse_spec
     from datagen.extraction.plan import plan
-    from datagen.extraction.output import claim_output
-    from datagen.extraction.manifest import write_manifest
-    from datagen.extraction.run import build_job, extract_shards, make_engine
+    from datagen.extraction.run import make_engine
 
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     work = Path(args.work)
     layers = [int(x) for x in args.layers.split(",")]
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     rows = [json.loads(ln)["input_ids"] for ln in (work / "rows.jsonl").open()]
     tokens = sum(map(len, rows))
 
@@ -311,49 +306,23 @@ def wide_bench(args) -> None:
 
     res: dict = {"tokens": tokens}
     p = plan(spec(work / "runs" / "warm"))
-    from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    eng = make_engine(p)
-    kw = eng.engine_kwargs()
-    kw.pop("worker_extension_cls")
-    kw.pop("additional_config")
-    t0 = time.time()
-    llm = LLM(**kw)
-    res["plain_start_s"] = round(time.time() - t0, 1)
+    from bench.gpu.timing import extraction, plain_prefill
+
     prompts = [TokensPrompt(prompt_token_ids=r) for r in rows]
-    sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-    llm.generate(prompts[:4], sp, use_tqdm=False)
-    plain = []
-    for _ in range(args.repeats):
-        sync()
-        t0 = time.time()
-        llm.generate(prompts, sp, use_tqdm=False)
-        plain.append(tokens / (time.time() - t0))
+    plain, start_s = plain_prefill(make_engine(p), prompts, tokens=tokens, repeats=args.repeats, warmup=4)
+    res["plain_start_s"] = round(start_s, 1)
     res["plain_tokens_per_s"] = plain
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
     eng = make_engine(p)
     t0 = time.time()
     eng.start()
     res["extract_start_s"] = round(time.time() - t0, 1)
     res["engine"] = eng.describe()
-    claim_output(p)
-    eng.submit(build_job(p, 0))  # warm-up
-    eng.finish()
-    extract, written = [], []
-    for i in range(args.repeats):
-        pi = plan(spec(work / "runs" / f"tp{args.tp}" if i == 0 else work / "runs" / f"rep{i}"))
-        claim_output(pi)
-        t0 = time.time()
-        records = extract_shards(pi, eng, range(pi.num_shards))
-        dt = time.time() - t0
-        write_manifest(pi, records)
-        extract.append(tokens / dt)
-        written.append(sum(r.bytes for r in records.values()) / dt)
+    plans = (plan(spec(work / "runs" / f"tp{args.tp}" if i == 0 else work / "runs" / f"rep{i}"))
+             for i in range(args.repeats))
+    extract, written = extraction(eng, p, plans, tokens=tokens)  # p, the warm-up plan: shard 0 untimed
     eng.close()
     res["extract_tokens_per_s"] = extract
     res["extract_bytes_per_s"] = written

@@ -89,13 +89,8 @@ def _matmul_tflops() -> float:
 
 def bench(args) -> None:
     """Plain prefill, then datagen extraction, each 3 times on one started engine."""
-    import torch
-
     from datagen.engines.vllm_engine import VllmEngine
     from datagen.extraction.plan import plan
-    from datagen.extraction.output import claim_output
-    from datagen.extraction.manifest import write_manifest
-    from datagen.extraction.run import build_job, extract_shards
 
     out = Path(args.out)
     work = Path(args.work)
@@ -111,47 +106,27 @@ def bench(args) -> None:
     result["compute_floor_tokens_per_s"] = result["matmul_tflops"] * 1e12 / (2 * params)
 
     # Plain prefill: the same engine settings, no capture.
-    from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
+    from bench.gpu.timing import extraction, plain_prefill
 
     p = plan(_spec(args.model, str(data), str(work / "ds0"), LAYERS_8B))
     eng = VllmEngine(p.info, layer_ids=p.layer_ids, dtype="bfloat16", max_seq_len=p.spec.max_seq_len, **ENGINE)
-    kwargs = eng.engine_kwargs()
-    kwargs.pop("worker_extension_cls")
-    kwargs.pop("additional_config")
-    llm = LLM(**kwargs)
     prompts = [TokensPrompt(prompt_token_ids=r.tolist()) for r in rows]
-    sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-    llm.generate(prompts[:16], sp, use_tqdm=False)  # warm-up
-    plain = []
-    for _ in range(3):
-        torch.cuda.synchronize()
-        t0 = time.time()
-        llm.generate(prompts, sp, use_tqdm=False)
-        plain.append(tokens / (time.time() - t0))
+    plain, _ = plain_prefill(eng, prompts, tokens=tokens, repeats=3, warmup=16)
     result["plain_tokens_per_s"] = plain
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    torch.cuda.empty_cache()
 
     # datagen extraction: the real engine and shard writer, shards to local disk.
     eng = VllmEngine(p.info, layer_ids=p.layer_ids, dtype="bfloat16", max_seq_len=p.spec.max_seq_len, **ENGINE)
     eng.start()
+
+    def plans():
+        for i in range(3):
+            yield plan(_spec(args.model, str(data), str(work / f"ds{i}"), LAYERS_8B))
+            shutil.rmtree(work / f"ds{i}")  # after the pass, before the next plan
+
     warm = plan(_spec(args.model, str(data), str(work / "warm"), LAYERS_8B))
-    claim_output(warm)
-    eng.submit(build_job(warm, 0))
-    eng.finish()
-    extract, written = [], []
-    for i in range(3):
-        pi = plan(_spec(args.model, str(data), str(work / f"ds{i}"), LAYERS_8B))
-        claim_output(pi)
-        t0 = time.time()
-        records = extract_shards(pi, eng, range(pi.num_shards))
-        dt = time.time() - t0
-        write_manifest(pi, records)
-        extract.append(tokens / dt)
-        written.append(sum(r.bytes for r in records.values()) / dt)
-        shutil.rmtree(work / f"ds{i}")
+    extract, written = extraction(eng, warm, plans(), tokens=tokens)
     eng.close()
     result["extract_tokens_per_s"] = extract
     result["extract_bytes_per_s"] = written

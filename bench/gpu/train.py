@@ -259,6 +259,9 @@ def reader_alone(dataset: Path, *, total_seq_len: int, workers: int, batches: in
     settings = DraftSettings(total_seq_len=total_seq_len, loader_workers=workers, train_ratio=0.75)
     reader = open_dataset(dataset)
     data = SpeculatorsDataset(reader, max_len=total_seq_len, train_ratio=0.75, split="train")
+    t = time.monotonic()
+    hashed = reader.verify_samples(data.indices)  # as `datagen train` does before its workers start
+    verify_s = time.monotonic() - t
     loader = _loader(data, settings, seed=0)
     it, n, tokens, nbytes = iter(loader), 0, 0, 0
     first = next(it)  # workers started, the first batch prefetched
@@ -276,7 +279,8 @@ def reader_alone(dataset: Path, *, total_seq_len: int, workers: int, batches: in
     wall = time.monotonic() - t0
     del first
     return {"workers": workers, "batches": n, "batches_per_epoch": per_epoch, "tokens_per_s": tokens / wall,
-            "gb_per_s": nbytes / wall / 1e9, "wall_s": round(wall, 2)}
+            "gb_per_s": nbytes / wall / 1e9, "wall_s": round(wall, 2), "verify_gb": round(hashed / 1e9, 2),
+            "verify_s": round(verify_s, 2)}
 
 
 # --- width: datagen train vs speculators' own script ------------------------------------------------
@@ -494,7 +498,7 @@ def proof_drafts(spec_path: str, out_path: str) -> None:
             "untrained": LayerView(union, tp.RIGHT), "fp8": open_dataset(work / "fp8"),
             "off-by-one": LayerView(union, tp.OFF_BY_ONE, labels=tp.RIGHT),
             "gross": LayerView(union, tp.GROSS, labels=tp.RIGHT)}
-    target = TargetStates(model)
+    target = TargetStates(model, device=spec["device"])  # float32 on the GPU (TF32 off: torch's default)
     measured: dict[str, list] = {}
     for case, seed, steps in spec["jobs"]:
         if time.time() > spec["deadline"]:
@@ -514,7 +518,8 @@ def proof_drafts(spec_path: str, out_path: str) -> None:
             d = make(data[case], draft, verifier=model, settings=settings)
         train_s = time.monotonic() - t0
         t1 = time.monotonic()
-        r = measure_agreement(draft, data[case], target=target, max_samples=spec["measured_rows"])
+        r = measure_agreement(draft, data[case], target=target, max_samples=spec["measured_rows"],
+                              device=spec["device"])
         entry = {"seed": seed, "steps": steps, "agreement": [p.agreement for p in r.positions],
                  "conditional": [p.conditional for p in r.positions], "acceptance_length": r.acceptance_length,
                  "slots": [p.slots for p in r.positions], "losses": d.lineage.losses, "train_s": round(train_s, 1),
@@ -523,7 +528,8 @@ def proof_drafts(spec_path: str, out_path: str) -> None:
                  "feature_error_p99": {e.layer: round(e.p99, 4) for e in r.feature_error if hasattr(e, "p99")}}
         measured.setdefault(case, []).append(entry)
         if case in ("off-by-one", "gross"):
-            own = measure_agreement(draft, data[case], features=Features.DATASET, max_samples=spec["measured_rows"])
+            own = measure_agreement(draft, data[case], features=Features.DATASET, max_samples=spec["measured_rows"],
+                                    device=spec["device"])
             measured.setdefault(f"{case} (own states)", []).append(
                 {"seed": seed, "steps": steps, "agreement": [p.agreement for p in own.positions],
                  "conditional": [p.conditional for p in own.positions], "acceptance_length": own.acceptance_length,
