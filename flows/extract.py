@@ -24,7 +24,7 @@ from prefect import flow, get_run_logger
 from prefect.futures import PrefectFuture, as_completed
 
 from datagen.data.spec import ExtractSpec
-from datagen.storage.sources import LocalSource, parse_model_source
+from datagen.storage.sources import LocalSource
 from tasks import artifacts
 from tasks._common import runner_identity
 from tasks.assemble import assemble, assemble_call
@@ -50,7 +50,7 @@ def extract(spec: PipelineSpec) -> dict:
     # The env check gates what costs: a download and any engine start. A local model needs no
     # download, so its (free) download check and the plan run while the env check runs.
     checks = start_env_check(spec)
-    local_model = isinstance(parse_model_source(spec.model), LocalSource)
+    local_model = isinstance(spec.source, LocalSource)
     if not local_model:
         env_checked(checks)
     model_dir, model_revision = model_location(spec, download(spec))

@@ -17,7 +17,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from datagen.errors import SpecError
-from datagen.storage.sources import LocalSource, parse_model_source
+from datagen.storage.sources import LocalSource
 from tasks.download import download, model_location
 from tasks.extract import RangeOutcome
 from tasks.fanout import gpu_slots, range_lease
@@ -39,7 +39,7 @@ def extract_shards(
         raise SpecError(f"range {shard_range} has {len(shard_range.shards)} shards but {len(shard_keys)} keys were given",
                         hint="submit ranges from the extract flow")
     with range_lease(spec, shard_range, fingerprint, log=logger):
-        if isinstance(parse_model_source(spec.model), LocalSource) and model_revision is not None:
+        if isinstance(spec.source, LocalSource) and model_revision is not None:
             model_dir = spec.model  # a local model: at the same path on every host
         else:
             model_dir, model_revision = model_location(spec, download(spec))  # this host's model cache

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from prefect import get_run_logger
 
-from datagen.storage.sources import LocalSource, parse_model_source
+from datagen.storage.sources import LocalSource
 from tasks._common import HUB_AND_AWS_CREDENTIAL_ENV, mounts_for
 from tasks.pipeline_spec import PipelineSpec
 from tasks.settings import s3_step_env
@@ -35,7 +35,7 @@ def download(spec: PipelineSpec) -> DownloadResult:
 
     cache = cache_root(spec.model_cache)
     cache.mkdir(parents=True, exist_ok=True)
-    source = parse_model_source(spec.model)
+    source = spec.source
     local = (str(source.path),) if isinstance(source, LocalSource) else ()
     call = StepCall(
         step=STEP,

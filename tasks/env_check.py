@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from prefect.artifacts import create_table_artifact
 from prefect.futures import PrefectFuture
 
+from datagen.storage.sources import LocalSource
 from tasks._common import HUB_AND_AWS_CREDENTIAL_ENV, mounts_for
 from tasks.pipeline_spec import PipelineSpec
 from tasks.settings import s3_step_env
@@ -32,7 +33,8 @@ env_check = step_task(STEP)
 def start_env_check(spec: PipelineSpec) -> PrefectFuture:
     """`datagen env-check --spec SPEC` submitted: GPUs, engine and patches, model config, storage,
     credentials."""
-    local_paths = [p for p in (spec.model, spec.model_cache) if p and "://" not in p]
+    local_paths = [str(spec.source.path)] if isinstance(spec.source, LocalSource) else []
+    local_paths += [spec.model_cache] if spec.model_cache else []
     if spec.model_cache:
         # a first run: the download makes it anyway, and a bind mount needs it to exist
         Path(spec.model_cache).mkdir(parents=True, exist_ok=True)

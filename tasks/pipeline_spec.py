@@ -31,7 +31,7 @@ from datagen.data.spec import EngineSettings, ExtractSpec, LayerIds, parse_spec
 from datagen.errors import SpecError, spec_error
 from datagen.validation.settings import ValidationSettings
 from datagen.regeneration.settings import RegenerationSettings
-from datagen.storage.sources import is_s3_uri, parse_model_source, parse_s3_uri
+from datagen.storage.sources import LocalSource, ModelSource, is_s3_uri, parse_model_source, parse_s3_uri
 
 DEFAULT_RANGE_DEPLOYMENT = "extract-shards/gpu"
 
@@ -259,13 +259,18 @@ class PipelineSpec(BaseModel):
             return str(path if path.is_absolute() else (base / path).absolute())
 
         update: dict[str, Any] = {"dataset": absolute(self.dataset), "output": absolute(self.output)}
-        if "://" not in self.model:
+        if isinstance(self.source, LocalSource):
             update["model"] = absolute(self.model)
         if self.model_cache is not None:
             update["model_cache"] = absolute(self.model_cache)
         if self.validation.previous is not None:
             update["validation"] = self.validation.model_copy(update={"previous": absolute(self.validation.previous)})
         return self.model_copy(update=update)
+
+    @property
+    def source(self) -> ModelSource:
+        """``model``, parsed (``datagen.storage.sources.parse_model_source``: once per process)."""
+        return parse_model_source(self.model)
 
     def sources_spec(self) -> dict[str, Any]:
         """The ``--spec`` of `datagen env-check` and `datagen download` (``datagen.storage.sources.SourcesSpec``)."""

@@ -39,6 +39,18 @@ def test_a_path_is_a_local_source_and_unknown_schemes_are_refused(tmp_path):
         parse_model_source("hf://just-a-name")
 
 
+def test_a_source_is_parsed_once_per_process_and_a_relative_directory_against_its_cwd(tmp_path, monkeypatch):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    here = parse_model_source("model")
+    assert here == LocalSource(tmp_path / "a" / "model")
+    assert parse_model_source(" model ") is here  # the same text: the same parsed source
+    assert parse_model_source("hf://org/name") is parse_model_source("hf://org/name")
+    monkeypatch.chdir(tmp_path / "b")
+    assert parse_model_source("model") == LocalSource(tmp_path / "b" / "model")  # another cwd: parsed again
+
+
 def test_only_the_engines_files_are_needed_and_code_only_when_trusted():
     files = [
         "config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json",

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import enum
 import fnmatch
+import functools
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,8 +131,18 @@ def parse_s3_uri(text: str) -> S3Source:
 
 
 def parse_model_source(text: str) -> ModelSource:
-    """Parse a model source string (see the module docstring). Does not touch the source."""
+    """Parse a model source string (see the module docstring). Does not touch the source.
+
+    The one parser of a model source: every spec that names one reads it through its ``source``
+    (``SourcesSpec.source``, the flow's ``PipelineSpec.source``). A text is parsed once per process
+    (a relative directory once per working directory, which it is made absolute against).
+    """
     text = text.strip()
+    return _parse_model_source(text, "" if "://" in text else os.getcwd())
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_model_source(text: str, cwd: str) -> ModelSource:
     if text.startswith("hf://"):
         m = _HUB_RE.match(text)
         if m is None:
@@ -149,7 +161,8 @@ def parse_model_source(text: str) -> ModelSource:
         )
     if not text:
         raise SpecError("model source is empty", hint="name a model: hf://org/name@revision, s3://..., or a directory")
-    return LocalSource(path=Path(text).expanduser().absolute())
+    path = Path(text).expanduser()
+    return LocalSource(path=path if path.is_absolute() else Path(cwd) / path)
 
 
 def is_s3_uri(text: str) -> bool:
