@@ -5,13 +5,9 @@ The client comes from boto3's own configuration chain: endpoint (``AWS_ENDPOINT_
 read by boto3, never by datagen, and never logged. Transfer tuning comes from
 ``datagen.settings`` (part size, concurrency, retries, timeouts).
 
-Errors are translated in one place (``_translated``):
-
-* network faults, timeouts, 5xx, throttling, an object changed during a read -> ``StorageError``
-  (transient: the orchestrator retries);
-* a bucket that does not exist -> ``SpecError`` (fix the URI or create the bucket);
-* no credentials, wrong credentials, access denied -> ``CannotRunHereError`` (give this machine
-  credentials that may read/write the bucket).
+Errors are translated in one place (``datagen.storage._s3_errors``): transient faults become
+``StorageError`` (the orchestrator retries), a missing bucket ``SpecError``, missing or refused
+credentials ``CannotRunHereError``.
 
 Integrity: uploads send a SHA-256 checksum per part (``ChecksumAlgorithm=SHA256``, verified by
 the server on receipt) and store the whole file's sha256 as object metadata (``sha256``), which
@@ -21,7 +17,6 @@ verifiable.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import logging
@@ -30,11 +25,12 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable
 
 from datagen import settings
-from datagen.data import media
-from datagen.errors import CannotRunHereError, SpecError, StorageError
+from datagen.data import media_fetch as media
+from datagen.errors import SpecError, StorageError
+from datagen.storage._s3_errors import NO_BUCKET_HINT, NOT_FOUND_CODES, error_code, translated
 from datagen.storage.sources import S3Source, parse_s3_uri
 
 if TYPE_CHECKING:
@@ -43,20 +39,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SHA256_METADATA_KEY = "sha256"  # x-amz-meta-sha256: hex sha256 of the whole object
-_NOT_FOUND_CODES = {"404", "NoSuchKey", "NotFound"}
-_NO_BUCKET_CODES = {"NoSuchBucket"}
-_NO_BUCKET_HINT = "fix the s3:// URI in the spec, or create the bucket first"
-_DENIED_CODES = {
-    "403",
-    "AccessDenied",
-    "AllAccessDisabled",
-    "InvalidAccessKeyId",
-    "SignatureDoesNotMatch",
-    "ExpiredToken",
-    "InvalidToken",
-    "AccountProblem",
-    "InvalidClientTokenId",
-}
 
 
 @dataclass(frozen=True)
@@ -105,7 +87,7 @@ def make_client(transfer: TransferSettings | None = None):
         # path-style works with every S3 implementation (SeaweedFS, MinIO, Ceph) and with AWS
         s3={"addressing_style": "path"},
     )
-    with _translated("create an S3 client", None):
+    with translated("create an S3 client", None):
         client = boto3.session.Session().client("s3", config=config)
     log.debug("S3 endpoint %s", client.meta.endpoint_url)
     return client
@@ -120,63 +102,6 @@ def _transfer_config(t: TransferSettings):
         max_concurrency=t.max_concurrency,
         use_threads=True,
     )
-
-
-def _error_code(exc: BaseException) -> tuple[str, int | None]:
-    response = getattr(exc, "response", None) or {}
-    code = str(response.get("Error", {}).get("Code", ""))
-    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return code, status
-
-
-def _root_cause(exc: BaseException) -> BaseException:
-    """The botocore error under boto3's transfer wrappers (S3UploadFailedError,
-    RetriesExceededError), which keep it as cause, context or ``last_exception``."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    found, seen, current = exc, set(), exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, (ClientError, BotoCoreError)):
-            found = current
-        current = current.__cause__ or getattr(current, "last_exception", None) or current.__context__
-    return found
-
-
-@contextlib.contextmanager
-def _translated(what: str, where: str | None) -> Iterator[None]:
-    """Turn botocore/boto3 exceptions raised inside into datagen errors (module docstring)."""
-    from boto3.exceptions import Boto3Error
-    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, PartialCredentialsError
-
-    place = f" {where}" if where else ""
-    try:
-        yield
-    except (ClientError, BotoCoreError, Boto3Error) as e:
-        cause = _root_cause(e)
-        code, status = _error_code(cause)
-        if isinstance(cause, (NoCredentialsError, PartialCredentialsError)):
-            raise CannotRunHereError(
-                f"cannot {what}{place}: no S3 credentials on this machine",
-                hint="set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE (or attach an instance role)",
-            ) from e
-        if code in _NO_BUCKET_CODES:
-            raise SpecError(
-                f"cannot {what}{place}: the bucket does not exist",
-                hint=_NO_BUCKET_HINT,
-            ) from e
-        if code in _DENIED_CODES or status == 403:
-            raise CannotRunHereError(
-                f"cannot {what}{place}: access denied ({code or status})",
-                hint="give this machine's credentials (AWS_PROFILE / AWS_ACCESS_KEY_ID) read and "
-                "write permission on the bucket, or check that they belong to this endpoint",
-            ) from e
-        # everything else: connection refused/reset, timeouts, 5xx, SlowDown, PreconditionFailed
-        # (the object changed while we read it), a key deleted between listing and reading
-        raise StorageError(
-            f"cannot {what}{place}: {code or type(cause).__name__}: {cause}",
-            hint="a network or storage fault; retry (the transfer resumes where it stopped)",
-        ) from e
 
 
 def _info(key: str, raw: dict) -> ObjectInfo:
@@ -195,7 +120,7 @@ def list_objects(client, location: S3Source) -> list[ObjectInfo]:
     """Every object under ``location`` (recursive). Listings carry no metadata: sha256 is None."""
     prefix = f"{location.prefix}/" if location.prefix else ""
     out: list[ObjectInfo] = []
-    with _translated("list", location.uri):
+    with translated("list", location.uri):
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=location.bucket, Prefix=prefix):
             for obj in page.get("Contents", []):
                 out.append(_info(obj["Key"], obj))
@@ -206,11 +131,11 @@ def head_object(client, bucket: str, key: str) -> ObjectInfo | None:
     """The object's size, ETag and sha256 metadata; None when it does not exist."""
     from botocore.exceptions import ClientError
 
-    with _translated("read", f"s3://{bucket}/{key}"):
+    with translated("read", f"s3://{bucket}/{key}"):
         try:
             raw = client.head_object(Bucket=bucket, Key=key)
         except ClientError as e:
-            if _error_code(e)[0] in _NOT_FOUND_CODES:
+            if error_code(e)[0] in NOT_FOUND_CODES:
                 return None
             raise
     return _info(key, raw)
@@ -218,13 +143,13 @@ def head_object(client, bucket: str, key: str) -> ObjectInfo | None:
 
 def first_part_size(client, bucket: str, key: str) -> int | None:
     """Size of part 1 of a multipart object (what its ETag was computed with); None if unknown."""
-    with _translated("read", f"s3://{bucket}/{key}"):
+    with translated("read", f"s3://{bucket}/{key}"):
         raw = client.head_object(Bucket=bucket, Key=key, PartNumber=1)
     return int(raw["ContentLength"]) if raw.get("PartsCount") else None
 
 
 def get_bytes(client, bucket: str, key: str) -> bytes:
-    with _translated("read", f"s3://{bucket}/{key}"):
+    with translated("read", f"s3://{bucket}/{key}"):
         return client.get_object(Bucket=bucket, Key=key)["Body"].read()
 
 
@@ -233,7 +158,7 @@ def read_range_into(client, bucket: str, key: str, fd: int, *, start: int, end: 
     streaming (no chunk is held in memory). Refused (StorageError) if the object no longer has
     ``etag``: a mirror that changes during a download must not produce a mixed file."""
     where = f"s3://{bucket}/{key}"
-    with _translated("read", where):
+    with translated("read", where):
         resp = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", IfMatch=f'"{etag}"')
         offset = start
         for block in resp["Body"].iter_chunks(1024 * 1024):
@@ -251,7 +176,7 @@ def get_range(client, bucket: str, key: str, *, start: int, end: int, etag: str 
         return b""
     where = f"s3://{bucket}/{key}"
     extra = {"IfMatch": f'"{etag}"'} if etag else {}
-    with _translated("read", where):
+    with translated("read", where):
         data = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **extra)["Body"].read()
     if len(data) != end - start:
         raise StorageError(f"short read of {where} bytes {start}-{end}: got {len(data)}", hint="retry")
@@ -262,7 +187,7 @@ def sha256_object(client, bucket: str, key: str, *, etag: str | None = None) -> 
     """sha256 of a whole object, streamed (nothing is kept in memory or on disk)."""
     extra = {"IfMatch": f'"{etag}"'} if etag else {}
     h = hashlib.sha256()
-    with _translated("read", f"s3://{bucket}/{key}"):
+    with translated("read", f"s3://{bucket}/{key}"):
         body = client.get_object(Bucket=bucket, Key=key, **extra)["Body"]
         for block in body.iter_chunks(1024 * 1024):
             h.update(block)
@@ -271,7 +196,7 @@ def sha256_object(client, bucket: str, key: str, *, etag: str | None = None) -> 
 
 def put_bytes(client, bucket: str, key: str, data: bytes, *, sha256: str, content_type: str) -> None:
     """Write a small object in one request, with its checksum checked by the server."""
-    with _translated("write", f"s3://{bucket}/{key}"):
+    with translated("write", f"s3://{bucket}/{key}"):
         client.put_object(
             Bucket=bucket,
             Key=key,
@@ -285,7 +210,7 @@ def put_bytes(client, bucket: str, key: str, data: bytes, *, sha256: str, conten
 def upload_file(client, path: Path, bucket: str, key: str, *, sha256: str, transfer: TransferSettings) -> None:
     """Upload a file with parallel multipart transfers; each part carries a SHA-256 checksum and
     the object records the whole file's ``sha256`` in its metadata."""
-    with _translated("upload", f"s3://{bucket}/{key}"):
+    with translated("upload", f"s3://{bucket}/{key}"):
         client.upload_file(
             str(path),
             bucket,
@@ -298,12 +223,12 @@ def upload_file(client, path: Path, bucket: str, key: str, *, sha256: str, trans
 def download_file(client, bucket: str, key: str, path: Path, *, transfer: TransferSettings) -> None:
     """Download an object to ``path`` with parallel ranged transfers (the bytes as stored: a reader
     checks them against its own record)."""
-    with _translated("download", f"s3://{bucket}/{key}"):
+    with translated("download", f"s3://{bucket}/{key}"):
         client.download_file(bucket, key, str(path), Config=_transfer_config(transfer))
 
 
 def delete_object(client, bucket: str, key: str) -> None:
-    with _translated("delete", f"s3://{bucket}/{key}"):
+    with translated("delete", f"s3://{bucket}/{key}"):
         client.delete_object(Bucket=bucket, Key=key)
 
 
@@ -312,7 +237,7 @@ def abort_stale_uploads(client, location: S3Source) -> int:
     hold storage and never become objects. Returns how many were aborted."""
     prefix = f"{location.prefix}/" if location.prefix else ""
     n = 0
-    with _translated("list multipart uploads in", location.uri):
+    with translated("list multipart uploads in", location.uri):
         pages = client.get_paginator("list_multipart_uploads").paginate(Bucket=location.bucket, Prefix=prefix)
         for page in pages:
             for up in page.get("Uploads", []):
@@ -325,14 +250,14 @@ def check_bucket(client, bucket: str) -> None:
     """SpecError when the bucket does not exist, CannotRunHereError when it may not be used."""
     from botocore.exceptions import ClientError
 
-    with _translated("use", f"s3://{bucket}"):
+    with translated("use", f"s3://{bucket}"):
         try:
             client.head_bucket(Bucket=bucket)
             return
         except ClientError as e:
-            if _error_code(e)[0] not in _NOT_FOUND_CODES:  # HEAD has no body: a bare 404
+            if error_code(e)[0] not in NOT_FOUND_CODES:  # HEAD has no body: a bare 404
                 raise
-    raise SpecError(f"cannot use s3://{bucket}: the bucket does not exist", hint=_NO_BUCKET_HINT)
+    raise SpecError(f"cannot use s3://{bucket}: the bucket does not exist", hint=NO_BUCKET_HINT)
 
 
 def probe_writable(client, location: S3Source) -> str:
@@ -364,7 +289,7 @@ def upload_many(client, bucket: str, items: Iterable[UploadItem], *, transfer: T
     from boto3.s3.transfer import create_transfer_manager
 
     total = 0
-    with _translated("upload to", f"s3://{bucket}"):
+    with translated("upload to", f"s3://{bucket}"):
         with create_transfer_manager(client, _transfer_config(transfer)) as manager:
             futures = []
             for item in items:
