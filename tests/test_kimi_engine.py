@@ -159,7 +159,8 @@ def test_tiny_kimi_checkpoint_has_kimi_names_config_and_int4_layout(tmp_path):
     from safetensors import safe_open
 
     from datagen.models.modelinfo import inspect_model
-    from datagen.models.tiny_kimi import IGNORE, make_tiny_kimi
+    from datagen.models.kimi_config import IGNORE
+    from datagen.models.tiny_kimi import make_tiny_kimi
 
     p = make_tiny_kimi(tmp_path / "kimi", quantization="int4", vocab_size=512, num_layers=3, n_routed_experts=4)
     cfg = json.loads((p.model / "config.json").read_text())
@@ -189,7 +190,7 @@ def test_tiny_kimi_checkpoint_has_kimi_names_config_and_int4_layout(tmp_path):
 # --- capture-ability before any download -----------------------------------------------------------
 
 def test_env_check_says_which_layer_this_engine_cannot_capture_from_the_config_alone(tmp_path):
-    from datagen.models.tiny_kimi import text_config
+    from datagen.models.kimi_config import text_config
     from datagen.envcheck import run as envcheck
     from datagen.envcheck.report import Status
     from datagen.storage.sources import parse_sources_spec

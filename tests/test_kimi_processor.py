@@ -66,7 +66,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
 def _with_budget(checkpoint: Path, dest: Path, budget: str) -> Path:
     """A copy of the checkpoint's processor files with another patch budget."""
-    from datagen.models.tiny_kimi import PROCESSOR_FILE, preprocessor_config
+    from datagen.models.kimi_processor_files import PROCESSOR_FILE, preprocessor_config
 
     in_patch_limit, side = BUDGETS[budget]
     dest.mkdir(parents=True, exist_ok=True)
@@ -94,7 +94,7 @@ def processors(request, checkpoint, tmp_path_factory):
 
 def test_the_generated_checkpoint_names_and_ships_its_image_processor(checkpoint):
     from datagen.models import kimi_processor
-    from datagen.models.tiny_kimi import PROCESSOR_CLASS, PROCESSOR_FILE
+    from datagen.models.kimi_processor_files import PROCESSOR_CLASS, PROCESSOR_FILE
 
     cfg = json.loads((checkpoint / "preprocessor_config.json").read_text())
     assert cfg["auto_map"] == {"AutoImageProcessor": "kimi_k25_vision_processing.KimiK25VisionProcessor"}
@@ -238,7 +238,7 @@ def test_a_checkpoint_that_names_no_processor_code_is_refused_with_its_reason(ch
 def test_a_checkpoint_missing_the_file_it_names_is_refused_with_its_reason(checkpoint, tmp_path):
     from datagen.data.media import remote_image_processor
     from datagen.errors import ModelError
-    from datagen.models.tiny_kimi import PROCESSOR_FILE
+    from datagen.models.kimi_processor_files import PROCESSOR_FILE
 
     d = _copy(checkpoint, tmp_path / "no-file")
     (d / PROCESSOR_FILE).unlink()
@@ -259,7 +259,7 @@ def test_a_processor_without_a_token_count_is_refused(checkpoint, tmp_path):
     prompt update could not count with it."""
     from datagen.data.media import remote_image_processor
     from datagen.errors import ModelError
-    from datagen.models.tiny_kimi import PROCESSOR_FILE
+    from datagen.models.kimi_processor_files import PROCESSOR_FILE
 
     d = _copy(checkpoint, tmp_path / "no-count")
     code = (d / PROCESSOR_FILE).read_text().replace("def media_tokens_calculator(", "def _tokens(")

@@ -23,7 +23,7 @@ from datagen.models.modelinfo import (
     model_content_hash,
     read_safetensors_header,
 )
-from datagen.models.tiny_kimi import (
+from datagen.models.kimi_config import (
     KIMI_K25_VOCAB,
     kimi_width,
     quantization_config,

@@ -219,7 +219,8 @@ def wide(args) -> None:
     import numpy as np
 
     sys.path.insert(0, str(REPO))
-    from datagen.models.tiny_kimi import kimi_width, make_tiny_kimi
+    from datagen.models.kimi_config import kimi_width
+    from datagen.models.tiny_kimi import make_tiny_kimi
 
     work, out = Path(args.work), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -107,7 +107,8 @@ def stage_model(args) -> dict:
         make_model(cfg["model"], arch=TinyArch.LLAMA, num_layers=6, with_tokenizer=False)
         return {"built": True}
     if cfg.get("shape") == "kimi":
-        from datagen.models.tiny_kimi import kimi_width, make_tiny_kimi
+        from datagen.models.kimi_config import kimi_width
+        from datagen.models.tiny_kimi import make_tiny_kimi
 
         t0 = time.time()
         make_tiny_kimi(cfg["model"], quantization="int4", num_layers=8, n_routed_experts=16, num_experts_per_tok=8,
