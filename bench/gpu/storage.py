@@ -77,13 +77,6 @@ def _cfg(args) -> dict:
     return json.loads(Path(args.work, "config.json").read_text())
 
 
-def _sync() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def _plan(cfg: dict, out: Path, storage: str = "bfloat16", group: int = 1, tp: int = 1):
     from datagen.data.spec import parse_spec
     from datagen.extraction.plan import plan
@@ -217,35 +210,19 @@ def _dd_rate(line: str) -> float | None:
 
 
 def stage_plain(args) -> dict:
-    import torch
-    from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from bench.gpu.timing import plain_prefill
     from datagen.engines.vllm_engine import VllmEngine
 
     cfg = _cfg(args)
     p = _plan(cfg, Path(cfg["out_dir"]) / "plain", tp=args.tp)
     eng = VllmEngine(p.info, layer_ids=p.layer_ids, dtype="bfloat16", max_seq_len=p.spec.max_seq_len,
                      tensor_parallel_size=args.tp, **ENGINE)
-    kwargs = eng.engine_kwargs()
-    kwargs.pop("worker_extension_cls")
-    kwargs.pop("additional_config")
-    t0 = time.time()
-    llm = LLM(**kwargs)
-    start = time.time() - t0
     rows = _rows(cfg["rows"], cfg["row_len"], cfg["vocab"])
     prompts = [TokensPrompt(prompt_token_ids=r.tolist()) for r in rows]
-    sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-    llm.generate(prompts[: cfg["per_shard"]], sp, use_tqdm=False)  # warm-up
-    rates = []
-    for _ in range(cfg["passes"]):
-        _sync()
-        t0 = time.time()
-        llm.generate(prompts, sp, use_tqdm=False)
-        _sync()
-        rates.append(cfg["rows"] * cfg["row_len"] / (time.time() - t0))
-    llm.llm_engine.engine_core.shutdown()
-    del torch
+    rates, start = plain_prefill(eng, prompts, tokens=cfg["rows"] * cfg["row_len"], repeats=cfg["passes"],
+                                 warmup=cfg["per_shard"], until="synced")
     return {"tokens_per_s": rates, "engine_start_s": start}
 
 
@@ -414,6 +391,7 @@ def stage_connector(args) -> dict:
 
 
 def stage_hf(args) -> dict:
+    from bench.gpu.timing import sync_device
     from datagen.engines.hf import HFEngine
     from datagen.extraction.output import claim_output
     from datagen.extraction.run import build_job
@@ -431,7 +409,7 @@ def stage_hf(args) -> dict:
     rates = []
     n = min(p.num_shards, max(1, cfg["hf_shards"]))
     for _ in range(cfg["passes"]):
-        _sync()
+        sync_device()
         t0 = time.time()
         for k in range(n):
             eng.submit(build_job(p, k))

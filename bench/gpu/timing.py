@@ -1,5 +1,6 @@
-"""The timing the GPU benches share (``run.py bench``, ``kimi.py wide-bench``): plain vLLM prefill
-and the project's extraction, each on one started engine, timed pass by pass in tokens per second.
+"""The timing the GPU benches share (``run.py bench``, ``kimi.py wide-bench``; ``storage.py``'s plain
+stages): plain vLLM prefill and the project's extraction, each on one started engine, timed pass by
+pass in tokens per second.
 
 Plain prefill is ``LLM.generate`` (one sampled token, nothing captured) on the extraction engine's
 own arguments less the capture's; extraction is the real engine's shard loop (``extract_shards``:
@@ -9,9 +10,10 @@ patches, capture, shard writer), the manifest written after the clock stops.
 from __future__ import annotations
 
 import time
+from typing import Literal
 
 
-def _sync() -> None:
+def sync_device() -> None:
     """Wait for the GPU's queued work (nothing to wait for on the CPU)."""
     import torch
 
@@ -19,7 +21,8 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def plain_prefill(eng, prompts, *, tokens: int, repeats: int, warmup: int) -> tuple[list[float], float]:
+def plain_prefill(eng, prompts, *, tokens: int, repeats: int, warmup: int,
+                  until: Literal["returned", "synced"] = "returned") -> tuple[list[float], float]:
     """Plain vLLM prefill with ``eng``'s settings, started once and shut down after.
 
     Args:
@@ -27,6 +30,8 @@ def plain_prefill(eng, prompts, *, tokens: int, repeats: int, warmup: int) -> tu
         prompts: the prompts (vLLM ``TokensPrompt``s).
         tokens: the prompts' tokens, all together.
         repeats: timed passes over all the prompts, after one untimed pass over the first ``warmup``.
+        until: when a pass's clock stops: when ``generate`` returns, or (``"synced"``, as
+            ``storage.py`` times it) after the device's queued work has finished too.
 
     Returns:
         Tokens per second of each timed pass, and the seconds ``LLM(...)`` took to start.
@@ -44,9 +49,11 @@ def plain_prefill(eng, prompts, *, tokens: int, repeats: int, warmup: int) -> tu
     llm.generate(prompts[:warmup], sp, use_tqdm=False)
     rates = []
     for _ in range(repeats):
-        _sync()
+        sync_device()
         t0 = time.time()
         llm.generate(prompts, sp, use_tqdm=False)
+        if until == "synced":
+            sync_device()
         rates.append(tokens / (time.time() - t0))
     llm.llm_engine.engine_core.shutdown()
     del llm
