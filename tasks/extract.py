@@ -20,7 +20,7 @@ from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from datagen.data.media import MediaSources, sources
+from datagen.data.media_sources import MediaSources, sources
 from datagen.data.spec import ExtractSpec
 from datagen.steps.extract import ExtractResult
 from datagen.steps.extract import Spec as ExtractStepSpec

@@ -9,14 +9,9 @@ import json
 import numpy as np
 import pytest
 
-from datagen.data.dataset import (
-    _tokenize_by_offsets,
-    file_fingerprint,
-    read_rows,
-    target_spans,
-    tokenize_chat,
-    tokenizer_fingerprint,
-)
+from datagen.data.chat_template import target_spans
+from datagen.data.chat_tokens import _tokenize_by_offsets, tokenize_chat
+from datagen.data.dataset import file_fingerprint, read_rows, tokenizer_fingerprint
 from datagen.data.planning import prepare_dataset
 from datagen.errors import DatasetError, ModelError
 from datagen.models.modelinfo import has_tokenizer_files

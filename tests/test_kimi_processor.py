@@ -81,7 +81,7 @@ def processors(request, checkpoint, tmp_path_factory):
     """(ours as vLLM 0.24 loads it, vLLM 0.32's own, the budget) over the same preprocessor_config.json."""
     from vllm.transformers_utils.processor import get_image_processor
 
-    from datagen.data.media import fused_processor_class
+    from datagen.data.media_processor import fused_processor_class
 
     fused = fused_processor_class()
     if fused is None:
@@ -211,7 +211,7 @@ def test_the_raw_pixels_a_device_normalizing_vllm_asks_for_are_vllms(processors)
 
 def test_the_project_counts_with_ours_where_vllm_has_no_processor_of_its_own(checkpoint):
     """vLLM 0.24.0's path in the project (no fused processor): planning's count is ours."""
-    from datagen.data.media import remote_image_processor
+    from datagen.data.media_processor import remote_image_processor
 
     processor = remote_image_processor(str(checkpoint), trust_remote_code=True)
     assert type(processor).__name__ == "KimiK25VisionProcessor"
@@ -224,7 +224,7 @@ def _copy(checkpoint: Path, dest: Path) -> Path:
 
 
 def test_a_checkpoint_that_names_no_processor_code_is_refused_with_its_reason(checkpoint, tmp_path):
-    from datagen.data.media import remote_image_processor
+    from datagen.data.media_processor import remote_image_processor
     from datagen.errors import ModelError
 
     d = _copy(checkpoint, tmp_path / "unnamed")
@@ -236,7 +236,7 @@ def test_a_checkpoint_that_names_no_processor_code_is_refused_with_its_reason(ch
 
 
 def test_a_checkpoint_missing_the_file_it_names_is_refused_with_its_reason(checkpoint, tmp_path):
-    from datagen.data.media import remote_image_processor
+    from datagen.data.media_processor import remote_image_processor
     from datagen.errors import ModelError
     from datagen.models.kimi_processor_files import PROCESSOR_FILE
 
@@ -247,7 +247,7 @@ def test_a_checkpoint_missing_the_file_it_names_is_refused_with_its_reason(check
 
 
 def test_the_shipped_processor_is_not_run_without_trust_remote_code(checkpoint):
-    from datagen.data.media import remote_image_processor
+    from datagen.data.media_processor import remote_image_processor
     from datagen.errors import ModelError
 
     with pytest.raises(ModelError, match="trust_remote_code is off"):
@@ -257,7 +257,7 @@ def test_the_shipped_processor_is_not_run_without_trust_remote_code(checkpoint):
 def test_a_processor_without_a_token_count_is_refused(checkpoint, tmp_path):
     """transformers' own Kimi-K2.5 image processor has no media_tokens_calculator: vLLM 0.24's
     prompt update could not count with it."""
-    from datagen.data.media import remote_image_processor
+    from datagen.data.media_processor import remote_image_processor
     from datagen.errors import ModelError
     from datagen.models.kimi_processor_files import PROCESSOR_FILE
 
@@ -297,7 +297,7 @@ def _hidden_numba(tmp_path: Path) -> dict:
 
 _PLAN = """
 import json, sys
-from datagen.data import media
+from datagen.data import media_processor as media
 from datagen.data.planning import prepare_dataset
 from datagen.models.tokenizer import load_tokenizer
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from datagen import settings
-from datagen.data.dataset import tokenize_chat, tokenizer_fingerprint
+from datagen.data.chat_tokens import tokenize_chat
+from datagen.data.dataset import tokenizer_fingerprint
 from datagen.errors import DatasetError, ModelError
 from datagen.models import kimi_tokenizer
 from datagen.models.kimi_tokenizer import ConversionMismatch, check_same_ids, write_slow_tokenizer

@@ -170,7 +170,7 @@ def test_without_vllms_own_processor_a_checkpoint_without_its_code_is_refused(ki
     before the engine starts (tests/test_kimi_processor.py holds the shipped one's count)."""
     import shutil
 
-    from datagen.data import media
+    from datagen.data import media_processor as media
     from datagen.errors import EngineUnsupportedError
 
     monkeypatch.setattr(media, "fused_processor_class", lambda: None)
@@ -201,7 +201,8 @@ def test_a_shard_job_carries_each_rows_images_over_the_wire():
 
 
 def test_the_engine_prompt_gives_vllm_one_placeholder_per_image(tmp_path):
-    from datagen.data.media import MediaItem, collapse, engine_prompt
+    from datagen.data.media import MediaItem
+    from datagen.data.media_tokens import collapse, engine_prompt
     from datagen.errors import DatasetError
 
     img = _png(tmp_path / "a.png", 30, 30)
@@ -260,7 +261,7 @@ def test_the_transformers_engine_refuses_image_rows_and_leaves_no_output(kimi, t
 
 
 def test_the_steps_mount_the_directories_of_the_images_the_rows_reference(tmp_path, monkeypatch):
-    from datagen.data.media import sources
+    from datagen.data.media_sources import sources
     from datagen.data.spec import ExtractSpec
     from tasks.extract import extract_mounts, range_call
     from tasks.plan import plan_call

@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 
-from datagen.data.dataset import SplitTokens
+from datagen.data.chat_tokens import SplitTokens
 from datagen.data.planning import prepare_dataset
 from datagen.errors import DatasetError, ModelError
 from datagen.models.tiny_tiktoken import write_kimi_tokenizer
@@ -227,7 +227,7 @@ def test_a_rows_identity_is_its_one_function_called_in_the_workers(fast_tok, tmp
     alone, called with the row's bytes and its parsed object in the worker that plans it."""
     import hashlib
 
-    from datagen.data import planning
+    from datagen.data import planning_rows
 
     path = write_jsonl(tmp_path / "rows.jsonl", varied_rows(50, seed=7))
     seen = []
@@ -236,7 +236,7 @@ def test_a_rows_identity_is_its_one_function_called_in_the_workers(fast_tok, tmp
         seen.append(isinstance(obj, dict))
         return hashlib.sha256(b"salt" + line).digest()
 
-    monkeypatch.setattr(planning, "row_identity", identity)
+    monkeypatch.setattr(planning_rows, "row_identity", identity)
     got = prepare_dataset(path, load_tokenizer=lambda: fast_tok, vocab_size=VOCAB, max_seq_len=100, workers=1)
     lines = path.read_bytes().splitlines()
     assert got.line_hashes == [hashlib.sha256(b"salt" + line).digest() for line in lines] and all(seen)

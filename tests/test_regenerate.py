@@ -339,7 +339,7 @@ def test_a_killed_regeneration_resumes_to_the_same_bytes(smollm2, rows_file, sam
 def test_a_thinking_models_reasoning_goes_to_reasoning_content(tmp_path):
     from transformers import AutoTokenizer
 
-    from datagen.data.dataset import _check_messages
+    from datagen.data.row_checks import _check_messages
     from datagen.errors import SpecError
     from datagen.models.tiny_tiktoken import write_kimi_tokenizer
     from datagen.regeneration.reasoning import ReasoningSplitter, assistant_message

@@ -13,7 +13,7 @@ import copy
 import pytest
 
 from datagen import settings
-from datagen.data.dataset import tokenize_chat
+from datagen.data.chat_tokens import tokenize_chat
 from datagen.models.kimi_tokenizer import write_slow_tokenizer
 from datagen.regeneration.rounds import ChunkRunner
 from datagen.regeneration.settings import RegenerationSettings

@@ -12,7 +12,7 @@ import pytest
 
 from datagen.cli import RESULT_PREFIX
 from datagen.cli import main as datagen_main
-from datagen.data import dataset as dataset_module
+from datagen.data import chat_tokens
 from datagen.data.contract import MANIFEST_NAME, Manifest
 from datagen.data.spec import parse_spec
 from datagen.extraction import stored
@@ -32,13 +32,13 @@ def rows(tmp_path_factory):
 def tokenized(monkeypatch):
     """Counts the chat rows tokenized in this process (the hook is here, in the tests)."""
     calls = []
-    real = dataset_module.tokenize_chats
+    real = chat_tokens.tokenize_chats
 
     def counting(tokenizer, chats, **kwargs):
         calls.extend(line for _, line in chats)
         return real(tokenizer, chats, **kwargs)
 
-    monkeypatch.setattr(dataset_module, "tokenize_chats", counting)
+    monkeypatch.setattr(chat_tokens, "tokenize_chats", counting)
     return calls
 
 

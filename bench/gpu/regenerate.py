@@ -159,7 +159,7 @@ def measure(model: str, rows: list[dict], *, max_new_tokens: int, repeats: int, 
 
 def _retokenized_equal(tok, records) -> dict:
     """Turns whose generated ids are the first target tokens extraction gets from the chat's text."""
-    from datagen.data.dataset import tokenize_chat
+    from datagen.data.chat_tokens import tokenize_chat
 
     equal = total = 0
     for rec in records:

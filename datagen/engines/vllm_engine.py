@@ -164,7 +164,7 @@ def prompt(tokens, images=()):
 
     if not images:
         return TokensPrompt(prompt_token_ids=tokens.tolist())
-    from datagen.data.media import engine_prompt
+    from datagen.data.media_tokens import engine_prompt
 
     return TokensPrompt(**engine_prompt(tokens, images))
 
@@ -238,7 +238,7 @@ class VllmEngine(Engine):
 
             kwargs.update(public_kwargs(c.layer_ids))
         if c.media:
-            from datagen.data.media import engine_kwargs as media_kwargs
+            from datagen.data.media_processor import engine_kwargs as media_kwargs
 
             kwargs.update(media_kwargs(self.info.path, trust_remote_code=c.trust_remote_code))
         return kwargs

@@ -157,7 +157,7 @@ class VllmReference:
         ids = [int(t) for t in input_ids]
         self.llm.collective_rpc("datagen_ref_take")  # drop anything a warm-up left
         if media:
-            from datagen.data.media import engine_prompt
+            from datagen.data.media_tokens import engine_prompt
 
             prompt = TokensPrompt(**engine_prompt(torch.tensor(ids).numpy(), media))
         else:

@@ -309,7 +309,7 @@ class StoredRows:
         self.name = d.name[:12]
 
     def known(self, first: int, line_hashes: list[bytes]):
-        from datagen.data.planning import Known
+        from datagen.data.planning_rows import Known
 
         n, S = len(self._line), self._per_shard
         same = [first + i for i, h in enumerate(line_hashes) if first + i < n and self._line[first + i].tobytes() == h]

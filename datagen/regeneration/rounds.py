@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from datagen.data.dataset import render_prompt, template_error
+from datagen.data.chat_template import render_prompt, template_error
 from datagen.errors import DatasetError
 from datagen.regeneration.chats import RowState, script
 from datagen.regeneration.output import ChunkRecord, SkippedChat

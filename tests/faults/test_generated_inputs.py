@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, example, given, seed, settings
 from hypothesis import strategies as st
 
 from datagen.data.contract import MANIFEST_NAME
-from datagen.data.dataset import ROLES
+from datagen.data.row_checks import ROLES
 from datagen.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_VALIDATION
 from tests.builders import write_jsonl
 from tests.faults._refusal import assert_refused, run_cli, tree

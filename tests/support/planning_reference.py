@@ -10,17 +10,10 @@ from pathlib import Path
 import numpy as np
 
 from datagen.data.contract import SkippedRow, TruncatedRow
-from datagen.data.dataset import (
-    TARGET_ROLE,
-    PreparedDataset,
-    Sample,
-    TokenizerLoader,
-    _check_messages,
-    _check_tokens_row,
-    _tokenize_by_offsets,
-    read_rows,
-    tokenizer_hashes,
-)
+from datagen.data.chat_template import TARGET_ROLE
+from datagen.data.chat_tokens import _tokenize_by_offsets
+from datagen.data.dataset import PreparedDataset, Sample, TokenizerLoader, read_rows, tokenizer_hashes
+from datagen.data.row_checks import _check_messages, _check_tokens_row
 from datagen.errors import DatasetError, ModelError
 
 
