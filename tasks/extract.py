@@ -84,7 +84,7 @@ def extract_mounts(spec: ExtractSpec) -> tuple[Mount, ...]:
 
 
 def media_sources(dataset: str) -> MediaSources:
-    """Where the images of the rows of ``dataset`` are (a cheap scan, see ``datagen.data.media.sources``):
+    """Where the images of the rows of ``dataset`` are (a cheap scan, see ``datagen.data.media_sources.sources``):
     each directory is mounted read-only into the steps that read the rows. A read-write output
     inside one of them stays writable (Docker mounts a parent before what lies inside it)."""
     return sources(dataset)

@@ -299,7 +299,7 @@ def load_plan(spec: ExtractSpec, shards: tuple[int, int] | None) -> tuple[Plan |
 class StoredRows:
     """The rows of an earlier stored plan (another dataset fingerprint: yesterday's file, edited or
     appended to) planned with the same tokenizer, chat template and max_seq_len: a row whose bytes
-    are those of the same row then has the tokens it had then (``datagen.data.planning.Reuse``)."""
+    are those of the same row then has the tokens it had then (``datagen.data.planning_rows.Reuse``)."""
 
     def __init__(self, d: Path, index: dict, line_sha256: np.ndarray):
         self._d, self._index, self._line = d, index, line_sha256

@@ -314,7 +314,7 @@ def verify_uploaded(client, dest: S3Source, shards: list["ShardRecord"], *,
             )
 
 
-# --- images of chat rows (datagen.data.media reads s3:// urls through this) ---------------------
+# --- images of chat rows (datagen.data.media_fetch reads s3:// urls through this) ---------------------
 
 @functools.lru_cache(maxsize=1)
 def _media_client():
