@@ -5,7 +5,7 @@
 The parity models of the test suite (tests/builders.py: the 6-layer random Llama in bf16 and the
 6-layer random DeepSeek-V3 with Kimi's rope, in bf16 and float32) run in the reference engine
 (transformers) over random rows; every layer's states are stored as datagen stores them
-(``--storage-dtype`` bfloat16 for the baseline; fp8_e4m3: ``datagen.data.shards.quantize_fp8``, the
+(``--storage-dtype`` bfloat16 for the baseline; fp8_e4m3: ``datagen.data.shards.kernels.quantize_fp8``, the
 function the capture runs on the GPU), and each token's fp8 vector is compared with its bf16
 vector: relative L2 error ||fp8 - bf16|| / ||bf16||, median, p99 and max over tokens. The
 vLLM engine's own fp8 shards show the same figures (tests/test_extract_vllm.py compares them).
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from datagen.data.shards import dequantize_fp8, quantize_fp8
+from datagen.data.shards.kernels import dequantize_fp8, quantize_fp8
 from datagen.engines.hf import HFReference
 
 

@@ -204,7 +204,8 @@ class ModelBench:
         from vllm.inputs import TokensPrompt
 
         from bench.naive_capture import from_wire
-        from datagen.data.shards import TORCH_DTYPES, write_shard
+        from datagen.data.shards.format import TORCH_DTYPES
+        from datagen.data.shards.writer import write_shard
         from datagen.extraction.run import build_job
 
         p = self.plan(case, f"naive-{case.model}-{case.length}")

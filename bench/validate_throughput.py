@@ -2,7 +2,7 @@
 
     python -m bench.validate_throughput [--mb 384] [--hidden 2048] [--workers 1,2] [--dir DIR]
 
-Writes a synthetic dataset with the real shard writer (``datagen.data.shards.write_shard``:
+Writes a synthetic dataset with the real shard writer (``datagen.data.shards.writer.write_shard``:
 random bf16 states, 4 layers) and a self-consistent manifest, then measures, cold and
 warm:
 
@@ -33,7 +33,10 @@ import numpy as np
 import torch
 
 from datagen.data.contract import FORMAT_VERSION, LAYER_NUMBERING, MANIFEST_NAME, Manifest, shard_name
-from datagen.data.shards import ShardJob, atomic_write_json, combine_stats, write_shard
+from datagen.data.files import atomic_write_json
+from datagen.data.shards.format import ShardJob
+from datagen.data.shards.kernels import combine_stats
+from datagen.data.shards.writer import write_shard
 from datagen.data.spec import canonical_json, sha256_hex
 
 LAYER_IDS = (2, 4, 5, 8)

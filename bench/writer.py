@@ -9,7 +9,7 @@ Each case writes one shard of random bf16 states given as the vLLM capture hands
 - before: the writer as it was (concatenate each sample's chunks, concatenate the samples,
   ``safetensors.torch.save_file``, fsync, read the file back for its sha256, rename, fsync the
   directory), kept here verbatim for the comparison;
-- direct: ``datagen.data.shards.write_shard`` (chunks copied once into a reused, page-aligned file
+- direct: ``datagen.data.shards.writer.write_shard`` (chunks copied once into a reused, page-aligned file
   image, sha256 while writing, O_DIRECT, one fsync, rename, directory fsync);
 - buffered: the same with ``DATAGEN_DIRECT_IO=0`` (through the page cache).
 
@@ -32,7 +32,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from datagen.data.shards import SHARD_FORMAT, ShardJob, fsync_dir, token_stats, write_shard
+from datagen.data.files import fsync_dir
+from datagen.data.shards.format import SHARD_FORMAT, ShardJob
+from datagen.data.shards.kernels import token_stats
+from datagen.data.shards.writer import write_shard
 
 H, LAYERS, ROW, CHUNK = 4096, (2, 16, 29, 32), 1024, 256
 

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from datagen.data.shards import (
-    ShardJob,
+from datagen.data.shards.format import ShardJob
+from datagen.data.shards.kernels import (
     dequantize_fp8,
     layer_stats,
     quantize_fp8,
@@ -221,8 +221,8 @@ def test_the_gpu_kernels_store_what_the_chunked_ones_store(fp8, monkeypatch):
     """The CUDA path (one absmax reduction of the states, no clamp, reductions without a float32
     copy) run here on CPU tensors: the same fp8 bytes and scales as the chunked path, statistics
     equal to float32 rounding; an all-zero token keeps scale 1."""
-    from datagen.data import shards
-    from datagen.data.shards import _norms_into, _quantize_cuda
+    from datagen.data.shards import kernels as shards
+    from datagen.data.shards.kernels import _norms_into, _quantize_cuda
 
     monkeypatch.setitem(shards._FP8_OUT, "cpu", fp8 != "chunked")  # noqa: SLF001 (both division paths)
 

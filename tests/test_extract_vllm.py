@@ -268,7 +268,7 @@ def test_fp8_storage_halves_the_bytes_within_e4m3_rounding_and_validates(tiny_ll
     """--storage-dtype fp8_e4m3: the same engine's states, quantized in the worker; validation
     (with golden rows) and the speculators export (back to bfloat16) understand it."""
     from datagen import cli
-    from datagen.data.shards import stored_states
+    from datagen.data.shards.kernels import stored_states
 
     bf16_out, bf16 = llama_vllm
     out = tmp_path / "fp8"

@@ -186,7 +186,7 @@ def test_without_vllms_own_processor_a_checkpoint_without_its_code_is_refused(ki
 
 def test_a_shard_job_carries_each_rows_images_over_the_wire():
     from datagen.data.media import MediaItem
-    from datagen.data.shards import ShardJob
+    from datagen.data.shards.format import ShardJob
 
     item = MediaItem(url="a.png", path="/data/a.png", sha256="ab" * 32, offset=5, tokens=12)
     job = ShardJob(index=0, path="/x", first_row=0, rows=2, sample_rows=(0, 1),

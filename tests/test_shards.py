@@ -1,4 +1,4 @@
-"""The shard writer: safetensors bytes written once, hashed on the way, fp8 storage."""
+"""The shards (datagen.data.shards): safetensors bytes written once, hashed on the way, fp8 storage."""
 
 from __future__ import annotations
 
@@ -12,16 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save
 
-from datagen.data.shards import (
-    FP8,
-    SHARD_FORMAT,
-    ShardJob,
-    dequantize_fp8,
-    quantize_fp8,
-    stored_states,
-    token_stats,
-    write_shard,
-)
+from datagen.data.shards.format import FP8, SHARD_FORMAT, ShardJob
+from datagen.data.shards.kernels import dequantize_fp8, quantize_fp8, stored_states, token_stats
+from datagen.data.shards.writer import write_shard
 
 LAYERS = (2, 3, 6)
 H = 40
@@ -97,7 +90,7 @@ def test_chunked_states_direct_and_buffered_writes_give_the_same_file(tmp_path, 
 def test_a_filesystem_without_direct_io_gets_buffered_writes(tmp_path, monkeypatch, refuses_at):
     import errno
 
-    import datagen.data.shards as shards
+    from datagen.data.shards import writer
 
     ref = write_shard(job(tmp_path / "a" / "s.safetensors", [33, 9], "bfloat16"), states([33, 9]))
     real_open, real_write, direct_fds = os.open, os.write, set()
@@ -114,8 +107,8 @@ def test_a_filesystem_without_direct_io_gets_buffered_writes(tmp_path, monkeypat
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_write(fd, data)
 
-    monkeypatch.setattr(shards.os, "open", fake_open)
-    monkeypatch.setattr(shards.os, "write", fake_write)
+    monkeypatch.setattr(writer.os, "open", fake_open)
+    monkeypatch.setattr(writer.os, "write", fake_write)
     rec = write_shard(job(tmp_path / "b" / "s.safetensors", [33, 9], "bfloat16"), states([33, 9]))
     assert rec.sha256 == ref.sha256 == hashlib.sha256((tmp_path / "b" / "s.safetensors").read_bytes()).hexdigest()
 
@@ -184,10 +177,10 @@ def test_states_already_quantized_by_the_engine_are_stored_as_given(tmp_path):
 
 
 def test_the_hash_is_taken_piece_by_piece_while_writing_and_matches_the_file(tmp_path, monkeypatch):
-    import datagen.data.shards as shards
+    from datagen.data.shards import writer
 
     lengths = [300, 257]  # about 130 kB of bfloat16 states: 11 pieces of 12 kB, the last one short
-    monkeypatch.setattr(shards, "WRITE_PIECE", 3 * shards.ALIGN)
+    monkeypatch.setattr(writer, "WRITE_PIECE", 3 * writer.ALIGN)
     seen: list[int] = []
 
     class CountingSha:
@@ -201,14 +194,14 @@ def test_the_hash_is_taken_piece_by_piece_while_writing_and_matches_the_file(tmp
         def hexdigest(self):
             return self._h.hexdigest()
 
-    monkeypatch.setattr(shards.hashlib, "sha256", CountingSha)
+    monkeypatch.setattr(writer.hashlib, "sha256", CountingSha)
     for direct in ("1", "0"):
         monkeypatch.setenv("DATAGEN_DIRECT_IO", direct)
         seen.clear()
         rec = write_shard(job(tmp_path / direct / "s.safetensors", lengths, "bfloat16"), states(lengths))
         data = (tmp_path / direct / "s.safetensors").read_bytes()
         assert rec.sha256 == hashlib.new("sha256", data).hexdigest() and rec.bytes == len(data)
-        assert len(seen) == -(-len(data) // shards.WRITE_PIECE) and sum(seen) == len(data)
+        assert len(seen) == -(-len(data) // writer.WRITE_PIECE) and sum(seen) == len(data)
 
 
 def test_a_reused_file_image_leaves_no_bytes_of_the_previous_shard(tmp_path):
@@ -234,12 +227,12 @@ def test_a_reused_file_image_leaves_no_bytes_of_the_previous_shard(tmp_path):
 def test_a_failed_write_leaves_neither_the_shard_nor_a_temporary(tmp_path, monkeypatch):
     import errno
 
-    import datagen.data.shards as shards
+    from datagen.data.shards import writer
 
     def full_disk(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(shards.os, "fsync", full_disk)
+    monkeypatch.setattr(writer.os, "fsync", full_disk)
     with pytest.raises(OSError, match="No space left"):
         write_shard(job(tmp_path / "shards" / "s.safetensors", [5], "bfloat16"), states([5]))
     assert list((tmp_path / "shards").iterdir()) == []
@@ -257,7 +250,7 @@ def test_a_shard_job_survives_the_wire_as_plain_lists():
 
 
 def test_shard_statistics_combine_exactly_into_the_datasets(tmp_path):
-    from datagen.data.shards import combine_stats, layer_stats
+    from datagen.data.shards.kernels import combine_stats, layer_stats
 
     parts = [torch.randn(n, len(LAYERS), H) * 3 + 1 for n in (17, 1, 40)]
     empty = layer_stats(torch.zeros(0, len(LAYERS), H), LAYERS)

@@ -397,7 +397,7 @@ def test_the_golden_check_fails_on_an_off_by_one_layer(ds):
 
 
 def test_statistics_survive_float32_overflow_and_skip_only_non_finite_values():
-    from datagen.validation.scan import _LayerSums
+    from datagen.validation.layer_sums import LayerSums as _LayerSums
 
     x = torch.randn(40, 2, 64).to(torch.bfloat16)
     x[3, 0, 5] = 1e30  # finite in bf16, but its square overflows a float32 sum

@@ -35,7 +35,8 @@ def run_shape(hidden: int, storage: str, root: Path, *, rows: int, row_len: int,
     import numpy as np
     import torch
 
-    from datagen.data.shards import ShardJob, dequantize_fp8
+    from datagen.data.shards.format import ShardJob
+    from datagen.data.shards.kernels import dequantize_fp8
     from datagen.engines.capture import Capture
     from datagen.engines.vllm_settings import CaptureConfig, device_bytes
 
@@ -144,7 +145,7 @@ def run_shape(hidden: int, storage: str, root: Path, *, rows: int, row_len: int,
     # every shard holds exactly what was fed
     from safetensors.torch import load_file
 
-    from datagen.data.shards import _FP8_OUT, fp8_token_stats, layer_stats, token_stats
+    from datagen.data.shards.kernels import _FP8_OUT, fp8_token_stats, layer_stats, token_stats
 
     worst = stats_err = 0.0
     for k in range(nshards):

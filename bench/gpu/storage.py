@@ -116,7 +116,7 @@ def stage_model(args) -> dict:
 
 def stage_disk(args) -> dict:
     """The volume's direct-write speed: dd, then the shard writer's own write (hash + O_DIRECT)."""
-    from datagen.data.shards import _Buffer, write_image
+    from datagen.data.shards.writer import _Buffer, write_image
 
     cfg = _cfg(args)
     work = Path(cfg["out_dir"])
@@ -156,7 +156,9 @@ def _writers(root: Path, cfg: dict, args) -> dict:
     import numpy as np
     import torch
 
-    from datagen.data.shards import ShardJob, token_stats, write_shard
+    from datagen.data.shards.format import ShardJob
+    from datagen.data.shards.kernels import token_stats
+    from datagen.data.shards.writer import write_shard
 
     L, H = len(cfg["layers"]), cfg.get("hidden", 4096)
     rows, n = cfg["per_shard"], cfg["row_len"]

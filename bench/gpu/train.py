@@ -11,7 +11,7 @@ results)::
 
 ``width``: a verifier of the shape (config.json and the three tensors a draft takes from it: embeddings,
 final norm, lm_head; random bf16) and a dataset written by the project's shard writer
-(``datagen.data.shards.write_shard``: packed shards and the manifest, random bf16 states of the
+(``datagen.data.shards.writer.write_shard``: packed shards and the manifest, random bf16 states of the
 EAGLE-3 layers, the final one last). Then, each in a process of its own: (1) the shard reader alone,
 the loader ``datagen train`` builds (``datagen.training.draft._loader``: speculators' multipack sampler
 and collate function over ``SpeculatorsDataset``, the same workers) iterated without training; (2)
@@ -108,7 +108,9 @@ def make_dataset(root: Path, verifier: Path, shape: dict, *, tokens: int, per_sh
     import torch
 
     from datagen.data.contract import MANIFEST_NAME, Manifest, shard_name
-    from datagen.data.shards import ShardJob, combine_stats, token_stats, write_shard
+    from datagen.data.shards.format import ShardJob
+    from datagen.data.shards.kernels import combine_stats, token_stats
+    from datagen.data.shards.writer import write_shard
 
     if (root / MANIFEST_NAME).exists():
         return root

@@ -6,7 +6,7 @@ import abc
 import threading
 
 from datagen.data.contract import ShardRecord
-from datagen.data.shards import ShardJob
+from datagen.data.shards.format import ShardJob
 
 
 class Engine(abc.ABC):

@@ -32,17 +32,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from datagen.data.shards import (
-    FP8,
-    STORAGE_DTYPES,
-    TORCH_DTYPES,
-    ShardJob,
-    quantize_into,
-    stats_into,
-    work_rows,
-    write_shard,
-    writer_rank,
-)
+from datagen.data.shards.format import FP8, STORAGE_DTYPES, TORCH_DTYPES, ShardJob
+from datagen.data.shards.kernels import quantize_into, stats_into, work_rows
+from datagen.data.shards.writer import write_shard, writer_rank
 from datagen.engines.messages import CaptureReply
 from datagen.engines.vllm_settings import CaptureConfig
 

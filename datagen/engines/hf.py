@@ -13,7 +13,8 @@ import logging
 import torch
 
 from datagen.data.contract import ShardRecord
-from datagen.data.shards import TORCH_DTYPES, ShardJob, write_shard
+from datagen.data.shards.format import TORCH_DTYPES, ShardJob
+from datagen.data.shards.writer import write_shard
 from datagen.engines.base import Engine, Handout
 from datagen.errors import ModelError
 

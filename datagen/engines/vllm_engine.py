@@ -24,7 +24,7 @@ from pathlib import Path
 
 from datagen import settings
 from datagen.data.contract import ShardRecord
-from datagen.data.shards import ShardJob
+from datagen.data.shards.format import ShardJob
 from datagen.data.spec import MlaBackend
 from datagen.engines import patches
 from datagen.engines.base import Engine, Handout

@@ -45,7 +45,8 @@ from safetensors.torch import save_file
 
 from datagen.data.contract import (MANIFEST_NAME, Approval, Manifest, ShardRecord, approval_of,
                                    validated_manifest_sha256)
-from datagen.data.shards import dequantize_fp8, fsync_dir
+from datagen.data.files import fsync_dir
+from datagen.data.shards.kernels import dequantize_fp8
 from datagen.errors import DatasetError, OutputConflictError, SpecError, UnsafePathError, ValidationFailed
 from datagen.validation.scan import resolve_inside
 from datagen.validation.shardfile import MappedShard, read_header

@@ -52,7 +52,7 @@ def check_dataset_unchanged(p: Plan) -> None:
 
 def write_manifest(p: Plan, records: dict[int, ShardRecord]) -> Manifest:
     """Write ``<out>/manifest.json`` (atomically) from a record of every shard of ``p``."""
-    from datagen.data.shards import combine_stats  # torch: not for those that only read the types
+    from datagen.data.shards.kernels import combine_stats  # torch: not for those that only read the types
 
     shards = [records[k] for k in range(p.num_shards)]
     stats = combine_stats([r.layer_stats for r in shards if r.tokens], p.layer_ids)

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from datagen.data.contract import MANIFEST_NAME, SHARDS_DIR, STATE_DIR, ShardRecord, shard_name
-from datagen.data.shards import writer_rank
+from datagen.data.shards.writer import writer_rank
 from datagen.data.spec import EngineName
 from datagen.data.files import atomic_write_json, fsync_dir
 from datagen.errors import OutputConflictError
@@ -200,7 +200,8 @@ def recover_record(p: Plan, k: int) -> ShardRecord | None:
     from safetensors import safe_open
 
     from datagen.data.checksums import sha256_file
-    from datagen.data.shards import SCALE_TENSOR, fp8_token_stats, layer_stats
+    from datagen.data.shards.format import SCALE_TENSOR
+    from datagen.data.shards.kernels import fp8_token_stats, layer_stats
 
     f = p.shard_dir(k) / shard_name(k)
     if not f.is_file() or f.is_symlink():

@@ -42,7 +42,7 @@ from datagen.extraction.output import (
 from datagen.extraction.plan import Plan
 
 if TYPE_CHECKING:
-    from datagen.data.shards import ShardJob
+    from datagen.data.shards.format import ShardJob
     from datagen.engines.base import Engine
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 def build_job(p: Plan, k: int) -> ShardJob:
     """Shard ``k`` of ``p`` as the engine takes it: its rows' tokens, where to write, what to store."""
-    from datagen.data.shards import ShardJob  # torch: not for those that only read the step's types
+    from datagen.data.shards.format import ShardJob  # torch: not for those that only read the step's types
 
     first, count = p.shard_range(k)
     rows = [r for r in range(first, first + count) if r in p.data.samples]

@@ -13,7 +13,7 @@ from typing import Annotated, ClassVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.data.contract import validation_path
-from datagen.data.shards import atomic_write_json
+from datagen.data.files import atomic_write_json
 from datagen.errors import ValidationFailed
 from datagen.steps._args import Arg, StepSpec
 from datagen.validation.settings import ValidationSettings

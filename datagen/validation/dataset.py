@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 
 from datagen.data.contract import validation_path
-from datagen.data.shards import atomic_write_json, combine_stats
+from datagen.data.files import atomic_write_json
+from datagen.data.shards.kernels import combine_stats
 from datagen.data.spec import DEFAULT_MAX_SEQ_LEN
 from datagen.errors import SpecError, StorageError
 from datagen.validation import drift, golden, manifest, scan, source

@@ -28,7 +28,13 @@ from pathlib import Path
 
 import torch
 
-from datagen.validation.compare import GoldenCriterion, judge_layer, neighbour_ids
+from datagen.validation.compare import (
+    FP8_REL_ERROR,
+    GoldenCriterion,
+    fp8_allowance,
+    judge_layer,
+    neighbour_ids,
+)
 from datagen.validation.report import Findings, Problem, ProblemKind
 from datagen.validation.scan import ShardScan, resolve_inside
 from datagen.validation.settings import DEFAULT_TOLERANCE, GoldenCriterionName, GoldenReference
@@ -150,7 +156,7 @@ def run(root: Path, scans: list[ShardScan], plan: GoldenPlan, *, model_dir: Path
     engine reference uses it (transformers runs its own classes only). ``media``: row -> its images
     (``MediaItem``, from the fresh plan) for image rows, handed to the engine reference with the ids.
     """
-    from datagen.data.shards import FP8_REL_ERROR, dequantize_fp8, fp8_allowance
+    from datagen.data.shards.kernels import dequantize_fp8
     from datagen.errors import ModelError
 
     details: dict = {

@@ -29,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from datagen.data.contract import MANIFEST_NAME
-from datagen.data.shards import combine_stats, layer_stats
+from datagen.data.shards.kernels import combine_stats, layer_stats
 
 ROWS_PER_SHARD = 8
 EQUAL_LENGTH_ROWS = (24, 26)

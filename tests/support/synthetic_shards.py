@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from datagen.data.contract import MANIFEST_NAME, Manifest, ShardRecord, shard_name
-from datagen.data.shards import combine_stats, layer_stats
+from datagen.data.shards.kernels import combine_stats, layer_stats
 
 SHARD_FORMAT = "datagen-shard-1"
 FP8_MAX = 448.0

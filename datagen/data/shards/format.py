@@ -1,0 +1,108 @@
+"""What a shard is: its format name, the storage dtypes, the fp8 layout, the job that describes one
+shard to write (the message an engine's driver sends its workers), and the safetensors header.
+
+Shared by the writer (``writer.py``), the kernels (``kernels.py``) and every engine that hands
+shard jobs to the process holding the hidden states.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# storage dtype name (the spec's storage_dtype) -> dtype of the stored hidden_states
+STORAGE_DTYPES = {**TORCH_DTYPES, "fp8_e4m3": torch.float8_e4m3fn}
+SHARD_FORMAT = "datagen-shard-1"
+
+# --- fp8 storage ------------------------------------------------------------------------------
+# ``storage_dtype`` fp8_e4m3: hidden_states float8_e4m3fn [T, L, H] and hidden_states_scale
+# float32 [T, L], value = float(fp8) * scale, scale = absmax over H of that token's layer / 448
+# (1 where the vector is all zeros). Statistics and validation describe the stored values.
+FP8 = "fp8_e4m3"
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SCALE_TENSOR = "hidden_states_scale"
+
+
+@dataclass(frozen=True)
+class ShardJob:
+    """Everything needed to write one shard except its hidden states."""
+
+    index: int  # shard number k
+    path: str  # absolute final path of the shard file
+    first_row: int  # k * samples_per_shard
+    rows: int  # rows in the shard's range (kept + skipped)
+    sample_rows: tuple[int, ...]  # dataset rows stored, in order
+    input_ids: tuple[np.ndarray, ...]  # int32 [T_i] per stored row
+    loss_masks: tuple[np.ndarray, ...]  # uint8 [T_i] per stored row
+    layer_ids: tuple[int, ...]  # captured layers, the order of the L axis
+    dtype: str  # storage dtype of hidden_states (a STORAGE_DTYPES name)
+    hidden_size: int  # H
+    shard_key: str  # cache key of this shard
+    # per stored row: its images (datagen.data.media.MediaItem), () for a text row; () for none at all
+    media: tuple = ()
+
+    @property
+    def tokens(self) -> int:
+        return int(sum(len(x) for x in self.input_ids))
+
+    def to_wire(self) -> dict:
+        """Plain lists and numbers, for an RPC that serializes with msgpack."""
+        d = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        d["input_ids"] = [x.tolist() for x in self.input_ids]
+        d["loss_masks"] = [x.tolist() for x in self.loss_masks]
+        d["sample_rows"] = list(self.sample_rows)
+        d["layer_ids"] = list(self.layer_ids)
+        d["media"] = [[m.to_wire() for m in items] for items in self.media]
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "ShardJob":
+        return cls(**{
+            **d,
+            "input_ids": tuple(np.asarray(x, dtype=np.int32) for x in d["input_ids"]),
+            "loss_masks": tuple(np.asarray(x, dtype=np.uint8) for x in d["loss_masks"]),
+            "sample_rows": tuple(int(r) for r in d["sample_rows"]),
+            "layer_ids": tuple(int(i) for i in d["layer_ids"]),
+            "media": _media_from_wire(d.get("media") or []),
+        })
+
+
+def _media_from_wire(rows: list) -> tuple:
+    if not any(rows):
+        return tuple(() for _ in rows)
+    from datagen.data.media import MediaItem
+
+    return tuple(tuple(MediaItem.from_wire(m) for m in items) for items in rows)
+
+
+# --- serialization ----------------------------------------------------------------------------
+# The safetensors layout, written here so that the bytes go from the states to the disk once:
+# an 8-byte little-endian header length, the JSON header padded with spaces to a multiple of 8,
+# then the tensors ordered by safetensors' dtype order (descending) and name. The output is
+# byte-identical to ``safetensors.torch.save_file`` (a test holds it to that).
+_ST_CODE = {torch.int64: "I64", torch.float32: "F32", torch.int32: "I32", torch.bfloat16: "BF16",
+            torch.float16: "F16", torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8"}
+_ST_ORDER = {"U8": 4, "F8_E4M3": 7, "F16": 11, "BF16": 12, "I32": 13, "F32": 15, "I64": 18}  # Rust enum order
+
+
+def safetensors_layout(entries: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                       metadata: dict[str, str]) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """The header bytes (length prefix included) and each tensor's [start, end) in the file."""
+    order = sorted(entries, key=lambda n: (-_ST_ORDER[_ST_CODE[entries[n][0]]], n))
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    spans, pos = {}, 0
+    for name in order:
+        dtype, shape = entries[name]
+        n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _ST_CODE[dtype], "shape": list(shape), "data_offsets": [pos, pos + n]}
+        spans[name] = (pos, pos + n)
+        pos += n
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    head = struct.pack("<Q", len(text)) + text
+    return head, {k: (a + len(head), b + len(head)) for k, (a, b) in spans.items()}
