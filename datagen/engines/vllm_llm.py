@@ -1,9 +1,10 @@
 """``vllm.LLM``, started the one way: the arguments every datagen engine sets alike, and what a
 failed start means for the user.
 
-The extraction engine (vllm_engine) and the regeneration generator each add the arguments that
-are theirs (capture, prefix caching, chunking) to ``llm_kwargs`` and start through ``start_llm``,
-so a setting vLLM refuses reads the same from either.
+The extraction engine (vllm_engine), the regeneration generator and the engine-side golden
+reference (vllm_reference) each add the arguments that are theirs (capture, prefix caching,
+chunking, eager hooks) to ``llm_kwargs`` and start through ``start_llm``, so a setting vLLM refuses
+reads the same from any of them.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from datagen.errors import EngineSettingError, ModelError
 def llm_kwargs(model: str, *, skip_tokenizer_init: bool, dtype: str, tensor_parallel_size: int,
                max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int, trust_remote_code: bool,
                attention_backend: str | None) -> dict:
-    """The ``LLM`` arguments both engines set: the model, its size and batch limits, the memory and
+    """The ``LLM`` arguments every engine sets: the model, its size and batch limits, the memory and
     eager settings of this process (datagen.settings), seed 0, and the attention backend when one is
-    named (the CPU build's, chosen by vllm_engine.choose_attention_backend)."""
+    named (the CPU build's, chosen by vllm_attention.choose_attention_backend)."""
     kwargs = dict(
         model=model,
         skip_tokenizer_init=skip_tokenizer_init,

@@ -29,6 +29,8 @@ import time
 import torch
 
 from datagen import settings
+from datagen.engines import patches
+from datagen.engines.vllm_llm import llm_kwargs, start_llm
 from datagen.errors import ModelError
 
 log = logging.getLogger(__name__)
@@ -124,23 +126,23 @@ class VllmReference:
     def __init__(self, model_dir: str, *, num_hidden_layers: int, wanted: tuple[int, ...], dtype: str,
                  max_seq_len: int, trust_remote_code: bool = False, tensor_parallel_size: int = 1,
                  media: bool = False):
-        from vllm import LLM
-
         self.n = num_hidden_layers
         self.wanted = tuple(sorted(set(wanted)))
         t0 = time.monotonic()
         if not torch.cuda.is_available():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_gib()))
         budget = max(max_seq_len + 1, 16)
+        kwargs = llm_kwargs(model_dir, skip_tokenizer_init=not media, dtype=dtype,
+                            tensor_parallel_size=tensor_parallel_size, max_model_len=budget, max_num_seqs=1,
+                            max_num_batched_tokens=budget, trust_remote_code=trust_remote_code,
+                            attention_backend=None)
+        # eager, so the hooks run; one sample per pass, in one chunk, every token computed (module docstring)
+        kwargs.update(enforce_eager=True, enable_prefix_caching=False, enable_chunked_prefill=False,
+                      worker_extension_cls=EXTENSION)
         try:
-            self.llm = LLM(
-                model=model_dir, skip_tokenizer_init=not media, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
-                max_model_len=budget, enable_prefix_caching=False, enable_chunked_prefill=False,
-                max_num_batched_tokens=budget, max_num_seqs=1, enforce_eager=True,
-                worker_extension_cls=EXTENSION, trust_remote_code=trust_remote_code,
-                gpu_memory_utilization=settings.gpu_memory_utilization(), seed=0,
-            )
-        except (ValueError, OSError, RuntimeError) as e:
+            # a refused setting or a model vLLM cannot load: as from the other engines (start_llm)
+            self.llm = start_llm(kwargs, version=patches.installed_vllm_version())
+        except RuntimeError as e:
             raise ModelError(f"vLLM cannot load {model_dir} for the golden reference: {e}",
                              hint="check the model files and that this host can hold the model") from e
         self.llm.collective_rpc("datagen_ref_install", args=(self.n, list(self.wanted)))

@@ -32,7 +32,8 @@ import time
 import torch
 
 from datagen import settings
-from datagen.engines.capture import Capture, StepRows, step_rows_v1
+from datagen.engines.capture import Capture
+from datagen.engines.capture_rows import StepRows, step_rows_v1
 from datagen.engines.capture_paths import runner_version
 from datagen.engines.capture_v2 import step_rows_v2
 from datagen.engines.vllm_ranks import tp_rank as _tp_rank

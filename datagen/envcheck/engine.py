@@ -87,7 +87,7 @@ def _check_cpu_mla(spec: SourcesSpec, engine: str) -> Check:
     """The CPU's AMX flags and the MLA backend a DeepSeek-shaped model would run (CPU_MLA unless
     the spec asks for AMX_MLA, which needs AMX tiles)."""
     from datagen.data.spec import MlaBackend
-    from datagen.engines.vllm_engine import cpu_amx_flags, cpu_has_amx
+    from datagen.engines.vllm_attention import cpu_amx_flags, cpu_has_amx
 
     flags = ", ".join(cpu_amx_flags()) or "none"
     asked = spec.engine.mla_backend or MlaBackend.CPU_MLA
@@ -149,7 +149,7 @@ def _engine_path() -> dict:
     if "vllm" not in _installed_engine_modules():
         return {}
     from datagen.engines import capture_paths, patches
-    from datagen.engines.vllm_engine import is_cpu_build
+    from datagen.engines.vllm_attention import is_cpu_build
 
     version = patches.installed_vllm_version()
     try:

@@ -60,7 +60,7 @@ def describe_engine(spec: ExtractSpec, info: ModelInfo) -> dict:
     if spec.engine.name is EngineName.VLLM:
         from datagen.engines import patches
         from datagen.engines.capture_paths import choose_path, model_runner
-        from datagen.engines.vllm_engine import choose_attention_backend, is_cpu_build
+        from datagen.engines.vllm_attention import choose_attention_backend, is_cpu_build
 
         version = patches.check_vllm_version()
         path = choose_path(version)

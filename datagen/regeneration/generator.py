@@ -83,7 +83,7 @@ class Generator:
         return kwargs
 
     def start(self) -> None:
-        from datagen.engines.vllm_engine import check_devices, set_process_env
+        from datagen.engines.vllm_devices import check_devices, set_process_env
 
         set_process_env(on_cuda=check_devices(self.settings.tensor_parallel_size),
                         tensor_parallel_size=self.settings.tensor_parallel_size)

