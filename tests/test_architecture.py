@@ -148,3 +148,20 @@ def test_a_step_is_called_from_the_task_module_named_as_the_step():
             assert step in STEPS, (path.name, step)
             assert path.stem == step.replace("-", "_"), f"{path.name} calls the step {step}"
     assert {"plan", "extract", "assemble", "publish", "export", "measure-draft"} <= called  # the check sees them
+
+
+# The sizes issue 38 set: a product module reads in one sitting, a step is a thin layer over its library.
+PRODUCT_MODULE_MAX_LINES = 400
+STEP_MODULE_MAX_LINES = 150
+
+
+def test_no_product_module_is_over_400_lines_and_no_step_over_150():
+    over = {}
+    for package in ("datagen", "tasks", "flows"):
+        for path in (ROOT / package).rglob("*.py"):
+            lines = len(path.read_text().splitlines())
+            limit = STEP_MODULE_MAX_LINES if path.parent.name == "steps" else PRODUCT_MODULE_MAX_LINES
+            if lines > limit:
+                over[str(path.relative_to(ROOT))] = (lines, limit)
+    assert over == {}, "split these by concern (docs/architecture.md): " + ", ".join(
+        f"{p} {n} > {limit}" for p, (n, limit) in sorted(over.items()))
