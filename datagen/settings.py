@@ -32,6 +32,13 @@ def enforce_eager() -> bool:
     return os.environ.get("DATAGEN_ENFORCE_EAGER", "0") == "1"
 
 
+def cpu_engine_in_process() -> bool:
+    """DATAGEN_CPU_ENGINE_IN_PROCESS: 0 to start the CPU engine (tensor parallel 1) in vLLM's own
+    process layout, an engine-core process and a worker process beside the caller, instead of in the
+    caller's process (datagen.engines.vllm_devices.set_process_env)."""
+    return os.environ.get("DATAGEN_CPU_ENGINE_IN_PROCESS", "1") != "0"
+
+
 def direct_io() -> bool:
     """DATAGEN_DIRECT_IO: 0 to write shards through the page cache instead of with O_DIRECT
     (filesystems without direct I/O fall back to that by themselves)."""

@@ -81,6 +81,7 @@ def test_kimi_wrapper_is_described_by_its_text_config_61_layers_and_int4_experts
     assert info.max_position_embeddings == 262144
     assert info.quantization == "compressed-tensors pack-quantized int4 group 32"
     assert info.wants_remote_code is True  # auto_map, accepted for an architecture datagen captures
+    assert info.multimodal
 
 
 def test_the_layer_count_follows_the_text_config_and_bounds_the_layer_ids(tmp_path):
@@ -100,7 +101,7 @@ def test_a_plain_causal_lm_is_its_own_text_architecture_and_unquantized(tmp_path
     info = inspect_model(model_dir(tmp_path / "m", llama_config()))
     assert (info.architecture, info.text_architecture, info.model_type) == ("LlamaForCausalLM", "LlamaForCausalLM", "llama")
     assert (info.num_hidden_layers, info.hidden_size, info.vocab_size) == (6, 64, 400)
-    assert info.quantization is None and info.wants_remote_code is False
+    assert info.quantization is None and info.wants_remote_code is False and not info.multimodal
     assert info.weight_files == ("model.safetensors",) and info.path == str((tmp_path / "m").resolve())
 
 

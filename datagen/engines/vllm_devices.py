@@ -6,6 +6,7 @@ regeneration).
 from __future__ import annotations
 
 import os
+import sys
 
 from datagen import settings
 from datagen.errors import CannotRunHereError
@@ -46,13 +47,34 @@ def cpu_threads_bind(tp: int) -> str:
     return "|".join(",".join(str(c) for c in cores[i * n:(i + 1) * n]) for i in range(tp))
 
 
-def set_process_env(*, on_cuda: bool, tensor_parallel_size: int = 1) -> None:
+def set_process_env(*, on_cuda: bool, tensor_parallel_size: int = 1, multimodal: bool = False) -> None:
     """What vLLM reads from the environment when it starts here: spawned engine processes on CUDA
     (CUDA is initialized in this process: device checks, the reference engine), the KV cache size on
-    the CPU build, and each CPU rank's cores at TP > 1 (unless VLLM_CPU_OMP_THREADS_BIND is set)."""
+    the CPU build, each CPU rank's cores at TP > 1 (unless VLLM_CPU_OMP_THREADS_BIND is set), and the
+    CPU engine at TP 1 in this process (in_process_cpu_engine)."""
     if on_cuda:
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     else:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_gib()))
         if tensor_parallel_size > 1:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_threads_bind(tensor_parallel_size))
+        elif in_process_cpu_engine(multimodal=multimodal):
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def in_process_cpu_engine(*, multimodal: bool = False) -> bool:
+    """Whether the CPU engine at TP 1 starts in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
+    the engine core and its one worker run here) rather than in vLLM's layout of an engine-core
+    process and a worker process beside it. Each of those two processes imports torch and vLLM
+    again: in this process an eager start of a tiny model costs less than half the CPU time
+    (docs/testing.md), with the same shard bytes.
+
+    Not for a multimodal model, nor in a process that has imported numba: vLLM 0.32's worker start
+    scans every loaded module for kernels to override (``vllm.triton_utils.dispatcher.
+    _rebind_kernels``) and trips over llvmlite's ffi wrapper, and Kimi-K2.5's image processor
+    (vLLM's ``kimi_k25_vision_fused``) imports numba, here when planning image rows, and in ``LLM``
+    itself, which builds the model's multimodal processor before its engine core starts. A worker
+    of its own process has not loaded it yet when it scans. ``DATAGEN_CPU_ENGINE_IN_PROCESS=0``
+    keeps vLLM's layout always.
+    """
+    return settings.cpu_engine_in_process() and not multimodal and "llvmlite" not in sys.modules

@@ -148,7 +148,7 @@ class VllmEngine(Engine):
                          "V2 capture, which has never run on a GPU)",
                 )
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-        set_process_env(on_cuda=on_cuda, tensor_parallel_size=self.tp)
+        set_process_env(on_cuda=on_cuda, tensor_parallel_size=self.tp, multimodal=self.info.multimodal)
         kwargs = self.engine_kwargs()
         log.info("starting vLLM %s: %s", self.version,
                  {k: v for k, v in kwargs.items() if k not in ("additional_config",)})
@@ -245,8 +245,16 @@ class VllmEngine(Engine):
         (the scheduler hands the connector its blocks in the next step's metadata; the engine core
         keeps stepping while it holds them). Wait until every shard of the group is captured, so
         that the next group is announced to an empty capture."""
+        from vllm.v1.engine.core_client import InprocClient
+
+        engine = self.llm.llm_engine
+        # an engine core of its own process steps by itself; one in this process (vllm_devices.
+        # in_process_cpu_engine) only when stepped
+        in_process = isinstance(engine.engine_core, InprocClient)
         deadline = time.monotonic() + PUBLIC_DRAIN_S
         while True:
+            if in_process:
+                engine.step()
             self._collect(wait=False)
             if not any(r.pending_shards for r in self._replies):
                 return

