@@ -27,6 +27,9 @@ def pytest_runtest_makereport(item, call):
         # an expected failure (a reported, open bug) is not a pass, whatever the report says
         item._faults_call_passed = rep.passed and not hasattr(rep, "wasxfail")
         item._faults_call_error = None if rep.passed else str(rep.longrepr)[-1500:]
+        # a case this machine cannot run (pytest.skip with its reason) is neither a pass nor a failure
+        item._faults_call_skipped = (rep.longrepr[2] if isinstance(rep.longrepr, tuple) else "skipped") \
+            if rep.skipped and not hasattr(rep, "wasxfail") else None
     return rep
 
 
@@ -42,7 +45,10 @@ def case(request):
     yield rec
     passed = getattr(request.node, "_faults_call_passed", False)
     rec.passed = bool(passed)
-    if not passed:
+    skipped = getattr(request.node, "_faults_call_skipped", None)
+    if skipped:
+        rec.outcome = f"SKIPPED: {skipped.removeprefix('Skipped: ')}"
+    elif not passed:
         rec.details.setdefault("error", getattr(request.node, "_faults_call_error", None))
         if not rec.outcome:
             rec.outcome = "FAILED"

@@ -37,6 +37,8 @@ def load(d: Path) -> list[dict]:
 def _result(r: dict) -> str:
     if r["passed"]:
         return "pass"
+    if str(r.get("outcome", "")).startswith("SKIPPED"):
+        return "skipped"
     return "OPEN" if str(r.get("outcome", "")).startswith("OPEN") else "FAIL"
 
 
@@ -76,13 +78,14 @@ def rows(records: list[dict], *, detail: bool) -> dict[str, list[list[str]]]:
                                    _result(r), _command(r)])
     for group, rs in sorted(groups.items()):
         refused = sum(r["passed"] for r in rs)
-        bad = [r for r in rs if not r["passed"]]
+        bad = [r for r in rs if not r["passed"] and _result(r) != "skipped"]
+        skipped = [r for r in rs if _result(r) == "skipped"]
         shown = [r["case"].split(": ", 1)[-1] for r in rs][:MAX_NAMES]
         names = "; ".join(shown) + (f"; ... {len(rs) - len(shown)} more (--detail)" if len(rs) > len(shown) else "")
         outcome = (f"{refused}/{len(rs)} as specified (a refusal: its exit code, the problem named, a `->` hint, "
                    "nothing written)")
-        if bad:
-            outcome += "; " + "; ".join(f"{_result(r)}: {r['case']}: {r['outcome']}" for r in bad)
+        if bad or skipped:
+            outcome += "; " + "; ".join(f"{_result(r)}: {r['case']}: {r['outcome']}" for r in bad + skipped)
         files = sorted({r["command"].split("::")[0] for r in rs})
         prefix = "DATAGEN_FAULTS_FULL=1 " if rs[0].get("details", {}).get("campaign") == "full" else ""
         out["bad-input"].append([_cell(f"{group}: {len(rs)} cases ({names})"), str(len(rs)), _cell(outcome), "n/a",
@@ -104,8 +107,10 @@ def render(records: list[dict], *, detail: bool = False) -> str:
     total = len(records)
     passed = sum(r["passed"] for r in records)
     open_ = sum(_result(r) == "OPEN" for r in records)
+    skipped = sum(_result(r) == "skipped" for r in records)
     lines.append(f"{total} cases: {passed} pass, {open_} open (expected failures, reported), "
-                 f"{total - passed - open_} fail.")
+                 f"{skipped} skipped (this machine cannot run them: the reason is in the row), "
+                 f"{total - passed - open_ - skipped} fail.")
     return "\n".join(lines)
 
 
