@@ -82,12 +82,11 @@ if [ "${TIER:-}" = check ]; then
             [ "$status" -eq 0 ] && status=1
         fi
     fi
-elif [ -n "${SERIAL:-}" ] && export DATAGEN_TEST_START_GUARD_MODE=${DATAGEN_TEST_START_GUARD_MODE:-report}; then
+elif [ -n "${SERIAL:-}" ]; then
     "$PY" -m pytest -q "${order[@]}" "$@" tests; status=$?
 else
-    # The whole suite names its unmarked starts at the end of each process instead of failing
-    # them (make check, where they would do harm, refuses them).
-    export DATAGEN_TEST_START_GUARD_MODE=${DATAGEN_TEST_START_GUARD_MODE:-report}
+    # The whole suite refuses an unmarked start as make check does (the guard's default):
+    # DATAGEN_TEST_START_GUARD_MODE=report names them at the end of each process instead.
     extra=("$@")
     last_cpus=$("$PY" -c 'import os; c = sorted(os.sched_getaffinity(0))[-max(1, len(os.sched_getaffinity(0)) // 4):]; print(",".join(map(str, c)))')
     pids=(); logs=(); titles=()

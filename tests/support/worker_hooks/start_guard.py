@@ -33,8 +33,9 @@ ENGINE, DOCKER, S3, PREFECT_SERVER = "engine", "docker", "s3", "prefect_server"
 GUARDED = (ENGINE, DOCKER, S3, PREFECT_SERVER)
 
 
-# `report` (what `make test` sets): an unmarked start is recorded and the session names it at its
-# end instead of refusing it; anything else (`make check`, a plain pytest) refuses it.
+# `report` (`DATAGEN_TEST_START_GUARD_MODE=report make test`): an unmarked start is recorded and the
+# session names it at its end instead of refusing it; anything else (`make check`, `make test`, a
+# plain pytest) refuses it.
 MODE_ENV = "DATAGEN_TEST_START_GUARD_MODE"
 REPORT = "report"
 
