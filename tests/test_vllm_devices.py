@@ -27,7 +27,8 @@ def test_the_cpu_engine_at_tp1_starts_in_this_process(clean_env):
     assert os.environ[LAYOUT] == "0"
 
 
-@pytest.mark.parametrize("why", ["tp2", "multimodal", "numba loaded", "setting off", "cuda", "user's choice"])
+@pytest.mark.parametrize("why", ["tp2", "multimodal", "numba loaded", "setting off", "cuda",
+                                 "an earlier in-process engine's setting"])
 def test_vllms_own_layout_where_this_process_cannot_hold_the_engine_or_is_not_asked_to(clean_env, why):
     import os
 
@@ -43,7 +44,8 @@ def test_vllms_own_layout_where_this_process_cannot_hold_the_engine_or_is_not_as
     elif why == "cuda":
         on_cuda = True
         clean_env.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")  # restored after the test
-    elif why == "user's choice":
-        clean_env.setenv(LAYOUT, "1")
+    elif why == "an earlier in-process engine's setting":  # left in os.environ: not handed on
+        clean_env.setenv(LAYOUT, "0")
+        multimodal = True
     vllm_devices.set_process_env(on_cuda=on_cuda, tensor_parallel_size=tp, multimodal=multimodal)
-    assert os.environ.get(LAYOUT) == ("1" if why == "user's choice" else None)
+    assert os.environ.get(LAYOUT) == (None if on_cuda else "1")

@@ -58,8 +58,10 @@ def set_process_env(*, on_cuda: bool, tensor_parallel_size: int = 1, multimodal:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_gib()))
         if tensor_parallel_size > 1:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_threads_bind(tensor_parallel_size))
-        elif in_process_cpu_engine(multimodal=multimodal):
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # set either way: a process that started an engine here before (a test, a notebook) must not
+        # hand its "0" to a later engine that cannot run in it (the children it starts inherit it too)
+        in_process = tensor_parallel_size == 1 and in_process_cpu_engine(multimodal=multimodal)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
 
 
 def in_process_cpu_engine(*, multimodal: bool = False) -> bool:
