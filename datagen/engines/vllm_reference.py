@@ -131,6 +131,9 @@ class VllmReference:
         t0 = time.monotonic()
         if not torch.cuda.is_available():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_gib()))
+            # vLLM's own process layout, as the reference has always run (not an extraction engine's
+            # in-process setting left in this process: vllm_devices.in_process_cpu_engine)
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         budget = max(max_seq_len + 1, 16)
         kwargs = llm_kwargs(model_dir, skip_tokenizer_init=not media, dtype=dtype,
                             tensor_parallel_size=tensor_parallel_size, max_model_len=budget, max_num_seqs=1,
