@@ -460,7 +460,8 @@ def proof(args) -> None:
         spec = work / f"jobs-{g}.json"
         spec.write_text(json.dumps({"jobs": js, "work": str(work), "model": str(model), "device": device,
                                     "total_seq_len": args.total_seq_len, "measured_rows": args.measured_rows,
-                                    "workers": args.workers, "deadline": time.time() + args.budget}))
+                                    "workers": args.workers, "deadline": time.time() + args.budget,
+                                    "threads": max(1, (os.cpu_count() or 2) // len(groups))}))
         procs.append(subprocess.Popen([sys.executable, __file__, "proof-drafts", str(spec), str(work / f"measured-{g}.json")],
                                       cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = [p.communicate()[0] for p in procs]
@@ -492,8 +493,8 @@ def proof_drafts(spec_path: str, out_path: str) -> None:
     from datagen.training.layers import LayerView
     from datagen.training.settings import Device, DraftSettings
 
-    torch.set_num_threads(3)
     spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(spec.get("threads", 3))  # the processes share the machine's cores
     work, model = Path(spec["work"]), Path(spec["model"])
     union = open_dataset(work / "union-bf16")
     data = {"bf16": LayerView(union, tp.RIGHT), "bf16-half": LayerView(union, tp.RIGHT),
@@ -540,6 +541,56 @@ def proof_drafts(spec_path: str, out_path: str) -> None:
         _log(f"{case} seed {seed} ({steps} steps): acceptance {r.acceptance_length:.3f}, "
              f"agreement {[round(a, 3) for a in entry['agreement']]}, trained in {train_s:.0f} s")
         Path(out_path).write_text(json.dumps(measured))
+
+
+SPEC_ORDER = ("untrained", "bf16", "off-by-one", "gross", "fp8", "bf16-half")
+
+
+def proof_spec(args) -> None:
+    """vLLM's own EAGLE-3 acceptance length for the proof's drafts on the GPU: each draft (its seed-0
+    draft first for every case, then the other seeds) as the speculator of SmolLM2 in an engine of its
+    own process, greedy from the held-out rows' prompts; vLLM's counters (``datagen.training.spec_decode``)."""
+    from datagen.models import smollm2
+
+    work, out = Path(args.work), Path(args.out)
+    model = work / f"smollm2-{smollm2.version()}"
+    drafts = [d for d in (work / "drafts").iterdir() if (d / "config.json").exists()]
+
+    def order(d: Path):
+        case, seed, _ = d.name.rsplit("-", 2)
+        return (int(seed), SPEC_ORDER.index(case) if case in SPEC_ORDER else 99)
+
+    deadline = time.monotonic() + args.budget
+    path, rec = out / "train-proof-spec.json", {"prompts": args.prompts, "max_tokens": args.max_tokens, "drafts": {}}
+    for d in sorted(drafts, key=order):
+        if time.monotonic() > deadline:
+            _log(f"spec {d.name}: not started (past --budget)")
+            continue
+        t = time.monotonic()
+        try:
+            p = subprocess.run([sys.executable, __file__, "proof-spec-one", str(d), str(model), str(work / "union-bf16"),
+                                str(args.prompts), str(args.max_tokens)], cwd=REPO, capture_output=True, text=True,
+                               timeout=args.run_timeout)
+            lines = [x for x in p.stdout.splitlines() if x.startswith("spec-decode: ")]
+            r = json.loads(lines[-1][len("spec-decode: "):]) if lines else {"error": (p.stderr.strip().splitlines()
+                                                                                      or ["no output"])[-1][:400]}
+        except subprocess.TimeoutExpired:
+            r = {"error": f"timeout after {args.run_timeout} s"}
+        r["wall_s"] = round(time.monotonic() - t, 1)
+        rec["drafts"][d.name] = r
+        _log(f"spec {d.name}: {json.dumps(r)[:300]}")
+        _save(path, rec)
+
+
+def proof_spec_one(draft: str, model: str, dataset: str, prompts: int, max_tokens: int) -> None:
+    """(internal) one draft in vLLM, printed as ``spec-decode: {json}``."""
+    from datagen.training.draft import read_lineage
+    from datagen.training.spec_decode import held_out_prompts, measure_spec_decode
+
+    lineage = read_lineage(Path(draft))
+    ps = held_out_prompts(dataset, train_ratio=lineage.settings.train_ratio, limit=prompts)
+    r = measure_spec_decode(model, draft, ps, k=lineage.settings.ttt_steps, max_tokens=max_tokens)
+    print("spec-decode: " + r.model_dump_json(), flush=True)
 
 
 # --- report: tables and plots from the JSON ---------------------------------------------------------
@@ -653,6 +704,19 @@ def main() -> None:
     p.add_argument("--procs", type=int, default=5)
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--budget", type=float, default=400.0)
+    p = sub.add_parser("proof-spec")
+    p.add_argument("--work", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--budget", type=float, default=300.0)
+    p.add_argument("--run-timeout", type=float, default=240.0)
+    p = sub.add_parser("proof-spec-one")
+    p.add_argument("draft")
+    p.add_argument("model")
+    p.add_argument("dataset")
+    p.add_argument("prompts", type=int)
+    p.add_argument("max_tokens", type=int)
     p = sub.add_parser("proof-drafts")
     p.add_argument("spec")
     p.add_argument("out")
@@ -665,10 +729,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.cmd == "child":
         raise SystemExit(child(args))
+    if args.cmd == "proof-spec-one":
+        proof_spec_one(args.draft, args.model, args.dataset, args.prompts, args.max_tokens)
+        return
     if args.cmd == "proof-drafts":
         proof_drafts(args.spec, args.out)
         return
-    {"width": width, "proof": proof, "report": report}[args.cmd](args)
+    {"width": width, "proof": proof, "proof-spec": proof_spec, "report": report}[args.cmd](args)
 
 
 if __name__ == "__main__":
