@@ -16,6 +16,6 @@ assemble = step_task("assemble")  # not cached: it is cheap, and what it writes 
 def assemble_call(xspec: ExtractSpec, records: str) -> StepCall:
     """`datagen assemble`: the manifest of the bucket's shards, from their checked records, written
     into the local dataset directory. Its result: the step's ``AssembleResult``."""
-    spec = AssembleSpec(**xspec.model_dump(mode="json"), records=records)
+    spec = AssembleSpec.of_checked(**dict(xspec), records=records)  # validated once, by the step
     return StepCall(step="assemble", spec=spec.model_dump(mode="json"), mounts=extract_mounts(xspec),
                     **media_step_env(xspec.dataset))  # it plans the rows again: s3:// images need S3

@@ -102,7 +102,8 @@ def media_step_env(dataset: str) -> dict:
 def range_call(spec: ExtractSpec, shard_range: ShardRange, *, gpus: int = 0, progress: UUID | None = None) -> StepCall:
     """`datagen extract` of the range's shards (the spec's ``shards``): extract the range's missing shards (no manifest), advancing the
     range's item of the progress bar ``progress``. Its result: the step's ``ExtractResult``."""
-    call_spec = ExtractStepSpec(**spec.model_dump(mode="json"), shards=(shard_range.first, shard_range.stop))
+    # the extraction spec whole, and the range (both validated already): the step validates the file once
+    call_spec = ExtractStepSpec.of_checked(**dict(spec), shards=(shard_range.first, shard_range.stop))
     media = media_step_env(spec.dataset)
     return StepCall(
         step="extract",

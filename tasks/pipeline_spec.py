@@ -27,7 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from datagen.data.spec import EngineSettings, ExtractSpec, LayerIds, parse_spec
+from datagen.data.spec import EngineSettings, ExtractSpec, LayerIds
 from datagen.errors import SpecError, spec_error
 from datagen.validation.settings import ValidationSettings
 from datagen.regeneration.settings import RegenerationSettings
@@ -285,21 +285,19 @@ class PipelineSpec(BaseModel):
     def extract_spec(self, *, model_dir: str, model_revision: str | None) -> ExtractSpec:
         """The step-level spec of `datagen plan` / `datagen extract` for a downloaded model.
 
-        Raises:
-            SpecError: the combination is invalid for the extraction step.
+        Made of this spec's values, which were validated when it was (the flow's parameter): no
+        validator runs again (``ExtractSpec.of_checked``); the spec is passed whole from here to
+        each step, which validates its ``--spec`` file once.
         """
-        return parse_spec(
-            {
-                "model": model_dir,
-                "model_revision": model_revision,
-                "dataset": self.dataset,
-                "out": self.output,
-                "layer_ids": list(self.layer_ids) if self.layer_ids is not None else None,
-                "max_seq_len": self.preprocessing.max_seq_len,
-                "samples_per_shard": self.samples_per_shard,
-                "engine": self.engine.model_dump(mode="json"),
-            },
-            source="the pipeline spec",
+        return ExtractSpec.of_checked(
+            model=model_dir,
+            model_revision=model_revision,
+            dataset=self.dataset,
+            out=self.output,
+            layer_ids=self.layer_ids,
+            max_seq_len=self.preprocessing.max_seq_len,
+            samples_per_shard=self.samples_per_shard,
+            engine=self.engine,
         )
 
     def regenerated_output(self) -> str:

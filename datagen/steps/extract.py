@@ -58,8 +58,9 @@ class ExtractionSpec(ExtractSpec, StepSpec):
     }
 
     def extraction(self) -> ExtractSpec:
-        """The extraction spec alone (what a plan and its fingerprints are made of)."""
-        return ExtractSpec.model_validate(self.model_dump(include=set(ExtractSpec.model_fields)))
+        """The extraction spec alone (what a plan and its fingerprints are made of): this spec's
+        values, validated when it was read, carried over without validating them again."""
+        return ExtractSpec.of_checked(**{name: getattr(self, name) for name in ExtractSpec.model_fields})
 
 
 class Spec(ExtractionSpec):
