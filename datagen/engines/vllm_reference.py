@@ -23,15 +23,15 @@ samples are few.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
 
-from datagen import settings
 from datagen.engines import patches
+from datagen.engines.vllm_devices import set_process_env
 from datagen.engines.vllm_llm import llm_kwargs, start_llm
 from datagen.errors import ModelError
+from datagen.models.modelinfo import inspect_model
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,16 @@ def _from_wire(w: list) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
 
 
+def _multimodal(model_dir: str, *, trust_remote_code: bool) -> bool:
+    """Whether the model is a multimodal wrapper (``ModelInfo.multimodal``). A directory this process
+    cannot read a model from counts as one: vLLM's own process layout then, which holds every
+    model, and vLLM's load says what is wrong with it."""
+    try:
+        return inspect_model(model_dir, trust_remote_code=trust_remote_code).multimodal
+    except ModelError:
+        return True
+
+
 class VllmReference:
     """Loads the model in a plain eager vLLM engine and returns [T, H] states per layer id."""
 
@@ -129,11 +139,13 @@ class VllmReference:
         self.n = num_hidden_layers
         self.wanted = tuple(sorted(set(wanted)))
         t0 = time.monotonic()
-        if not torch.cuda.is_available():
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_gib()))
-            # vLLM's own process layout, as the reference has always run (not an extraction engine's
-            # in-process setting left in this process: vllm_devices.in_process_cpu_engine)
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        # What vLLM reads from the environment, by the rule every engine here starts under
+        # (vllm_devices.set_process_env): the CPU's KV cache size and each rank's cores, the
+        # engine core in this process at TP 1 on the CPU where it can run there (not for a
+        # multimodal model: its processor loads numba, which vLLM's worker start trips over), and
+        # whatever an engine started before in this process left set is set again.
+        set_process_env(on_cuda=torch.cuda.is_available(), tensor_parallel_size=tensor_parallel_size,
+                        multimodal=media or _multimodal(model_dir, trust_remote_code=trust_remote_code))
         budget = max(max_seq_len + 1, 16)
         kwargs = llm_kwargs(model_dir, skip_tokenizer_init=not media, dtype=dtype,
                             tensor_parallel_size=tensor_parallel_size, max_model_len=budget, max_num_seqs=1,
