@@ -40,8 +40,11 @@ def _host_budget_default() -> int:
 
 @dataclass(frozen=True)
 class CaptureConfig:
-    """What the capture in each worker needs; one object, sent once when the engine starts."""
+    """What the capture in each worker needs; one object, sent once when the engine starts: the
+    engine-start half of the driver -> worker message, as each ``ShardJob`` is the per-shard half."""
 
+    # the plan's resolved layer ids (Plan.layer_ids, the ones every ShardJob carries): the worker's
+    # buffers are sized by them before any job arrives; a JSON list in additional_config
     layer_ids: tuple[int, ...]
     dtype: str  # engine compute dtype
     storage_dtype: str  # dtype of the stored hidden_states (fp8_e4m3: quantized on the device)
@@ -129,7 +132,7 @@ class VllmSettings:
         from datagen.data.media import media_samples
 
         e = p.spec.engine
-        return cls(layer_ids=tuple(p.layer_ids), dtype=e.dtype, max_seq_len=p.spec.max_seq_len,
+        return cls(layer_ids=p.layer_ids, dtype=e.dtype, max_seq_len=p.spec.max_seq_len,
                    storage_dtype=p.resolved_spec.storage_dtype, tensor_parallel_size=e.tensor_parallel_size,
                    max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs,
                    trust_remote_code=e.trust_remote_code, shard_group=e.shard_group,

@@ -23,7 +23,7 @@ class Plan:
 
     spec: ExtractSpec
     info: ModelInfo
-    layer_ids: tuple[int, ...]
+    layer_ids: tuple[int, ...]  # the resolved ids (plan_header): the shard jobs' and the capture's
     data: PreparedDataset
     engine_desc: dict
     resolved_spec: ResolvedSpec  # what the manifest records
@@ -111,7 +111,8 @@ def plan_header(spec: ExtractSpec) -> Header:
     """Everything of a plan that does not read the dataset (the model's config, the layers, the
     engine): checked here, as ``plan`` checks it."""
     info = inspect_model(spec.model, trust_remote_code=spec.engine.trust_remote_code)
-    layer_ids = spec.layer_ids or default_layer_ids(info.num_hidden_layers)
+    # the one place the layer ids are resolved: the default filled in, checked against the model
+    layer_ids = tuple(spec.layer_ids or default_layer_ids(info.num_hidden_layers))
     check_layer_ids(layer_ids, info)
     if spec.engine.name is EngineName.VLLM:  # from the config alone: the text decoder, not the wrapper
         from datagen.engines import patches
@@ -119,7 +120,7 @@ def plan_header(spec: ExtractSpec) -> Header:
         patches.check_capturable(info.model_type, info.num_hidden_layers, layer_ids, patches.installed_vllm_version(),
                                  model=spec.model)
     spec = spec.model_copy(update={"max_seq_len": resolve_max_seq_len(spec, info)})
-    return Header(spec, info, tuple(layer_ids), describe_engine(spec, info))
+    return Header(spec, info, layer_ids, describe_engine(spec, info))
 
 
 def plan(spec: ExtractSpec) -> Plan:
@@ -153,4 +154,4 @@ def plan_from(h: Header, data: PreparedDataset) -> Plan:
     resolved = ResolvedSpec.model_validate(
         {**extraction, "model": {**extraction["model"], "source": str(Path(spec.model).resolve())}, "dataset": dataset})
     num_shards = -(-data.rows // spec.samples_per_shard)
-    return Plan(spec, info, tuple(layer_ids), data, engine_desc, resolved, extraction_fp, fingerprint, num_shards)
+    return Plan(spec, info, layer_ids, data, engine_desc, resolved, extraction_fp, fingerprint, num_shards)
