@@ -45,10 +45,10 @@ def download(spec: PipelineSpec) -> DownloadResult:
         secret_env_names=SECRET_ENV,
     )
     downloaded = _download(call, runner=spec.runner)
-    logger.info("model %s is at %s (revision %s)", spec.model, downloaded.model_dir, downloaded.resolved_revision)
+    logger.info("model %s is at %s (revision %s)", spec.model, downloaded.model_dir, downloaded.model_revision)
     return downloaded
 
 
 def model_location(spec: PipelineSpec, downloaded: DownloadResult) -> tuple[str, str | None]:
     """The model directory the extraction reads and its revision: the download's."""
-    return downloaded.model_dir, downloaded.resolved_revision
+    return downloaded.model_dir, downloaded.model_revision

@@ -54,8 +54,9 @@ class DownloadResult(BaseModel):
     source: str = Field(description="The model source as the spec gave it.")
     kind: SourceKind = Field(description="hf, s3 or local.")
     model_dir: str = Field(description="Local model directory to give the engine (absolute path).")
-    resolved_revision: str = Field(
-        description="Hub: the commit sha. S3: sha256 of the mirror's listing. Local: the content fingerprint."
+    model_revision: str = Field(
+        description="The revision resolved: hub, the commit sha; S3, sha256 of the mirror's listing; local, the "
+        "content fingerprint. What the extraction and regeneration specs take as their model_revision."
     )
     fingerprint: str = Field(description="Content fingerprint of the model directory (source-independent).")
     files: list[str] = Field(description="The model files, relative to model_dir.")
@@ -63,6 +64,7 @@ class DownloadResult(BaseModel):
     cached: bool = Field(description="True when the model was already in the cache (nothing fetched).")
     fetched_bytes: int = Field(description="Bytes transferred by this run (S3; 0 when cached or local).")
     seconds: float = Field(description="Wall time of the step.")
+    resolved_revision = property(lambda self: self.model_revision, doc="model_revision's former name (read-only)")
 
 
 def files_fingerprint(model_dir: str | Path, files: list[str]) -> str:
@@ -115,7 +117,7 @@ def download(spec: SourcesSpec) -> DownloadResult:
         source=spec.model,
         kind=source.kind,
         model_dir=str(Path(record.model_dir).absolute()),
-        resolved_revision=record.revision,
+        model_revision=record.revision,
         fingerprint=fingerprint,
         files=[f.path for f in record.files],
         bytes=record.bytes,
