@@ -104,3 +104,9 @@ def test_a_spec_carried_over_equals_the_same_spec_validated(tmp_path):
     xspec = spec.extract_spec(model_dir="/models/m", model_revision=None)
     assert ExtractSpec.model_validate(xspec.model_dump()) == xspec
     assert ExtractSpec.model_validate_json(xspec.model_dump_json()) == xspec
+
+
+def test_the_extraction_spec_has_no_rule_across_fields_that_carrying_it_over_would_skip():
+    # of_checked carries over values each validated by the same field's rules; a model validator
+    # (a rule across fields) added to ExtractSpec would need it to validate instead
+    assert ExtractSpec.__pydantic_decorators__.model_validators == {}
