@@ -381,16 +381,18 @@ def self_chats(model: Path, out: Path, *, rows: int, new_tokens: int, device: st
 
     if out.exists():
         return out
-    base = prompts(min(rows, 400))
-    users = [p + STYLES[(i // len(base)) % len(STYLES)] for i, p in enumerate(base * (-(-rows // len(base))))][:rows]
+    # a base prompt's styled variants side by side: the held-out tail of the split (the last rows) holds
+    # whole groups, so no held-out prompt has a near-copy (the same question, another style) in training
+    base = prompts(min(-(-rows // len(STYLES)), 400))
+    users = [base[i // len(STYLES)] + STYLES[i % len(STYLES)] for i in range(min(rows, len(base) * len(STYLES)))]
     tok = AutoTokenizer.from_pretrained(model)
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device).eval()
     chats = []
-    for i in range(0, rows, 128):
-        batch = users[i:i + 128]
+    for i in range(0, rows, 400):
+        batch = users[i:i + 400]
         enc = tok.apply_chat_template([[{"role": "user", "content": u}] for u in batch], add_generation_prompt=True,
                                       return_tensors="pt", padding=True, return_dict=True).to(device)
         with torch.no_grad():
@@ -432,14 +434,17 @@ def proof(args) -> None:
     model = smollm2.build(work / f"smollm2-{smollm2.version()}").resolve()
     rec["timings"]["model_s"] = round(time.monotonic() - t, 1)
     t = time.monotonic()
-    chats = self_chats(model, work / f"chats-{args.rows}x{args.new_tokens}.jsonl", rows=args.rows,
+    chats = self_chats(model, work / f"chats-{args.rows}x{args.new_tokens}-grouped.jsonl", rows=args.rows,
                        new_tokens=args.new_tokens, device=device)
     rec["timings"]["chats_s"] = round(time.monotonic() - t, 1)
     t = time.monotonic()
+    # the fp8 extraction in a process of its own beside the union's (each is mostly the host's work)
+    fp8 = subprocess.Popen([sys.executable, __file__, "proof-extract", str(model), str(chats), str(work / "fp8"),
+                            ",".join(map(str, tp.RIGHT)), "fp8_e4m3", str(args.per_shard)], cwd=REPO)
     _extract_hf(model, chats, work / "union-bf16", layer_ids=tp.UNION, storage="bfloat16", per_shard=args.per_shard)
     rec["timings"]["extract_union_s"] = round(time.monotonic() - t, 1)
-    t = time.monotonic()
-    _extract_hf(model, chats, work / "fp8", layer_ids=tp.RIGHT, storage="fp8_e4m3", per_shard=args.per_shard)
+    if fp8.wait():
+        raise SystemExit(f"the fp8 extraction failed (exit {fp8.returncode})")
     rec["timings"]["extract_fp8_s"] = round(time.monotonic() - t, 1)
     m = json.loads((work / "union-bf16" / "manifest.json").read_text())
     rec["dataset"] = m["totals"]
@@ -549,27 +554,40 @@ SPEC_ORDER = ("untrained", "bf16", "off-by-one", "gross", "fp8", "bf16-half")
 def proof_spec(args) -> None:
     """vLLM's own EAGLE-3 acceptance length for the proof's drafts on the GPU: each draft (its seed-0
     draft first for every case, then the other seeds) as the speculator of SmolLM2 in an engine of its
-    own process, greedy from the held-out rows' prompts; vLLM's counters (``datagen.training.spec_decode``)."""
+    own process, greedy from the held-out rows' prompts; vLLM's counters (``datagen.training.spec_decode``).
+    ``--parallel`` engines at once, their starts ``--stagger`` seconds apart (each takes
+    DATAGEN_GPU_MEMORY_UTILIZATION of the GPU); a draft measured already in the output is kept, one
+    that failed is tried again alone at the end."""
+    import concurrent.futures as cf
+
     from datagen.models import smollm2
 
     work, out = Path(args.work), Path(args.out)
     model = work / f"smollm2-{smollm2.version()}"
-    drafts = [d for d in (work / "drafts").iterdir() if (d / "config.json").exists()]
+    path = out / ("train-proof-spec-eos.json" if args.stop_at_eos else "train-proof-spec.json")
+    rec = json.loads(path.read_text()) if path.exists() else {}
+    rec.update({"prompts": args.prompts, "max_tokens": args.max_tokens})
+    done = {k for k, v in rec.setdefault("drafts", {}).items() if "error" not in v}
 
     def order(d: Path):
         case, seed, _ = d.name.rsplit("-", 2)
         return (int(seed), SPEC_ORDER.index(case) if case in SPEC_ORDER else 99)
 
+    todo = sorted((d for d in (work / "drafts").iterdir() if (d / "config.json").exists() and d.name not in done
+                   and int(d.name.rsplit("-", 2)[1]) in args.seeds
+                   and (args.cases is None or d.name.rsplit("-", 2)[0] in args.cases)), key=order)
     deadline = time.monotonic() + args.budget
-    path, rec = out / "train-proof-spec.json", {"prompts": args.prompts, "max_tokens": args.max_tokens, "drafts": {}}
-    for d in sorted(drafts, key=order):
+
+    def one(d: Path, delay: float) -> None:
+        time.sleep(delay)
         if time.monotonic() > deadline:
             _log(f"spec {d.name}: not started (past --budget)")
-            continue
+            return
         t = time.monotonic()
         try:
             p = subprocess.run([sys.executable, __file__, "proof-spec-one", str(d), str(model), str(work / "union-bf16"),
-                                str(args.prompts), str(args.max_tokens)], cwd=REPO, capture_output=True, text=True,
+                                str(args.prompts), str(args.max_tokens), *(["--stop-at-eos"] if args.stop_at_eos else [])],
+                               cwd=REPO, capture_output=True, text=True,
                                timeout=args.run_timeout)
             lines = [x for x in p.stdout.splitlines() if x.startswith("spec-decode: ")]
             r = json.loads(lines[-1][len("spec-decode: "):]) if lines else {"error": (p.stderr.strip().splitlines()
@@ -581,15 +599,22 @@ def proof_spec(args) -> None:
         _log(f"spec {d.name}: {json.dumps(r)[:300]}")
         _save(path, rec)
 
+    with cf.ThreadPoolExecutor(args.parallel) as pool:
+        list(pool.map(lambda iv: one(iv[1], args.stagger * iv[0] if iv[0] < args.parallel else 0.0), enumerate(todo)))
+    for d in todo:  # a failed engine (another one's start in its memory profile, say) gets a second try, alone
+        if "error" in rec["drafts"].get(d.name, {}):
+            one(d, 0.0)
 
-def proof_spec_one(draft: str, model: str, dataset: str, prompts: int, max_tokens: int) -> None:
+
+def proof_spec_one(draft: str, model: str, dataset: str, prompts: int, max_tokens: int, stop_at_eos: bool) -> None:
     """(internal) one draft in vLLM, printed as ``spec-decode: {json}``."""
     from datagen.training.draft import read_lineage
     from datagen.training.spec_decode import held_out_prompts, measure_spec_decode
 
     lineage = read_lineage(Path(draft))
     ps = held_out_prompts(dataset, train_ratio=lineage.settings.train_ratio, limit=prompts)
-    r = measure_spec_decode(model, draft, ps, k=lineage.settings.ttt_steps, max_tokens=max_tokens)
+    r = measure_spec_decode(model, draft, ps, k=lineage.settings.ttt_steps, max_tokens=max_tokens,
+                            ignore_eos=not stop_at_eos)
     print("spec-decode: " + r.model_dump_json(), flush=True)
 
 
@@ -711,12 +736,25 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--budget", type=float, default=300.0)
     p.add_argument("--run-timeout", type=float, default=240.0)
+    p.add_argument("--parallel", type=int, default=1)
+    p.add_argument("--stagger", type=float, default=30.0)
+    p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
+    p.add_argument("--cases", type=lambda s: s.split(","), default=None)
+    p.add_argument("--stop-at-eos", action="store_true", help="each prompt stops at its end of turn")
     p = sub.add_parser("proof-spec-one")
     p.add_argument("draft")
     p.add_argument("model")
     p.add_argument("dataset")
     p.add_argument("prompts", type=int)
     p.add_argument("max_tokens", type=int)
+    p.add_argument("--stop-at-eos", action="store_true")
+    p = sub.add_parser("proof-extract")
+    p.add_argument("model")
+    p.add_argument("chats")
+    p.add_argument("out")
+    p.add_argument("layers")
+    p.add_argument("storage")
+    p.add_argument("per_shard", type=int)
     p = sub.add_parser("proof-drafts")
     p.add_argument("spec")
     p.add_argument("out")
@@ -730,7 +768,11 @@ def main() -> None:
     if args.cmd == "child":
         raise SystemExit(child(args))
     if args.cmd == "proof-spec-one":
-        proof_spec_one(args.draft, args.model, args.dataset, args.prompts, args.max_tokens)
+        proof_spec_one(args.draft, args.model, args.dataset, args.prompts, args.max_tokens, args.stop_at_eos)
+        return
+    if args.cmd == "proof-extract":
+        _extract_hf(Path(args.model), Path(args.chats), Path(args.out), layer_ids=[int(x) for x in args.layers.split(",")],
+                    storage=args.storage, per_shard=args.per_shard)
         return
     if args.cmd == "proof-drafts":
         proof_drafts(args.spec, args.out)

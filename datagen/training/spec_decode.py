@@ -62,8 +62,10 @@ def held_out_prompts(dataset: str | Path, *, train_ratio: float, limit: int) -> 
 
 
 def measure_spec_decode(target: str | Path, draft: str | Path, prompts: list[list[int]], *, k: int,
-                        max_tokens: int = 48) -> SpecDecodeResult:
-    """Generate greedily from ``prompts`` with the draft as vLLM's EAGLE-3 speculator; vLLM's counters."""
+                        max_tokens: int = 48, ignore_eos: bool = True) -> SpecDecodeResult:
+    """Generate greedily from ``prompts`` with the draft as vLLM's EAGLE-3 speculator; vLLM's counters.
+    ``ignore_eos``: every prompt runs ``max_tokens`` (past the reply's end, where the target writes what
+    no training row holds); False: each stops at its end of turn, as served."""
     import vllm
     from vllm import LLM, SamplingParams, TokensPrompt
 
@@ -73,7 +75,7 @@ def measure_spec_decode(target: str | Path, draft: str | Path, prompts: list[lis
               enforce_eager=True, enable_prefix_caching=False, max_model_len=2048, max_num_seqs=8,
               gpu_memory_utilization=datagen_settings.gpu_memory_utilization(), disable_log_stats=False, seed=0)
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                 SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+                 SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos), use_tqdm=False)
     metrics = llm.get_metrics()
     drafts = _counter(metrics, "vllm:spec_decode_num_drafts")
     accepted = _counter(metrics, "vllm:spec_decode_num_accepted_tokens")
