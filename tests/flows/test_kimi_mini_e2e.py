@@ -25,6 +25,7 @@ from uuid import UUID
 
 import pytest
 
+from tests.flows.pools import create_process_pools
 from tests.support.docker_engine import BUILD_TIMEOUT_S, docker_client
 from tests.support.prefect_server import flow_run_id, start_server
 from tests.support.s3server import S3Server, _skip_without_weed, upload_tree
@@ -102,8 +103,7 @@ def server(project, s3, tmp_path_factory):
 
     server = start_server(tmp_path_factory.mktemp("kimi-server"))
     try:
-        for pool in ("cpu", "gpu", "control"):
-            server.cli("work-pool", "create", pool, "--type", "process")
+        create_process_pools(server, "cpu", "gpu", "control")
         with temporary_settings(updates={PREFECT_API_URL: server.url}):
             S3Bucket(
                 bucket_name=RESULTS_BLOCK,
@@ -120,6 +120,8 @@ def server(project, s3, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def worker(server, project, s3):
+    # The engine settings are for the steps, but the docker runner passes a container only the
+    # step's own settings: the extraction compiles (docs/testing.md, the kimi-mini set-up).
     return server.start_worker(
         "cpu", name="cpu-kimi", cwd=project,
         env={**s3.env(), "DATAGEN_ENFORCE_EAGER": "1", "DATAGEN_CPU_KVCACHE_GIB": "1"},

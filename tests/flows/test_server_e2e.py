@@ -17,6 +17,7 @@ from uuid import UUID
 import pytest
 
 from datagen.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT
+from tests.flows.pools import create_process_pools
 from tests.support.prefect_server import PrefectServer, flow_run_id, start_server
 from tests.support.step_hooks import worker_env
 
@@ -42,8 +43,7 @@ def project(tmp_path_factory) -> Path:
 def server(project, tmp_path_factory):
     server = start_server(tmp_path_factory.mktemp("server"))
     try:
-        for pool in ("cpu", "gpu", "control"):
-            server.cli("work-pool", "create", pool, "--type", "process")
+        create_process_pools(server, "cpu", "gpu", "control")
         server.cli("--no-prompt", "deploy", "--all", cwd=project)
         yield server
     finally:
