@@ -34,12 +34,14 @@ def shard_checksums(output: Path) -> list[tuple[str, str]]:
     return [(shard["path"], shard["sha256"]) for shard in manifest["shards"]]
 
 
-def kill_first_container(client, step: str, killed: list[str], *, under: Path, timeout_s: float = 600) -> None:
+def kill_first_container(client, step: str, killed: list[str], *, under: Path, done: threading.Event,
+                         timeout_s: float = 600) -> None:
     """`docker kill` the first running container of ``step`` the runner starts for this test: one
-    that mounts a path under ``under`` (another run on the same Docker engine is left alone)."""
+    that mounts a path under ``under`` (another run on the same Docker engine is left alone).
+    Gives up when ``done`` is set (the run ended without one: the test fails on ``killed``)."""
     wanted = [f"{MANAGED_LABEL}=true", f"{LABEL_PREFIX}step={step}"]
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not done.is_set():
         for container in client.containers.list(filters={"label": wanted}):
             if not any(str(m.get("Source", "")).startswith(f"{under}/") for m in container.attrs.get("Mounts", [])):
                 continue
@@ -64,11 +66,15 @@ def test_tiny_flow_in_containers_survives_a_killed_container_and_matches_the_loc
         )
 
     killed: list[str] = []
+    done = threading.Event()
     killer = threading.Thread(target=kill_first_container, args=(client, "extract", killed),
-                              kwargs={"under": tmp_path})
+                              kwargs={"under": tmp_path, "done": done})
     killer.start()
-    in_docker = extract(spec("docker"), return_state=True)
-    killer.join()
+    try:
+        in_docker = extract(spec("docker"), return_state=True)
+    finally:  # a run that ended before any extract container ran fails below, not ten minutes later
+        done.set()
+        killer.join()
 
     assert in_docker.is_completed(), in_docker
     assert killed == [str(in_docker.state_details.flow_run_id)], "no extract container was killed"

@@ -31,6 +31,7 @@ from uuid import UUID
 import pytest
 
 from datagen.models.tiny import make_chat_dataset
+from tests.flows.pools import create_process_pools
 from tests.support.prefect_server import PrefectServer, Process, start_server
 from tests.support.s3server import s3_server  # noqa: F401  (fixture)
 from tests.support.step_hooks import worker_env
@@ -76,8 +77,7 @@ def s3(s3_server):  # noqa: F811
 def server(project, s3, tmp_path_factory):
     server = start_server(tmp_path_factory.mktemp("server"))
     try:
-        server.cli("work-pool", "create", "gpu", "--type", "process")
-        server.cli("work-pool", "create", "cpu", "--type", "process")
+        create_process_pools(server, "gpu", "cpu")
         # Deploying deploys the lost-host automation too (a build step of prefect.yaml).
         out = server.cli("--no-prompt", "deploy", "--name", "gpu", "--name", "tiny", cwd=project,
                          env={"DATAGEN_LOST_HOST_WINDOW_S": str(LOST_HOST_WINDOW_S)}).stdout
