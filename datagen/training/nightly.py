@@ -11,7 +11,10 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 
-DEFAULT_DROP_THRESHOLD = 0.10  # a 10% fall of the acceptance length against the night before fails
+# a 5% fall of the acceptance length against the night before fails: on the H200 (SmolLM2, 2,000 steps, 3 seeds;
+# docs/training.md) right datasets' drafts differed by up to 2.3% between seeds and a grossly wrong layer set fell
+# 40-44%; an off-by-one layer set fell 0.6-2.3%, inside the seeds' spread, so feature_error catches it, not this
+DEFAULT_DROP_THRESHOLD = 0.05
 
 
 @dataclass(frozen=True)
