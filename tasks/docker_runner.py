@@ -30,6 +30,7 @@ import requests
 
 from datagen.errors import CannotRunHereError
 from tasks.runners import StepInvocation, StepOutcome, parse_result_line
+from tasks.settings import engine_step_env
 
 logger = logging.getLogger(__name__)
 
@@ -130,8 +131,9 @@ class DockerRunner:
         )
 
     def _environment(self, invocation: StepInvocation) -> dict[str, str]:
-        # The host user may have no home in the image; tools that cache under ~ need one.
-        env = {"HOME": "/tmp", **invocation.env}
+        # The host user may have no home in the image; tools that cache under ~ need one. The worker's
+        # engine settings reach the step as they reach a local step; the step's own env comes last.
+        env = {"HOME": "/tmp", **engine_step_env(), **invocation.env}
         missing = [n for n in invocation.secret_env_names if n not in os.environ]
         if missing:
             logger.warning("%s: secret env vars not set on the host: %s", invocation.step, missing)

@@ -13,3 +13,14 @@ S3_SETTINGS_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGIO
 def s3_step_env() -> dict[str, str]:
     """The non-secret S3 settings set here (endpoint, region), passed on to the steps that use S3."""
     return {k: os.environ[k] for k in S3_SETTINGS_ENV if k in os.environ}
+
+
+# the engine's settings (datagen.settings) a worker may be given; a local step inherits them with the
+# worker's environment, a step container gets them passed on (tasks/docker_runner.py)
+ENGINE_SETTINGS_ENV = ("DATAGEN_ENFORCE_EAGER", "DATAGEN_CPU_KVCACHE_GIB", "DATAGEN_GPU_MEMORY_UTILIZATION",
+                       "DATAGEN_CPU_ENGINE_IN_PROCESS")
+
+
+def engine_step_env() -> dict[str, str]:
+    """The engine settings set here, passed on to a step container as a local step inherits them."""
+    return {k: os.environ[k] for k in ENGINE_SETTINGS_ENV if k in os.environ}

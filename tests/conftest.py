@@ -19,7 +19,7 @@ os.environ.setdefault("DATAGEN_CPU_KVCACHE_GIB", "1")
 # vLLM engines start eager (no torch.compile warm-up: about half the start on the CPU) unless a test
 # asks for the compiled engine (DATAGEN_ENFORCE_EAGER=0, as tests/test_extract_vllm.py does for the
 # one run whose capture it compares with the eager one's). Subprocesses and the local runner's flow
-# steps inherit it; the docker runner's step containers do not (docs/testing.md: the kimi-mini set-up).
+# steps inherit it; the docker runner passes it on to its step containers (tasks.settings.ENGINE_SETTINGS_ENV).
 os.environ.setdefault("DATAGEN_ENFORCE_EAGER", "1")
 
 

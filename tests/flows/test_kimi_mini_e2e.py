@@ -121,8 +121,8 @@ def server(project, s3, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def worker(server, project, s3):
-    # The engine settings are for the steps, but the docker runner passes a container only the
-    # step's own settings: the extraction compiles (docs/testing.md, the kimi-mini set-up).
+    # The engine settings are for the steps: the docker runner passes them on to the step containers
+    # (tasks.settings.ENGINE_SETTINGS_ENV), so the extraction there runs eager (docs/testing.md).
     return server.start_worker(
         "cpu", name="cpu-kimi", cwd=project,
         env={**s3.env(), "DATAGEN_ENFORCE_EAGER": "1", "DATAGEN_CPU_KVCACHE_GIB": "1"},

@@ -167,6 +167,29 @@ def test_secret_env_vars_are_passed_by_name_and_never_logged(
     assert "DATAGEN_TEST_UNSET" in caplog.text  # named, so the user knows it is missing
 
 
+def test_the_workers_engine_settings_reach_the_step_container_and_the_steps_own_env_wins(
+    runner, client, tmp_path, test_id, monkeypatch
+):
+    # a local step inherits the worker's DATAGEN_ENFORCE_EAGER and the like with its environment; a
+    # container gets only what it is given, so the runner passes them on (tasks.settings.ENGINE_SETTINGS_ENV)
+    monkeypatch.setenv("DATAGEN_ENFORCE_EAGER", "1")
+    monkeypatch.setenv("DATAGEN_CPU_KVCACHE_GIB", "3")
+    monkeypatch.setenv("DATAGEN_NOT_AN_ENGINE_SETTING", "x")
+    env_in_container: list[str] = []
+
+    def log(line: str) -> None:
+        if not env_in_container:
+            (container,) = containers_labelled(client, test_id)
+            env_in_container.extend(container.attrs["Config"]["Env"])
+
+    invocation = make_tiny(tmp_path, test_id, "--layers", "oops", env={"DATAGEN_CPU_KVCACHE_GIB": "1"})
+    runner.run(invocation, log)
+
+    assert "DATAGEN_ENFORCE_EAGER=1" in env_in_container
+    assert "DATAGEN_CPU_KVCACHE_GIB=1" in env_in_container  # the step's own setting, not the worker's 3
+    assert not any(e.startswith("DATAGEN_NOT_AN_ENGINE_SETTING=") for e in env_in_container)
+
+
 def test_missing_image_raises_with_the_build_command(client, tmp_path, test_id):
     runner = DockerRunner({"*": "datagen-steps:0.0.0-notbuilt"}, client=client)
 
