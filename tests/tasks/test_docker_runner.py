@@ -138,16 +138,23 @@ def test_container_is_removed_when_the_caller_is_interrupted(runner, tmp_path, t
     # The fixture checks that no container with this test's label is left.
 
 
+def _container_env(client, test_id):
+    """A step's ``log`` callback that records its container's environment at the first line, and that list."""
+    env: list[str] = []
+
+    def log(line: str) -> None:
+        if not env:
+            (container,) = containers_labelled(client, test_id)
+            env.extend(container.attrs["Config"]["Env"])
+
+    return env, log
+
+
 def test_secret_env_vars_are_passed_by_name_and_never_logged(
     runner, client, tmp_path, test_id, monkeypatch, caplog
 ):
     monkeypatch.setenv("DATAGEN_TEST_SECRET", "s3cr3t-value")
-    env_in_container: list[str] = []
-
-    def log(line: str) -> None:
-        if not env_in_container:
-            (container,) = containers_labelled(client, test_id)
-            env_in_container.extend(container.attrs["Config"]["Env"])
+    env_in_container, log = _container_env(client, test_id)
 
     invocation = make_tiny(
         tmp_path,
@@ -175,12 +182,7 @@ def test_the_workers_engine_settings_reach_the_step_container_and_the_steps_own_
     monkeypatch.setenv("DATAGEN_ENFORCE_EAGER", "1")
     monkeypatch.setenv("DATAGEN_CPU_KVCACHE_GIB", "3")
     monkeypatch.setenv("DATAGEN_NOT_AN_ENGINE_SETTING", "x")
-    env_in_container: list[str] = []
-
-    def log(line: str) -> None:
-        if not env_in_container:
-            (container,) = containers_labelled(client, test_id)
-            env_in_container.extend(container.attrs["Config"]["Env"])
+    env_in_container, log = _container_env(client, test_id)
 
     invocation = make_tiny(tmp_path, test_id, "--layers", "oops", env={"DATAGEN_CPU_KVCACHE_GIB": "1"})
     runner.run(invocation, log)
