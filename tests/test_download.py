@@ -130,8 +130,8 @@ def test_second_download_of_the_same_mirror_fetches_nothing(s3_env, cache_env, m
     monkeypatch.setattr(s3mod, "read_range_into", no_reads)
     second = download.download(spec_for(uri))
     assert second.cached and second.fetched_bytes == 0
-    assert (second.model_dir, second.resolved_revision, second.fingerprint) == (
-        first.model_dir, first.resolved_revision, first.fingerprint,
+    assert (second.model_dir, second.model_revision, second.fingerprint) == (
+        first.model_dir, first.model_revision, first.fingerprint,
     )
 
 
@@ -143,7 +143,7 @@ def test_a_changed_mirror_is_a_new_revision(s3_env, cache_env, model_dir):
     config = json.loads((model_dir / "config.json").read_text()) | {"note": "changed"}
     s3_env.client().put_object(Bucket=bucket, Key="models/tiny/config.json", Body=json.dumps(config).encode())
     second = download.download(spec_for(uri))
-    assert not second.cached and second.resolved_revision != first.resolved_revision
+    assert not second.cached and second.model_revision != first.model_revision
     assert second.model_dir != first.model_dir and second.fingerprint != first.fingerprint
 
 
@@ -291,7 +291,7 @@ def hub_offline(cache_env, monkeypatch, model_dir):
 
 def test_hub_branch_resolves_to_its_commit_and_serves_the_snapshot(hub_offline, cache_env, model_dir, tmp_path):
     result = download.download(spec_for("hf://acme/tiny@main"))
-    assert result.kind.value == "hf" and result.resolved_revision == hub_offline
+    assert result.kind.value == "hf" and result.model_revision == hub_offline
     assert Path(result.model_dir) == snapshot_file(cache_env / "hub", "acme/tiny", hub_offline, "")
     assert result.files == engine_files(model_dir)
     assert result.fingerprint == content_fingerprint(model_dir, tmp_path)
@@ -299,7 +299,7 @@ def test_hub_branch_resolves_to_its_commit_and_serves_the_snapshot(hub_offline, 
 
 def test_hub_tag_pinned_commit_and_default_branch_are_one_cache_entry(hub_offline):
     results = [download.download(spec_for(m)) for m in ("hf://acme/tiny", "hf://acme/tiny@v1", f"hf://acme/tiny@{hub_offline}")]
-    assert {r.resolved_revision for r in results} == {hub_offline}
+    assert {r.model_revision for r in results} == {hub_offline}
     assert [r.cached for r in results] == [False, True, True]
 
 
@@ -346,7 +346,7 @@ def test_local_directory_is_used_in_place_with_a_content_fingerprint(tmp_path, c
 
     d = shutil.copytree(model_dir, tmp_path / "local")
     first = download.download(spec_for(str(d)))
-    assert first.model_dir == str(d) and first.resolved_revision == first.fingerprint
+    assert first.model_dir == str(d) and first.model_revision == first.fingerprint
     assert not cache_env.exists(), "nothing is copied into the cache"
     (d / "generation_config.json").write_text("{}")
     assert download.download(spec_for(str(d))).fingerprint != first.fingerprint

@@ -64,7 +64,6 @@ class DownloadResult(BaseModel):
     cached: bool = Field(description="True when the model was already in the cache (nothing fetched).")
     fetched_bytes: int = Field(description="Bytes transferred by this run (S3; 0 when cached or local).")
     seconds: float = Field(description="Wall time of the step.")
-    resolved_revision = property(lambda self: self.model_revision, doc="model_revision's former name (read-only)")
 
 
 def files_fingerprint(model_dir: str | Path, files: list[str]) -> str:

@@ -51,7 +51,7 @@ def inputs(tmp_path_factory, tiny_llama) -> dict:
     from datagen.steps.download import download
     from datagen.storage.sources import parse_sources_spec
 
-    revision = download(parse_sources_spec({"model": str(tiny_llama), "out": str(ref)})).resolved_revision
+    revision = download(parse_sources_spec({"model": str(tiny_llama), "out": str(ref)})).model_revision
     args = ["extract", "--model", str(tiny_llama), "--model-revision", revision, "--dataset", str(rows),
             "--out", str(ref), "--engine", ENGINE,
             "--samples-per-shard", "2", "--max-seq-len", "256", "--max-num-batched-tokens", "512"]
