@@ -47,8 +47,14 @@ SHARD_TENSORS = {
 # of hidden_states[t, l, h] is float(hidden_states[t, l, h]) * hidden_states_scale[t, l]
 # (scale = absmax over H / 448, 1 for an all-zero vector).
 FP8_SCALE_TENSORS = {"hidden_states_scale": ("float32", "[T, L]")}
-# bytes of one stored value of hidden_states, by storage dtype
-STORED_VALUE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8_e4m3": 1}
+# The stored form of hidden_states by storage dtype (the spec's storage_dtype): the tensor's
+# safetensors dtype code and the bytes of one value. The one table of them: the writer's torch dtypes
+# (datagen.data.shards.format), the reader's and validation's expected codes derive from it.
+STORED_FORMS: dict[str, tuple[str, int]] = {
+    "bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4), "fp8_e4m3": ("F8_E4M3", 1),
+}
+STORED_VALUE_BYTES = {name: nbytes for name, (_, nbytes) in STORED_FORMS.items()}
+STORED_CODES = {name: code for name, (code, _) in STORED_FORMS.items()}
 TOKEN_OVERHEAD_BYTES = 5  # input_ids int32 + loss_mask uint8 per token
 # The capture's and the writer's float32 workspace, in elements: statistics and fp8 scales are
 # computed over chunks of this many values (tokens x hidden), never a float32 copy of the whole step.
@@ -221,7 +227,7 @@ class ResolvedSpec(_Recorded):
     """
 
     model: ResolvedModel = Field(description="The model: revision, architecture, layers, hidden size.")
-    layer_ids: list[int] = Field(description="Captured layers in vLLM numbering, the order of the layer axis.")
+    layer_ids: tuple[int, ...] = Field(description="Captured layers in vLLM numbering, the order of the layer axis.")
     layer_numbering: str | None = Field(None, description="The numbering rule of layer_ids.")
     dtype: str = Field(description="Compute dtype of the engine.")
     storage_dtype: str | None = Field(

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 import torch
 from pydantic import ValidationError
 
-from datagen.data.contract import FORMAT_VERSION, MANIFEST_NAME, Manifest
+from datagen.data.contract import FORMAT_VERSION, MANIFEST_NAME, STORED_CODES, Manifest
+from datagen.data.shards.format import SAFETENSORS_DTYPES
 from datagen.errors import DatasetError
 from datagen.reader._shards import (
-    FP8_CODES, ST_DTYPES, STORAGE_CODES, Expected, OpenShard, open_shard, verify_content,
+    FP8_CODES, Expected, OpenShard, open_shard, verify_content,
 )
 from datagen.reader._store import LocalStore, open_store
 
@@ -51,11 +52,11 @@ class Sample:
 
 def _expected(m: Manifest, where: str) -> Expected:
     spec = m.spec
-    layer_ids, hidden, name = tuple(spec.layer_ids), spec.model.hidden_size, spec.storage_dtype
-    if name not in STORAGE_CODES:
+    layer_ids, hidden, name = spec.layer_ids, spec.model.hidden_size, spec.storage_dtype
+    if name not in STORED_CODES:
         raise DatasetError(f"hidden states stored as {name!r}, which this reader does not know", path=where,
-                           hint=f"known: {', '.join(sorted(STORAGE_CODES))}; update datagen")
-    return Expected(layer_ids=layer_ids, hidden_size=hidden, storage_code=STORAGE_CODES[name])
+                           hint=f"known: {', '.join(sorted(STORED_CODES))}; update datagen")
+    return Expected(layer_ids=layer_ids, hidden_size=hidden, storage_code=STORED_CODES[name])
 
 
 class DatasetReader:
@@ -199,7 +200,7 @@ class DatasetReader:
         base, a, b = off[first], off[p], off[p + 1]
         _, layers, hidden = s.states.shape
         rb = s.row_bytes
-        dtype = ST_DTYPES[s.states.dtype]
+        dtype = SAFETENSORS_DTYPES[s.states.dtype]
         if len(run) != (b - a) * rb:
             # a sample's own bytes (a memcpy; torch's copy would start its thread pool for it): a view
             # into the run would keep the whole run alive

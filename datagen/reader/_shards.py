@@ -15,24 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
-from datagen.data.contract import ShardRecord
+from datagen.data.contract import STORED_CODES, ShardRecord
+from datagen.data.shards.format import SAFETENSORS_DTYPES
 from datagen.errors import ValidationFailed
 from datagen.reader._store import FileInfo, Store
 
 HEADER_LIMIT = 1 << 20  # a shard's header holds a handful of tensors: anything larger is hostile
 FIRST_READ = 64 << 10  # the first ranged read: the header and, on small shards, everything before the states
 
-# safetensors dtype code -> torch dtype
-ST_DTYPES: dict[str, torch.dtype] = {
-    "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
-    "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-# the spec's dtype / storage_dtype names -> safetensors code of hidden_states
-STORAGE_CODES = {
-    "bfloat16": "BF16", "float16": "F16", "float32": "F32",
-    "float8_e4m3fn": "F8_E4M3", "fp8_e4m3": "F8_E4M3", "fp8": "F8_E4M3", "float8_e4m3": "F8_E4M3",
-}
 FP8_CODES = {"F8_E4M3", "F8_E5M2"}
 SCALE = "hidden_states_scale"  # float32 [T, L] beside fp8 states: value = fp8 * scale
 
@@ -95,7 +85,7 @@ def _entries(raw: bytes, base: int, path: str) -> tuple[dict[str, Entry], dict[s
     for name, e in obj.items():
         try:
             dtype, shape, (a, b) = e["dtype"], tuple(e["shape"]), e["data_offsets"]
-            if dtype not in ST_DTYPES or not all(type(d) is int and d >= 0 for d in shape) or not 0 <= a <= b:
+            if dtype not in SAFETENSORS_DTYPES or not all(type(d) is int and d >= 0 for d in shape) or not 0 <= a <= b:
                 raise ValueError(name)
         except (TypeError, KeyError, ValueError):
             raise ShardRefused(path, f"header entry of {name!r} is malformed") from None
@@ -111,7 +101,7 @@ def _check_layout(entries: dict[str, Entry], size: int, base: int, path: str) ->
         n = 1
         for d in e.shape:
             n *= d
-        if e.end - e.start != n * ST_DTYPES[e.dtype].itemsize:
+        if e.end - e.start != n * SAFETENSORS_DTYPES[e.dtype].itemsize:
             raise ShardRefused(path, f"a tensor of shape {list(e.shape)} has {e.end - e.start} bytes")
         pos = e.end
     if pos != size:
@@ -135,8 +125,8 @@ def _check_tensors(t: dict[str, Entry], rec: ShardRecord, exp: Expected, path: s
 def _tensor(buf: bytes | bytearray, base: int, e: Entry) -> torch.Tensor:
     raw = bytearray(buf[e.start - base:e.end - base])
     if not raw:
-        return torch.empty(e.shape, dtype=ST_DTYPES[e.dtype])
-    return torch.frombuffer(raw, dtype=ST_DTYPES[e.dtype]).view(e.shape)
+        return torch.empty(e.shape, dtype=SAFETENSORS_DTYPES[e.dtype])
+    return torch.frombuffer(raw, dtype=SAFETENSORS_DTYPES[e.dtype]).view(e.shape)
 
 
 def open_shard(store: Store, rec: ShardRecord, exp: Expected, *, stored_sha256_required: bool) -> OpenShard:

@@ -10,13 +10,12 @@ from pathlib import Path
 import numpy as np
 from pydantic import ValidationError
 
-from datagen.data.contract import FORMAT_VERSION, MANIFEST_NAME, Manifest
+from datagen.data.contract import FORMAT_VERSION, MANIFEST_NAME, STORED_CODES, Manifest
 from datagen.data.media import REASONS as MEDIA_SKIP_REASONS
 from datagen.data.shards.kernels import combine_stats, stats_from_sums
 from datagen.data.spec import canonical_json, sha256_hex
 from datagen.validation.report import Findings, Problem, ProblemKind
 from datagen.validation.scan import SUMS_RTOL, Expected, ShardScan, compare_stats
-from datagen.validation.shardfile import SPEC_DTYPE_CODES
 
 SKIP_REASONS = frozenset({"empty", "no_target", *MEDIA_SKIP_REASONS})
 
@@ -67,7 +66,7 @@ def load(root: Path, findings: Findings) -> LoadedManifest | None:
                              f"reads version {FORMAT_VERSION}"))
         return None
     spec = m.spec
-    layer_ids = tuple(spec.layer_ids)
+    layer_ids = spec.layer_ids
     hidden, n_layers = spec.model.hidden_size, spec.model.num_hidden_layers
     compute_dtype, dtype = spec.dtype, spec.storage_dtype
     lacking = [name for name, value in (("dataset.rows", spec.dataset and spec.dataset.rows),
@@ -78,7 +77,7 @@ def load(root: Path, findings: Findings) -> LoadedManifest | None:
         findings.add(Problem(ProblemKind.SPEC_INVALID, f"the recorded spec lacks {', '.join(lacking)}"))
         return None
     rows, per_shard = spec.dataset.rows, spec.preprocessing.samples_per_shard
-    if dtype not in SPEC_DTYPE_CODES or not layer_ids or per_shard < 1 or rows < 0:
+    if dtype not in STORED_CODES or not layer_ids or per_shard < 1 or rows < 0:
         findings.add(Problem(ProblemKind.SPEC_INVALID, f"the recorded spec is inconsistent: dtype {dtype!r}, "
                              f"layer_ids {list(layer_ids)}, samples_per_shard {per_shard}, rows {rows}"))
         return None

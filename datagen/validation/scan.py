@@ -19,13 +19,13 @@ from pathlib import Path
 
 import numpy as np
 
-from datagen.data.contract import FP8_SCALE_TENSORS, SHARD_TENSORS, LayerStats, ShardRecord, volume_root
+from datagen.data.contract import FP8_SCALE_TENSORS, SHARD_TENSORS, STORED_CODES, LayerStats, ShardRecord, volume_root
 from datagen.data.dataset import Sample
 from datagen.data.shards.format import SHARD_FORMAT
 from datagen.errors import ValidationFailed
 from datagen.validation.layer_sums import LayerSums
 from datagen.validation.report import Problem, ProblemKind
-from datagen.validation.shardfile import SPEC_DTYPE_CODES, MappedShard, ShardHeader, read_header
+from datagen.validation.shardfile import MappedShard, ShardHeader, read_header
 
 # Relative tolerance of recomputed statistics: float32 partial sums against the
 # writer's float64 sums differ by about 1e-6 of the standard deviation.
@@ -179,7 +179,7 @@ def _conforms(h: ShardHeader, rec: ShardRecord, exp: Expected, out: ShardScan) -
                     f"tensors differ from the contract: missing {missing}, unexpected {extra}")
         return False
     codes = {"input_ids": "I32", "loss_mask": "U8", "sample_index": "I64", "sample_offsets": "I64",
-             "hidden_states": SPEC_DTYPE_CODES.get(exp.dtype, "?"), **({"hidden_states_scale": "F32"} if exp.fp8 else {})}
+             "hidden_states": STORED_CODES.get(exp.dtype, "?"), **({"hidden_states_scale": "F32"} if exp.fp8 else {})}
     ok = True
     for name, code in codes.items():
         if h.tensors[name].dtype != code:

@@ -24,6 +24,8 @@ from typing import Callable
 
 import torch
 
+from datagen.data.contract import STORED_CODES
+from datagen.data.shards.format import SAFETENSORS_DTYPES
 from datagen.errors import ValidationFailed
 from datagen.validation.report import Problem, ProblemKind
 
@@ -33,18 +35,6 @@ SHARD_HEADER_LIMIT = 1 << 20
 # still be in the CPU cache when the hidden-state callback reads it after hashing (with
 # 8 MiB blocks, 8+ workers thrashed the shared cache and ran slower than 4).
 SCAN_BLOCK = 2 << 20
-
-# safetensors dtype code -> (torch dtype, bytes per element)
-ST_DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "BOOL": (torch.bool, 1), "U8": (torch.uint8, 1), "I8": (torch.int8, 1),
-    "I16": (torch.int16, 2), "U16": (torch.uint16, 2), "F16": (torch.float16, 2),
-    "BF16": (torch.bfloat16, 2), "I32": (torch.int32, 4), "U32": (torch.uint32, 4),
-    "F32": (torch.float32, 4), "I64": (torch.int64, 8), "U64": (torch.uint64, 8),
-    "F64": (torch.float64, 8), "F8_E4M3": (torch.float8_e4m3fn, 1),
-}
-# storage dtype name of the spec -> safetensors dtype code
-SPEC_DTYPE_CODES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "fp8_e4m3": "F8_E4M3"}
-
 
 @dataclass(frozen=True)
 class TensorEntry:
@@ -57,11 +47,11 @@ class TensorEntry:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return ST_DTYPES[self.dtype][0]
+        return SAFETENSORS_DTYPES[self.dtype]
 
     @property
     def itemsize(self) -> int:
-        return ST_DTYPES[self.dtype][1]
+        return SAFETENSORS_DTYPES[self.dtype].itemsize
 
 
 @dataclass(frozen=True)
@@ -127,7 +117,7 @@ def _entry(name: str, e, base: int) -> TensorEntry:
     if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
         raise _bad(f"tensor {name}: header entry must have exactly dtype, shape, data_offsets")
     dtype, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
-    if dtype not in ST_DTYPES:
+    if dtype not in SAFETENSORS_DTYPES:
         raise _bad(f"tensor {name}: unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise _bad(f"tensor {name}: shape {shape!r} is not a list of non-negative integers")
@@ -137,7 +127,7 @@ def _entry(name: str, e, base: int) -> TensorEntry:
     numel = 1
     for d in shape:
         numel *= d
-    if offs[1] - offs[0] != numel * ST_DTYPES[dtype][1]:
+    if offs[1] - offs[0] != numel * SAFETENSORS_DTYPES[dtype].itemsize:
         raise _bad(f"tensor {name}: {offs[1] - offs[0]} bytes for shape {shape} of {dtype}")
     return TensorEntry(dtype=dtype, shape=tuple(shape), start=base + offs[0], end=base + offs[1])
 

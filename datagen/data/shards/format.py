@@ -14,9 +14,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-# storage dtype name (the spec's storage_dtype) -> dtype of the stored hidden_states
-STORAGE_DTYPES = {**TORCH_DTYPES, "fp8_e4m3": torch.float8_e4m3fn}
+from datagen.data.contract import STORED_CODES
+
+# safetensors dtype code -> torch dtype: the codes a shard or any safetensors file read here may hold
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
+    "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32,
+    "F32": torch.float32, "I64": torch.int64, "U64": torch.uint64, "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+# storage dtype name (the spec's storage_dtype) -> dtype of the stored hidden_states (contract.STORED_FORMS)
+STORAGE_DTYPES = {name: SAFETENSORS_DTYPES[code] for name, code in STORED_CODES.items()}
+# compute dtype name (the spec's dtype) -> torch dtype
+TORCH_DTYPES = {name: STORAGE_DTYPES[name] for name in ("bfloat16", "float16", "float32")}
 SHARD_FORMAT = "datagen-shard-1"
 
 # --- fp8 storage ------------------------------------------------------------------------------
@@ -85,8 +95,7 @@ def _media_from_wire(rows: list) -> tuple:
 # an 8-byte little-endian header length, the JSON header padded with spaces to a multiple of 8,
 # then the tensors ordered by safetensors' dtype order (descending) and name. The output is
 # byte-identical to ``safetensors.torch.save_file`` (a test holds it to that).
-_ST_CODE = {torch.int64: "I64", torch.float32: "F32", torch.int32: "I32", torch.bfloat16: "BF16",
-            torch.float16: "F16", torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8"}
+_ST_CODE = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 _ST_ORDER = {"U8": 4, "F8_E4M3": 7, "F16": 11, "BF16": 12, "I32": 13, "F32": 15, "I64": 18}  # Rust enum order
 
 
