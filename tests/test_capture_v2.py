@@ -271,13 +271,28 @@ def test_the_worker_reads_v2s_state_on_v2s_runner_and_skips_its_dummy_runs(v2, t
     vllm_worker._enable_capture(runner)
     cap = runner._datagen_capture
     assert runner.use_aux_hidden_state_outputs and runner.model.layers == LAYERS
+
+    def made_up_step(name):  # a real step (not a dummy run) of requests no shard holds
+        so = v2_scheduler_output(v2, {name: 3}, {name: [1, 2, 3]})
+        states_of[id(so)] = v2_state(v2, v2_input_batch(v2, [name], [3]), [torch.zeros(3, H) for _ in LAYERS])
+        runner.execute_model(so)
+        runner.execute_model_state = None
+
+    # 0.24.0's start-up warm-up (gpu/warmup.py warmup_kernels): real steps before any shard is announced
+    made_up_step("_warmup_0_")
+    assert cap.steps == 0 and not cap.requests
     cap.announce([dict(w) for w in wires])
-    for so, state in v2_steps(v2, rids, ids, states):
+    worker = SimpleNamespace(model_runner=runner)
+    for i, (so, state) in enumerate(v2_steps(v2, rids, ids, states)):
         runner.execute_model(v2.SchedulerOutput.make_empty(), dummy_run=True)
+        if i == 1:  # a bench's plain pass on the started engine: nothing read while paused
+            assert vllm_worker.CaptureExtension.datagen_capture_pause(worker, True)
+            made_up_step("plain-0")
+            vllm_worker.CaptureExtension.datagen_capture_pause(worker, False)
         states_of[id(so)] = state
         runner.execute_model(so)
         runner.execute_model_state = None  # sample_tokens consumes it
-    assert not any(r.startswith("req_0") for r in cap.requests)
+    assert not any(r.startswith(("req_0", "_warmup", "plain")) for r in cap.requests)
     assert _written(cap, tmp_path / "v2") == want
     assert vllm_worker.CaptureExtension.datagen_model_runner(SimpleNamespace(model_runner=runner)) == \
         "vllm.v1.worker.gpu.model_runner.GPUModelRunner"

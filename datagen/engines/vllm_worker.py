@@ -94,9 +94,14 @@ def _enable_capture(runner) -> None:
     @functools.wraps(original)
     def execute_model(scheduler_output, *args, **kwargs):
         capture.before_step()  # the forward must not overwrite states the capture still reads
-        # V2's own dummy runs (profile, warm-up, CUDA-graph capture, DP padding) go through
-        # execute_model(dummy_run=True) with made-up requests: nothing to capture
-        if version == "v2" and kwargs.get("dummy_run", len(args) > 1 and bool(args[1])):
+        # V2's own dummy runs (profile, CUDA-graph capture, DP padding) go through
+        # execute_model(dummy_run=True) with made-up requests (0.24.0 gpu/model_runner.py:562-568), and
+        # its start-up warm-up (0.24.0 gpu/warmup.py warmup_kernels, from gpu_worker.py:733-735) runs
+        # real steps of made-up requests ("_warmup_*") before the driver has announced any shard:
+        # nothing to capture in either (kept, they would hold the host ring's first piece forever)
+        if version == "v2" and (kwargs.get("dummy_run", len(args) > 1 and bool(args[1])) or not capture.announced):
+            return original(scheduler_output, *args, **kwargs)
+        if capture.paused:  # a bench's plain passes on this engine (datagen_capture_pause)
             return original(scheduler_output, *args, **kwargs)
         e0 = event()
         t0 = time.perf_counter()
@@ -185,6 +190,16 @@ class CaptureExtension:
     def datagen_collect(self, wait: bool = False) -> dict | None:
         capture = self._datagen()
         return None if capture is None else capture.collect(wait).to_wire()
+
+    def datagen_capture_pause(self, paused: bool = True) -> bool:
+        """Benches only: while paused, the internal capture reads no step (the model still returns
+        its aux states), so plain prefill can be timed on the started capture engine. Returns
+        whether this worker has an internal capture to pause."""
+        capture = getattr(self.model_runner, "_datagen_capture", None)
+        if capture is None:
+            return False
+        capture.paused = bool(paused)
+        return True
 
     def datagen_step_trace(self) -> list | None:
         """The engine steps since the last call (rank 0), for profiles: (start, end of execute_model,
