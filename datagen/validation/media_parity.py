@@ -7,7 +7,9 @@ their states are the vision tower's output run through the decoder, text tokens 
 trains on): the median and p99 token error against the reference's same layer, and the median
 against every other reference layer (an off-by-one must be far). And the images must matter: the
 same ids without their images (the placeholders embedded as plain tokens) agree before the first
-image and differ after it.
+image and differ after it. And vLLM's own prompt update must expand each image as planning did: the
+prompt vLLM ran (``RequestOutput.prompt_token_ids``, after its processor expanded each image's one
+placeholder) equals the stored row, placeholder for placeholder (``expansion``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def media_parity(model: str, out: str | Path, data, *, layer_ids: tuple[int, ...
                         trust_remote_code=trust_remote_code, tensor_parallel_size=tensor_parallel_size, media=True)
     errs = {(c, j): [] for c in range(len(layer_ids)) for j in ids_all}
     before, after, rows, image_tokens, text_tokens = [], [], [], 0, 0
+    expansion = []
     try:
         for row, ids, got in _samples(Path(out)):
             sample = data.samples[row]
@@ -52,6 +55,7 @@ def media_parity(model: str, out: str | Path, data, *, layer_ids: tuple[int, ...
             text = torch.ones(len(ids), dtype=torch.bool)
             for m in sample.media:
                 text[m.offset : m.offset + m.tokens] = False
+            expansion.append(_expansion(ref, row, ids, sample.media))
             want = ref.states(ids.tolist(), sample.media)
             blind = ref.states(ids.tolist())  # the same ids, no images
             for c in range(len(layer_ids)):
@@ -79,6 +83,27 @@ def media_parity(model: str, out: str | Path, data, *, layer_ids: tuple[int, ...
     shifted = {str(s): [float(torch.cat(errs[(c, k + s)]).median()) for c, k in enumerate(layer_ids) if 0 <= k + s <= n]
                for s in (-1, 1)}
     return {"rows": rows, "text_tokens": text_tokens, "image_tokens": image_tokens, "layers": layers,
+            "expansion": {"rows_equal": sum(e["equal"] for e in expansion), "rows": len(expansion),
+                          "per_row": expansion},
             "off_by_one_median": shifted, "reference": ref.kind,
             "without_images": {"before_first_image_max": float(torch.cat(before).max()) if before else 0.0,
                                "after_first_image_median": float(torch.cat(after).median())}}
+
+
+def _expansion(ref, row: int, ids: torch.Tensor, media) -> dict:
+    """The stored row against the prompt vLLM itself expanded from the row's collapsed ids and images
+    (one ``generate`` on the reference engine; the states it leaves are dropped by the next
+    ``states``): the placeholder tokens of each, and whether the whole prompts are equal."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from datagen.data.media_tokens import engine_prompt
+
+    [out] = ref.llm.generate([TokensPrompt(**engine_prompt(ids.numpy(), media))],
+                             SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
+    expanded = [int(t) for t in out.prompt_token_ids]
+    pad = int(ids[media[0].offset])
+    stored = ids.tolist()
+    return {"row": row, "images": len(media), "planned_tokens": [int(m.tokens) for m in media],
+            "stored_placeholders": sum(t == pad for t in stored), "vllm_placeholders": sum(t == pad for t in expanded),
+            "stored_len": len(stored), "vllm_len": len(expanded), "equal": expanded == stored}
