@@ -192,6 +192,25 @@ def test_the_workers_engine_settings_reach_the_step_container_and_the_steps_own_
     assert not any(e.startswith("DATAGEN_NOT_AN_ENGINE_SETTING=") for e in env_in_container)
 
 
+def test_the_report_step_draws_its_plot_in_the_steps_image(runner, tmp_path, test_id):
+    # the flow's layer report runs in the steps image ("*"): it draws with matplotlib, which the
+    # image must install (images/steps/requirements.in); the flow only logs a report it cannot draw
+    from tests.support.synthetic_shards import make_synthetic_dataset
+
+    nights = [make_synthetic_dataset(tmp_path / f"night{i}", rows=16, seed=0) for i in range(2)]
+    out = tmp_path / "plots" / "report.png"
+    invocation = StepInvocation(
+        step="report", args=(str(nights[1]), "--previous", str(nights[0]), "--out", str(out)),
+        mounts=(Mount(str(tmp_path)),), labels={TEST_LABEL: test_id},
+    )
+
+    outcome = runner.run(invocation, lambda line: None)
+
+    assert outcome.ok, outcome.last_lines
+    assert outcome.result["runs"] == 2 and outcome.result["drifted_layers"] == []
+    assert out.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
 def test_missing_image_raises_with_the_build_command(client, tmp_path, test_id):
     runner = DockerRunner({"*": "datagen-steps:0.0.0-notbuilt"}, client=client)
 
