@@ -250,7 +250,7 @@ def _summary(run: dict) -> dict:
 
 # --- the shard reader alone --------------------------------------------------------------------------
 
-def reader_alone(dataset: Path, *, total_seq_len: int, workers: int, batches: int) -> dict:
+def reader_alone(dataset: Path, *, total_seq_len: int, workers: int, batches: int, collate: str = "direct") -> dict:
     """The loader ``datagen train`` trains from, iterated without a model: packed tokens/s and GB/s of
     hidden states handed over (pinned host batches, as the trainer receives them)."""
     from datagen.reader import open_dataset
@@ -258,7 +258,7 @@ def reader_alone(dataset: Path, *, total_seq_len: int, workers: int, batches: in
     from datagen.training.draft import _loader
     from datagen.training.settings import DraftSettings
 
-    settings = DraftSettings(total_seq_len=total_seq_len, loader_workers=workers, train_ratio=0.75)
+    settings = DraftSettings(total_seq_len=total_seq_len, loader_workers=workers, train_ratio=0.75, collate=collate)
     reader = open_dataset(dataset)
     data = SpeculatorsDataset(reader, max_len=total_seq_len, train_ratio=0.75, split="train")
     t = time.monotonic()
@@ -280,9 +280,163 @@ def reader_alone(dataset: Path, *, total_seq_len: int, workers: int, batches: in
         n += 1
     wall = time.monotonic() - t0
     del first
-    return {"workers": workers, "batches": n, "batches_per_epoch": per_epoch, "tokens_per_s": tokens / wall,
-            "gb_per_s": nbytes / wall / 1e9, "wall_s": round(wall, 2), "verify_gb": round(hashed / 1e9, 2),
-            "verify_s": round(verify_s, 2)}
+    return {"workers": workers, "collate": collate, "batches": n, "batches_per_epoch": per_epoch,
+            "tokens_per_s": tokens / wall, "gb_per_s": nbytes / wall / 1e9, "wall_s": round(wall, 2),
+            "verify_gb": round(hashed / 1e9, 2), "verify_s": round(verify_s, 2)}
+
+
+# --- reader: the loader's two collates side by side, without a model ---------------------------------
+
+# what the trainer consumed on the H200 (docs/performance.md 10b: `datagen train --device cuda`, 8 workers)
+TRAINER_TOKENS_PER_S = {"kimi": 15_406, "8b": 35_213}
+
+
+def _loader_case(dataset: Path, *, total_seq_len: int, workers: int, collate: str, batches: int, reps: int) -> dict:
+    """One loader (``datagen.training.draft._loader``, ``collate``), ``batches`` timed after its warm-up.
+
+    The training split's samples are listed ``reps`` times (the same bytes, from the page cache), so an
+    epoch holds every timed batch and no epoch's end (the workers' drain and refill) falls among them.
+    Throughput is taken over windows of ``max(1, workers)`` consecutive batches (the workers hand them
+    over in bursts); the median of the windows is the case's figure."""
+    import gc
+
+    import torch
+
+    from datagen.reader import open_dataset
+    from datagen.reader.for_speculators import SpeculatorsDataset
+    from datagen.training.draft import _loader
+    from datagen.training.settings import DraftSettings
+
+    settings = DraftSettings(total_seq_len=total_seq_len, loader_workers=workers, train_ratio=0.75, collate=collate)
+    reader = open_dataset(dataset)
+    data = SpeculatorsDataset(reader, max_len=total_seq_len, train_ratio=0.75, split="train")
+    reader.verify_samples(data.indices)
+    data.indices = list(data.indices) * reps
+    data.approx_lengths = data._compute_approx_lengths()  # noqa: SLF001 (BaseDataset computes it once)
+    t = time.monotonic()
+    loader = _loader(data, settings, seed=0)
+    it = iter(loader)
+    warm = 1 + 2 * workers  # workers started and their first batches handed over
+    for _ in range(warm):
+        next(it)
+    start_s = time.monotonic() - t
+    times, toks, nbytes = [time.monotonic()], [], 0
+    for _ in range(batches):
+        b = next(it)
+        times.append(time.monotonic())
+        toks.append(int((b["document_ids"] != -1).sum()))
+        nbytes += sum(v.numel() * v.element_size() for k, v in b.items() if "hidden" in k)
+        del b
+    del it, loader
+    gc.collect()
+    w = max(1, workers)
+    rates = [sum(toks[j:j + w]) / (times[j + w] - times[j]) for j in range(0, batches - w + 1, w)]
+    wall = times[-1] - times[0]
+    return {"workers": workers, "collate": collate, "batches": batches, "start_s": round(start_s, 2),
+            "tokens_per_s": statistics.median(rates), "tokens_per_s_windows": [round(r) for r in rates],
+            "tokens_per_s_overall": sum(toks) / wall, "gb_per_s": nbytes / wall / 1e9,
+            "batch_tokens": statistics.median(toks), "pinned": torch.cuda.is_available()}
+
+
+def reader_bench(args) -> None:
+    """Speculators' collate against datagen's direct one, per shape and worker count, in one process."""
+    import shutil
+
+    import torch
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rec: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "cpus": os.cpu_count(),
+                 "total_seq_len": args.total_seq_len, "batches": args.batches, "repeats": args.repeats, "shapes": {}}
+    path = out / "train-reader.json"
+    for name in args.shapes:
+        shape = SHAPES[name]
+        work = Path(args.work) / f"reader-{name}"
+        row_bytes = len(shape["layer_ids"]) * shape["hidden"] * 2
+        tokens = int(args.dataset_mb * 1e6 / row_bytes)
+        t = time.monotonic()
+        dataset = make_dataset(work / "dataset", work / "verifier", shape, tokens=tokens, per_shard=args.per_shard,
+                               device=device, lengths=(256, 2048))
+        m = json.loads((dataset / "manifest.json").read_text())
+        train_tokens = int(m["totals"]["tokens"] * 0.75)
+        reps = max(1, -(-args.total_seq_len * (args.batches + 1 + 2 * max(args.workers) + 8) // train_tokens))
+        srec = rec["shapes"][name] = {"hidden": shape["hidden"], "layers": len(shape["layer_ids"]),
+                                      "dataset": m["totals"], "dataset_s": round(time.monotonic() - t, 1),
+                                      "reps": reps, "cases": []}
+        _log(f"reader {name}: dataset {m['totals']} in {srec['dataset_s']} s, split listed {reps}x")
+        for w in args.workers:
+            for r in range(args.repeats):  # ABBA: each collate first once per pair of repeats
+                order = ("speculators", "direct") if r % 2 == 0 else ("direct", "speculators")
+                for collate in order:
+                    c = _loader_case(dataset, total_seq_len=args.total_seq_len, workers=w, collate=collate,
+                                     batches=args.batches, reps=reps)
+                    c["repeat"] = r
+                    srec["cases"].append(c)
+                    _log(f"reader {name}: {w} workers, {collate}: {c['tokens_per_s']:,.0f} tokens/s "
+                         f"(windows {c['tokens_per_s_windows']}), {c['gb_per_s']:.2f} GB/s overall")
+                    _save(path, rec)
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    _save(path, rec)
+    reader_report(path)
+
+
+def reader_report(path: Path) -> str:
+    """The reader table (markdown, printed and saved beside the JSON) and its plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rec = json.loads(path.read_text())
+    lines = [f"{rec['device']}, {rec['cpus']} CPUs; {rec['total_seq_len']:,} tokens a batch; medians of "
+             f"{rec['batches']}-batch runs' windows, {rec['repeats']} run(s) of each case (ABBA order)", "",
+             "| shape | workers | collate | tokens/s (median) | GB/s of states | direct / speculators "
+             "| vs the trainer (10b) |", "|---|---|---|---|---|---|---|"]
+    names = list(rec["shapes"])
+    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        s = rec["shapes"][name]
+        workers = sorted({c["workers"] for c in s["cases"]})
+        med: dict = {}
+        for w in workers:
+            for collate in ("speculators", "direct"):
+                cs = [c for c in s["cases"] if c["workers"] == w and c["collate"] == collate]
+                if not cs:
+                    continue
+                windows = [x for c in cs for x in c["tokens_per_s_windows"]]
+                gb = statistics.median(c["gb_per_s"] for c in cs)
+                med[w, collate] = statistics.median(windows)
+                ratio = (f"**{med[w, 'direct'] / med[w, 'speculators']:.2f}x**"
+                         if collate == "direct" and (w, "speculators") in med else "")
+                trainer = TRAINER_TOKENS_PER_S.get(name)
+                vs = f"{med[w, collate] / trainer:.2f}x" if trainer and rec["device"] != "cpu" else ""
+                lines.append(f"| {name} (hidden {s['hidden']}, {s['layers']} layers) | {w} | {collate} | "
+                             f"{med[w, collate]:,.0f} | {gb:.2f} | {ratio} | {vs} |")
+        x = range(len(workers))
+        for j, collate in enumerate(("speculators", "direct")):
+            ys = [med.get((w, collate), 0) for w in workers]
+            ax.bar([i + (j - 0.5) * 0.38 for i in x], ys, width=0.38, label=collate)
+            for i, y in zip(x, ys):
+                ax.text(i + (j - 0.5) * 0.38, y, f"{y / 1000:.1f}k", ha="center", va="bottom", fontsize=8)
+        trainer = TRAINER_TOKENS_PER_S.get(name)
+        if trainer and rec["device"] != "cpu":
+            ax.axhline(trainer, color="gray", linestyle=":", label="trainer (H200, 10b)")
+            ax.axhline(3 * trainer, color="red", linestyle=":", label="3x the trainer")
+        ax.set_xticks(list(x), [f"{w} workers" if w else "in-process" for w in workers])
+        ax.set_ylabel("packed tokens/s")
+        ax.set_title(f"{name}: hidden {s['hidden']}, {s['layers']} layers")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"The shard reader alone: speculators' collate vs direct ({rec['device']}, {rec['cpus']} CPUs)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path.with_name("train_reader.png"), dpi=90)
+    plt.close(fig)
+    text = "\n".join(lines) + "\n"
+    path.with_name("train-reader.md").write_text(text)
+    print(text)
+    return text
 
 
 # --- width: datagen train vs speculators' own script ------------------------------------------------
@@ -313,8 +467,8 @@ def width(args) -> None:
     _log(f"{name}: verifier {rec['verifier_s']} s, dataset {rec['dataset_s']} s: {rec['dataset']}")
     _save(path, rec)
 
-    rec["reader"] = [reader_alone(dataset, total_seq_len=args.total_seq_len, workers=w, batches=args.reader_batches)
-                     for w in sorted({0, args.workers})]
+    rec["reader"] = [reader_alone(dataset, total_seq_len=args.total_seq_len, workers=w, batches=args.reader_batches,
+                                  collate=c) for w in sorted({0, args.workers}) for c in ("speculators", "direct")]
     _log(f"{name}: reader alone {json.dumps(rec['reader'])}")
     _save(path, rec)
 
@@ -659,7 +813,8 @@ def report(args) -> None:
                 ax.plot(range(1, len(v["losses"]) + 1), v["losses"], label=k,
                         linestyle="-" if k.startswith("datagen") else "--")
             for rd in r.get("reader", []):
-                lines.append(f"| {name} | shard reader alone, {rd['workers']} workers | {rd['tokens_per_s']:,.0f} | | | | "
+                lines.append(f"| {name} | shard reader alone, {rd['workers']} workers, "
+                             f"{rd.get('collate', 'speculators')} collate | {rd['tokens_per_s']:,.0f} | | | | "
                              f"{rd['gb_per_s']:.2f} GB/s |")
             _label_loss_axes(ax, f"{name}: hidden {r['shape']['hidden']}, training loss per step", "loss", 8)
         fig.tight_layout()
@@ -716,6 +871,19 @@ def main() -> None:
     p.add_argument("--run-timeout", type=float, default=240.0, help="seconds one training run may take")
     p.add_argument("--loss", choices=("eager", "fused"), default="eager", help="speculators' loss, both pipelines")
     p.add_argument("--smoke", action="store_true", help="a tiny shape (CPU)")
+    p = sub.add_parser("reader", help="the loader alone: speculators' collate vs direct, per shape and workers")
+    p.add_argument("--shapes", type=lambda s: s.split(","), default=["kimi", "8b"])
+    p.add_argument("--work", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")], default=[0, 2])
+    p.add_argument("--total-seq-len", type=int, default=8192)
+    p.add_argument("--batches", type=int, default=12, help="timed batches per case")
+    p.add_argument("--repeats", type=int, default=2, help="runs of each case (ABBA order)")
+    p.add_argument("--dataset-mb", type=float, default=300, help="size of each shape's dataset")
+    p.add_argument("--per-shard", type=int, default=16)
+    p.add_argument("--keep", action="store_true", help="keep the datasets under --work")
+    p = sub.add_parser("reader-report")
+    p.add_argument("json")
     p = sub.add_parser("proof")
     p.add_argument("--work", required=True)
     p.add_argument("--out", required=True)
@@ -777,7 +945,10 @@ def main() -> None:
     if args.cmd == "proof-drafts":
         proof_drafts(args.spec, args.out)
         return
-    {"width": width, "proof": proof, "proof-spec": proof_spec, "report": report}[args.cmd](args)
+    if args.cmd == "reader-report":
+        reader_report(Path(args.json))
+        return
+    {"width": width, "proof": proof, "proof-spec": proof_spec, "report": report, "reader": reader_bench}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from datagen.reader._shards import (
 from datagen.reader._store import LocalStore, open_store
 
 log = logging.getLogger(__name__)
+IOV_MAX = 1024  # buffers one preadv takes (Linux's IOV_MAX)
 
 
 class Verify(str, enum.Enum):
@@ -125,6 +127,16 @@ class DatasetReader:
     def hidden_size(self) -> int:
         return self.expected.hidden_size
 
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        """The hidden states' dtype as the shards store them (``read_into`` hands out these bytes)."""
+        return SAFETENSORS_DTYPES[self.expected.storage_code]
+
+    @property
+    def row_bytes(self) -> int:
+        """Stored bytes of one token's states: its L layers of H values, layer by layer."""
+        return len(self.layer_ids) * self.hidden_size * self.stored_dtype.itemsize
+
     def shard_samples(self) -> list[list[int]]:
         """For each opened shard, its sample numbers (in dataset-row order)."""
         out: list[list[int]] = [[] for _ in self.shards]
@@ -170,6 +182,45 @@ class DatasetReader:
             raise IndexError(f"sample {i} of {len(self)}")
         k, p = int(self._shard_of[i]), int(self._pos[i])
         return self.sample_in(k, p, self.read_run(k, p, p + 1), p)
+
+    def tokens_of(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample i's token ids (int32 [T]) and loss mask (uint8 [T]) as stored: views of its shard's
+        small tensors, no hidden states read."""
+        k, p = int(self._shard_of[i]), int(self._pos[i])
+        s, off = self.shards[k], self._offsets[k]
+        return s.input_ids[off[p]:off[p + 1]], s.loss_mask[off[p]:off[p + 1]]
+
+    def read_into(self, i: int, first: int, buffers: Sequence[memoryview]) -> None:
+        """The stored bytes of sample i's states from its token ``first`` on (``row_bytes`` a token, in
+        ``stored_dtype``), scattered over ``buffers`` in order, each filled whole before the next (one
+        byte memoryview each, writable), after the shard's content check (``verify``).
+
+        A local shard is read with ``os.preadv`` straight into the buffers (no buffer of the reader's
+        own, no copy after the kernel's); an S3 one with one ranged read, then copied into them. What a
+        caller does not want is read into a scratch buffer it passes among the others.
+
+        Raises:
+            ValueError: the buffers hold more than the sample's tokens from ``first`` on.
+            DatasetError: the shard ends before the bytes (truncated since it was opened).
+        """
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} of {len(self)}")
+        k, p = int(self._shard_of[i]), int(self._pos[i])
+        self.ensure_verified(k)
+        s, off = self.shards[k], self._offsets[k]
+        rb = s.row_bytes
+        total = sum(v.nbytes for v in buffers)
+        start = s.states.start + (off[p] + first) * rb
+        if first < 0 or start + total > s.states.start + off[p + 1] * rb:
+            raise ValueError(f"{total} bytes from token {first} of sample {i}: it holds "
+                             f"{(off[p + 1] - off[p] - first) * rb} from there")
+        if isinstance(self.store, LocalStore):
+            _preadv_all(self.store, s.record.path, list(buffers), start)
+            return
+        data, pos = memoryview(self.store.read(s.record.path, start, start + total, etag=s.info.etag)), 0
+        for v in buffers:
+            v[:] = data[pos:pos + v.nbytes]
+            pos += v.nbytes
 
     def positions(self) -> list[list[int]]:
         """For each opened shard, the sample number stored at each position (storage order)."""
@@ -229,6 +280,25 @@ class DatasetReader:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._locks, self._locks_guard = {}, threading.Lock()
+
+
+def _preadv_all(store: LocalStore, rel: str, views: list[memoryview], pos: int) -> None:
+    """Fill ``views`` in order from byte ``pos`` of ``rel`` with preadv, ``IOV_MAX`` buffers a call,
+    resuming after a short read."""
+    fd = store._fd(rel)  # noqa: SLF001 (the store's descriptor for this process)
+    j = 0
+    while j < len(views):
+        chunk = views[j:j + IOV_MAX]
+        n = os.preadv(fd, chunk, pos)
+        if n <= 0:
+            raise DatasetError(f"{rel} ended at byte {pos}", path=store.uri,
+                               hint="the shard is truncated: run `datagen validate`, re-extract")
+        pos += n
+        while j < len(views) and n >= views[j].nbytes:  # the buffers filled whole
+            n -= views[j].nbytes
+            j += 1
+        if n:  # one filled in part: the rest of it next
+            views[j] = views[j][n:]
 
 
 def open_dataset(location, *, verify: Verify = Verify.AUTO, dtype: torch.dtype = torch.bfloat16) -> DatasetReader:

@@ -13,6 +13,16 @@ speculators' multipack sampler, collate function and trainer run unchanged::
     data = SpeculatorsDataset(open_dataset("s3://bucket/ds"), max_len=4096, train_ratio=0.9, split="train")
     loader = speculators.train.dataloader._setup_dataloader(data, 4096, data.hidden_size, ...)
 
+``packed_loader`` hands speculators' Trainer the same batches with less work per batch: the same
+multipack sampler and DataLoader settings, but each batch is packed where it is read
+(``PackedBatches``): allocated once (in shared memory in a DataLoader worker, so sending it to the
+training process copies nothing; pinned in a CUDA training process that reads its own batches),
+only the padding tail zeroed, and every token's stored states read by ``os.preadv`` straight into
+their rows of the batch (the aux layers into ``hidden_states``, the final layer one row earlier
+into ``verifier_last_hidden_states``: ``shift_batch``'s shift). speculators' path reads each sample
+into a buffer, flattens its aux layers (a copy), zero-fills the batch and copies each sample into it,
+and a worker's batch is copied once more into shared memory when it is sent.
+
 Only this module imports speculators.
 """
 
@@ -22,6 +32,7 @@ from typing import Literal
 
 import torch
 from speculators.train.data import BaseDataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from datagen.errors import SpecError
 from datagen.reader._dataset import DatasetReader
@@ -75,3 +86,148 @@ class SpeculatorsDataset(BaseDataset):
             "verifier_last_hidden_states": hs[:, -1],  # [T, H]
             "loss_mask": s.loss_mask,  # int64 [T]
         }
+
+
+class PackedBatches(Dataset):
+    """A ``SpeculatorsDataset``'s packed batches, built where they are read (module docstring).
+
+    The DataLoader hands ``__getitems__`` a batch's sample numbers (speculators' sampler); it returns
+    what speculators' ``CollateFn(max_len, ..., preprocess=shift_batch)`` makes of those samples:
+    the same keys in the same order, dtypes, shapes and bytes (``tests/reader/test_for_speculators.py``).
+    States are read straight into the batch when the stored dtype is the one trained on (bf16 shards,
+    the default); otherwise (fp8, another dtype) each sample is converted as ``SpeculatorsDataset``
+    converts it and copied into its rows.
+    """
+
+    def __init__(self, data: SpeculatorsDataset, max_len: int) -> None:
+        if not self.packs(data):
+            raise TypeError("PackedBatches reads a SpeculatorsDataset's own samples; this one hands out others")
+        self.data = data
+        self.max_len = max_len
+
+    @staticmethod
+    def packs(data) -> bool:
+        """True when ``data`` hands out its shards' samples unchanged (its ``_get_raw_data`` is
+        ``SpeculatorsDataset``'s, not replaced), which is what a batch packed from the shards holds."""
+        return (isinstance(data, SpeculatorsDataset) and "_get_raw_data" not in vars(data)
+                and type(data)._get_raw_data is SpeculatorsDataset._get_raw_data)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.data[index]
+
+    def __getitems__(self, indices) -> dict:
+        return pack(self.data, [int(i) for i in indices], self.max_len)
+
+
+def as_packed(batch: dict) -> dict:
+    """The DataLoader's collate function: ``PackedBatches.__getitems__`` already packed the batch."""
+    return batch
+
+
+def packed_loader(data: SpeculatorsDataset, total_seq_len: int, *, num_workers: int, prefetch_factor: int | None,
+                  seed: int) -> DataLoader:
+    """``speculators.train.dataloader._setup_dataloader(data, total_seq_len, ..., preprocess=shift_batch)``
+    with ``PackedBatches`` in place of its per-sample collate: the same sampler (this rank's share, the
+    seed's order), workers, prefetch, pinning and batches."""
+    from speculators.train.dataloader import _worker_init_fn
+    from speculators.train.distributed import get_dp_rank, get_dp_size
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+
+    sampler = MultipackDistributedBatchSamplerV2(batch_max_length=total_seq_len, lengths=data.approx_lengths,
+                                                 num_replicas=get_dp_size(), rank=get_dp_rank(), seed=seed)
+    use_workers = num_workers > 0
+    return DataLoader(PackedBatches(data, total_seq_len), batch_sampler=sampler, num_workers=num_workers,
+                      prefetch_factor=prefetch_factor if use_workers else None, pin_memory=True,
+                      collate_fn=as_packed, persistent_workers=use_workers,
+                      multiprocessing_context="spawn" if use_workers else None,
+                      worker_init_fn=_worker_init_fn if use_workers else None)
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised batch tensor: in shared memory in a DataLoader worker (the send to the
+    training process then passes its descriptor, no copy); pinned in a CUDA process reading its own
+    batches (the DataLoader's pinning then keeps it as it is)."""
+    if get_worker_info() is not None:
+        n = 1
+        for d in shape:
+            n *= d
+        storage = torch.UntypedStorage._new_shared(n * dtype.itemsize)  # noqa: SLF001 (default_collate's way)
+        return torch.empty(0, dtype=dtype).set_(storage).view(shape)
+    return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    """A contiguous tensor's memory as one writable byte memoryview (no copy)."""
+    return memoryview(t.view(torch.uint8).view(-1).numpy())
+
+
+def pack(data: SpeculatorsDataset, indices: list[int], max_len: int) -> dict:
+    """Samples ``indices`` of ``data`` as one packed batch, exactly as speculators'
+    ``CollateFn(max_len, data.hidden_size, num_target_layers=data.num_target_layers,
+    dtype=data.hidden_states_dtype, preprocess=shift_batch)`` packs ``[data[i] for i in indices]``."""
+    if not indices:  # a rank's empty share: speculators' own placeholder batch
+        from speculators.models.eagle3.data import shift_batch
+        from speculators.train.data import CollateFn
+
+        return CollateFn(max_len, data.hidden_size, num_target_layers=data.num_target_layers,
+                         dtype=data.hidden_states_dtype, preprocess=shift_batch)([])
+    reader, dtype, hidden, aux = data.reader, data.hidden_states_dtype, data.hidden_size, data.num_target_layers
+    samples = [data.indices[i] for i in indices]
+    shifted = [max(reader.lengths[s] - 1, 0) for s in samples]  # shift_batch drops each sample's first token
+    # the rows each sample fills: CollateFn copies samples until the batch is full, the last one cut
+    placed, used = [], 0
+    for s, n in zip(samples, shifted):
+        n = min(n, max_len - used)
+        placed.append((s, used, n))
+        used += n
+        if used == max_len:
+            break
+    input_ids = torch.zeros(1, max_len, dtype=torch.int64)
+    hidden_states = _empty((1, max_len, aux * hidden), dtype)
+    last = _empty((1, max_len, hidden), dtype)
+    loss_mask = torch.zeros(1, max_len, dtype=torch.int64)
+    position_ids = torch.zeros(1, max_len, dtype=torch.int64)
+    hidden_states[0, used:].zero_()
+    last[0, used:].zero_()
+    direct = reader.stored_dtype == reader.dtype == dtype
+    if direct:
+        hs_bytes, last_bytes = _bytes(hidden_states), _bytes(last)
+        a_b, f_b = aux * hidden * dtype.itemsize, hidden * dtype.itemsize  # a token's aux / final bytes
+        scratch_a, scratch_f = memoryview(bytearray(a_b)), memoryview(bytearray(f_b))
+    for s, at, n in placed:
+        if not n:
+            continue
+        ids, mask = reader.tokens_of(s)
+        input_ids[0, at:at + n] = ids[1:n + 1]
+        loss_mask[0, at:at + n] = mask[1:n + 1]
+        position_ids[0, at:at + n] = torch.arange(1, n + 1)
+        if direct:
+            # stored token t is [aux layers | final layer]; shifted, its aux goes to row at+t (t < n) and
+            # its final layer to row at+t-1 (t >= 1): n+1 tokens read, 2(n+1) buffers
+            views = [hs_bytes[at * a_b:(at + 1) * a_b], scratch_f]
+            for r in range(at + 1, at + n):
+                views.append(hs_bytes[r * a_b:(r + 1) * a_b])
+                views.append(last_bytes[(r - 1) * f_b:r * f_b])
+            views += [scratch_a, last_bytes[(at + n - 1) * f_b:(at + n) * f_b]]
+            reader.read_into(s, 0, views)
+        else:
+            hs = reader[s].hidden_states.to(dtype)  # as SpeculatorsDataset converts it
+            hidden_states[0, at:at + n] = hs[:n, :-1].flatten(1)
+            last[0, at:at + n] = hs[1:n + 1, -1]
+    # CollateFn's lengths: whole samples while they fit, the last one cut to the batch, the rest dropped
+    lengths, total = [], 0
+    for n in shifted:
+        if n + total >= max_len:
+            lengths.append(max_len - total)
+            break
+        lengths.append(n)
+        total += n
+    lengths = torch.tensor(lengths, dtype=torch.long)
+    document_ids = torch.repeat_interleave(torch.arange(lengths.shape[0], dtype=torch.long), lengths)
+    document_ids = torch.cat([document_ids, -1 * torch.ones(max_len - document_ids.shape[0], dtype=torch.long)])
+    return {"input_ids": input_ids, "hidden_states": hidden_states, "verifier_last_hidden_states": last,
+            "loss_mask": loss_mask, "position_ids": position_ids, "document_ids": document_ids.unsqueeze(0),
+            "error_records": 0}

@@ -37,7 +37,7 @@ from pydantic import BaseModel, Field
 from datagen.errors import ModelError, OutputConflictError, SpecError
 from datagen.reader import DatasetReader, open_dataset
 from datagen.training.distributed import Topology, data_parallel
-from datagen.training.settings import Device, DraftSettings
+from datagen.training.settings import Collate, Device, DraftSettings
 
 log = logging.getLogger(__name__)
 
@@ -184,12 +184,20 @@ def build_draft(reader: DatasetReader, verifier: Path, settings: DraftSettings, 
 
 
 def _loader(data, settings: DraftSettings, *, seed: int):
+    """The training batches: speculators' multipack sampler and DataLoader settings, each batch packed
+    by ``settings.collate`` (the same batches either way). A dataset whose samples are not the shards'
+    own (``measure-draft`` feeds the target's states) always goes through speculators' collate."""
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.dataloader import _setup_dataloader
 
+    from datagen.reader.for_speculators import PackedBatches, packed_loader
+
     workers = settings.loader_workers
+    prefetch = 4 if workers else None
+    if settings.collate is Collate.DIRECT and PackedBatches.packs(data):
+        return packed_loader(data, settings.total_seq_len, num_workers=workers, prefetch_factor=prefetch, seed=seed)
     return _setup_dataloader(data, settings.total_seq_len, data.hidden_size, num_workers=workers,
-                             prefetch_factor=4 if workers else None, num_target_layers=data.num_target_layers,
+                             prefetch_factor=prefetch, num_target_layers=data.num_target_layers,
                              preprocess=shift_batch, seed=seed)
 
 

@@ -21,6 +21,13 @@ class LossImplementation(str, enum.Enum):
     FUSED = "fused"  # speculators' Triton kernels (GPU only; failed to run on the H200 image, docs/gpu.md)
 
 
+class Collate(str, enum.Enum):
+    """How the loader packs each batch of the multipack sampler (the batches are the same, byte for byte)."""
+
+    DIRECT = "direct"  # datagen's: the shards read straight into the packed batch (for_speculators.PackedBatches)
+    SPECULATORS = "speculators"  # speculators' CollateFn over per-sample dicts (the reference)
+
+
 class DraftSettings(BaseModel):
     """How a draft is trained. Defaults are the CPU miniature's; production raises ``steps``."""
 
@@ -51,3 +58,7 @@ class DraftSettings(BaseModel):
         default=0, ge=0,
         description="DataLoader worker processes reading the shards (speculators' spawn workers, prefetch 4 "
                     "batches each); 0: the training process reads them itself (the CPU miniature)")
+    collate: Collate = Field(
+        default=Collate.DIRECT,
+        description="how each packed batch is made: direct (the shards read straight into the batch, in shared "
+                    "memory in a worker) or speculators (its CollateFn over per-sample tensors); the same batches")

@@ -1,5 +1,7 @@
 """speculators trains from the shards: the adapter hands its collate function what ArrowDataset does, and
-speculators' own Trainer runs steps of a tiny EAGLE-3 draft on the tiny model's dataset through the reader."""
+speculators' own Trainer runs steps of a tiny EAGLE-3 draft on the tiny model's dataset through the reader.
+The loader ``datagen train`` uses packs each batch where it reads it (``PackedBatches``): its batches are
+held byte for byte to speculators' own ``_setup_dataloader`` + ``CollateFn`` + ``shift_batch``."""
 
 from __future__ import annotations
 
@@ -9,9 +11,9 @@ import pytest
 import torch
 
 from datagen import cli
-from datagen.errors import SpecError
+from datagen.errors import DatasetError, SpecError
 from datagen.reader import open_dataset
-from datagen.reader.for_speculators import SpeculatorsDataset
+from datagen.reader.for_speculators import PackedBatches, SpeculatorsDataset, pack, packed_loader
 from tests.support.extracted import extracted_dataset
 from tests.support.synthetic_shards import make_synthetic_dataset
 
@@ -101,3 +103,158 @@ def test_speculators_trainer_runs_training_steps_from_the_reader(pristine, tmp_p
     assert all(torch.isfinite(torch.tensor(losses))) and min(losses) > 0
     changed = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
     assert sorted(changed) == sorted(before)  # every trainable parameter was updated
+
+
+# --- the packed loader against speculators' own -------------------------------------------------------
+
+def _reference(data, max_len: int, *, seed: int):
+    """speculators' own loader of ``data`` as ``speculators train`` sets it up for eagle3."""
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.dataloader import _setup_dataloader
+
+    return _setup_dataloader(data, max_len, data.hidden_size, num_workers=0, prefetch_factor=None,
+                             num_target_layers=data.num_target_layers, preprocess=shift_batch, seed=seed)
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8) if t.dtype.is_floating_point else t
+
+
+def _assert_same_batches(ours: list[dict], theirs: list[dict]) -> None:
+    assert len(ours) == len(theirs) > 0
+    for a, b in zip(ours, theirs):
+        assert list(a) == list(b)  # the same keys in the same order
+        for k in a:
+            x, y = a[k], b[k]
+            if isinstance(y, torch.Tensor):
+                assert isinstance(x, torch.Tensor) and x.is_contiguous(), k
+                assert (x.dtype, x.shape) == (y.dtype, y.shape), k
+                assert torch.equal(_bytes_of(x), _bytes_of(y)), k  # byte for byte (-0.0 and NaNs too)
+            else:
+                assert type(x) is type(y) and x == y, k
+
+
+def _epochs(loader, epochs: int) -> list[dict]:
+    out = []
+    for e in range(epochs):
+        loader.batch_sampler.set_epoch(e)  # as speculators' Trainer does before each epoch
+        out += list(loader)
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_packed_batches_are_speculators_collate_and_shift_batch_byte_for_byte(pristine, seed):
+    """The tiny model's extracted dataset (written by the shard writer), two epochs in the seed's order."""
+    data = SpeculatorsDataset(open_dataset(pristine), max_len=MAX_LEN, train_ratio=0.75, split="train")
+    assert PackedBatches.packs(data)
+    ours = _epochs(packed_loader(data, MAX_LEN, num_workers=0, prefetch_factor=None, seed=seed), 2)
+    _assert_same_batches(ours, _epochs(_reference(data, MAX_LEN, seed=seed), 2))
+
+
+def test_packed_batches_cut_and_pad_as_speculators_does(tmp_path):
+    """Samples longer than a batch (speculators' sampler lets them in, its collate cuts them), one-token
+    samples (no row after the shift), batches filled exactly and padded."""
+    ds = make_synthetic_dataset(tmp_path / "ds", rows=48, tokens=(1, 90), hidden=48, samples_per_shard=5)
+    data = SpeculatorsDataset(open_dataset(ds), max_len=64, train_ratio=0.9, split="train")
+    assert max(data.approx_lengths) > 64 and min(data.approx_lengths) == 1
+    for seed in range(3):
+        ours = _epochs(packed_loader(data, 64, num_workers=0, prefetch_factor=None, seed=seed), 2)
+        _assert_same_batches(ours, _epochs(_reference(data, 64, seed=seed), 2))
+
+
+def test_packed_batches_from_workers_are_the_same_and_built_in_shared_memory(pristine, monkeypatch):
+    """Spawn workers (as ``datagen train --loader-workers`` starts them) hand over the same batches; a
+    worker builds the states in shared memory (sending them then copies nothing), the training process
+    in its own memory."""
+    import datagen.reader.for_speculators as fs
+
+    data = SpeculatorsDataset(open_dataset(pristine), max_len=MAX_LEN, train_ratio=0.75, split="train")
+    ours = list(packed_loader(data, MAX_LEN, num_workers=2, prefetch_factor=2, seed=0))
+    _assert_same_batches(ours, list(_reference(data, MAX_LEN, seed=0)))
+
+    assert not pack(data, [0, 1], MAX_LEN)["hidden_states"].is_shared()
+    monkeypatch.setattr(fs, "get_worker_info", lambda: object())  # as inside a DataLoader worker
+    batch = pack(data, [0, 1], MAX_LEN)
+    assert batch["hidden_states"].is_shared() and batch["verifier_last_hidden_states"].is_shared()
+
+
+@pytest.mark.parametrize(("storage", "dtype"), [("fp8", torch.bfloat16), ("bf16", torch.float32)])
+def test_states_that_need_converting_are_converted_as_the_dataset_converts_them(tmp_path, storage, dtype):
+    """fp8 shards (dequantized) and another training dtype than the stored one are not read straight into
+    the batch; each sample is converted as ``SpeculatorsDataset`` converts it."""
+    ds = make_synthetic_dataset(tmp_path / "ds", rows=20, tokens=(2, 60), hidden=32, storage=storage)
+    data = SpeculatorsDataset(open_dataset(ds), max_len=96, train_ratio=0.8, split="train", hidden_states_dtype=dtype)
+    ours = list(packed_loader(data, 96, num_workers=0, prefetch_factor=None, seed=1))
+    _assert_same_batches(ours, list(_reference(data, 96, seed=1)))
+
+
+def test_a_store_without_file_descriptors_reads_the_same_batches(tmp_path):
+    """An S3 dataset has no descriptor to preadv from: one ranged read a sample, then copied into the batch."""
+    ds = make_synthetic_dataset(tmp_path / "ds", rows=16, tokens=(2, 50), hidden=32)
+    reader = open_dataset(ds)
+    reader.verify_samples()
+    local = reader.store
+
+    class Ranged:  # the store interface, as S3Store offers it (no LocalStore, so no descriptor)
+        uri = local.uri
+
+        def read(self, rel, start, end, *, etag=None):
+            return bytes(local.read(rel, start, end))
+
+    reader.store = Ranged()
+    data = SpeculatorsDataset(reader, max_len=80, train_ratio=0.75, split="train")
+    ours = list(packed_loader(data, 80, num_workers=0, prefetch_factor=None, seed=2))
+    reader.store = local
+    _assert_same_batches(ours, list(_reference(data, 80, seed=2)))
+
+
+def test_an_empty_share_is_speculators_placeholder_batch(tmp_path):
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import CollateFn
+
+    ds = make_synthetic_dataset(tmp_path / "ds", rows=4, tokens=8, hidden=32)
+    data = SpeculatorsDataset(open_dataset(ds), max_len=32)
+    theirs = CollateFn(32, data.hidden_size, num_target_layers=data.num_target_layers, preprocess=shift_batch)([])
+    ours = pack(data, [], 32)
+    metadata = "recovery_metadata"
+    assert ours.pop(metadata, None) == theirs.pop(metadata, None)
+    _assert_same_batches([ours], [theirs])
+
+
+def test_a_shard_cut_short_after_it_was_opened_is_an_error_not_a_short_batch(tmp_path):
+    ds = make_synthetic_dataset(tmp_path / "ds", rows=8, tokens=30, hidden=32, samples_per_shard=8)
+    reader = open_dataset(ds)
+    reader.verify_samples()
+    shard = ds / reader.shards[0].record.path
+    with shard.open("r+b") as f:
+        f.truncate(shard.stat().st_size - 40 * 32 * 2 * 4)  # the last sample's states, and more
+    data = SpeculatorsDataset(reader, max_len=256)
+    with pytest.raises(DatasetError, match="ended at byte"):
+        pack(data, list(range(len(data))), 256)
+
+
+def test_a_dataset_that_hands_out_other_states_goes_through_speculators_collate(pristine):
+    """``measure-draft`` replaces the samples' states with the target's (``_get_raw_data``): a batch
+    packed from the shards would not hold them, so ``datagen train``'s loader falls back to speculators'."""
+    from speculators.train.data import CollateFn
+
+    from datagen.training.draft import _loader
+    from datagen.training.settings import DraftSettings
+
+    data = SpeculatorsDataset(open_dataset(pristine), max_len=MAX_LEN, train_ratio=0.75, split="train")
+    settings = DraftSettings(total_seq_len=MAX_LEN)
+    assert isinstance(_loader(data, settings, seed=0).dataset, PackedBatches)
+    assert isinstance(_loader(data, settings.model_copy(update={"collate": "speculators"}), seed=0).collate_fn,
+                      CollateFn)
+    get = data._get_raw_data
+
+    def doubled(index):
+        raw = get(index)
+        return {**raw, "hidden_states": raw["hidden_states"] * 2}
+
+    data._get_raw_data = doubled
+    assert not PackedBatches.packs(data)
+    loader = _loader(data, settings, seed=0)
+    assert isinstance(loader.collate_fn, CollateFn)
+    batch = next(iter(loader))
+    assert batch["hidden_states"].abs().sum() > 0
