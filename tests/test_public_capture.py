@@ -173,3 +173,27 @@ def test_a_whole_request_longer_than_the_step_budget_is_staged_in_pieces(tmp_pat
     assert seen == [16, 16, 8]
     got = torch.cat([c.host for c in cap.take_loose("loose-1")])
     assert torch.equal(got, states)
+
+
+def test_the_public_path_on_024s_forced_v2_is_refused_before_the_engine_starts(monkeypatch):
+    """0.24.0's Model Runner V2 refuses extract_hidden_states (config/vllm.py:2031-2032, 2092-2100):
+    the engine says so before LLM(...) rather than failing inside it."""
+    from types import SimpleNamespace
+
+    from datagen.engines import patches, vllm_engine
+    from datagen.engines.vllm_engine import VllmEngine
+    from datagen.errors import EngineUnsupportedError
+
+    engine = object.__new__(VllmEngine)  # its __init__ checks the installed vLLM's version
+    engine.version = "0.24.0"
+    engine.info = SimpleNamespace(model_type="llama", num_hidden_layers=6, path="m", multimodal=False)
+    engine.config = SimpleNamespace(capture_path="public", tensor_parallel_size=1, attention_backend=None,
+                                    layer_ids=(2, 3, 6))
+    monkeypatch.setattr(vllm_engine, "check_devices", lambda tp: True)  # as on a CUDA host
+    monkeypatch.setattr(patches, "check_capturable", lambda *a, **k: None)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    started = []
+    monkeypatch.setattr(vllm_engine, "start_llm", lambda *a, **k: started.append(1))
+    with pytest.raises(EngineUnsupportedError, match="extract_hidden_states"):
+        engine.start()
+    assert not started
