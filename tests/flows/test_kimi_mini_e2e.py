@@ -25,7 +25,7 @@ from uuid import UUID
 
 import pytest
 
-from tests.flows.pools import create_process_pools, kill_workers
+from tests.flows.pools import create_process_pools
 from tests.support.docker_engine import BUILD_TIMEOUT_S, docker_client
 from tests.support.prefect_server import flow_run_id, start_server
 from tests.support.s3server import S3Server, _skip_without_weed, upload_tree
@@ -115,7 +115,6 @@ def server(project, s3, tmp_path_factory):
         server.cli("--no-prompt", "deploy", "--all", cwd=project)
         yield server
     finally:
-        kill_workers(server)
         server.stop()
 
 

@@ -31,7 +31,7 @@ from uuid import UUID
 import pytest
 
 from datagen.models.tiny import make_chat_dataset
-from tests.flows.pools import create_process_pools, kill_workers
+from tests.flows.pools import create_process_pools
 from tests.support.prefect_server import PrefectServer, Process, start_server
 from tests.support.s3server import s3_server  # noqa: F401  (fixture)
 from tests.support.step_hooks import worker_env
@@ -85,7 +85,6 @@ def server(project, s3, tmp_path_factory):
         _save_results_block(server, s3)
         yield server
     finally:
-        kill_workers(server)
         server.stop()
 
 

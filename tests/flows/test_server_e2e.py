@@ -17,7 +17,7 @@ from uuid import UUID
 import pytest
 
 from datagen.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT
-from tests.flows.pools import create_process_pools, kill_workers
+from tests.flows.pools import create_process_pools
 from tests.support.prefect_server import PrefectServer, flow_run_id, start_server
 from tests.support.step_hooks import worker_env
 
@@ -47,7 +47,6 @@ def server(project, tmp_path_factory):
         server.cli("--no-prompt", "deploy", "--all", cwd=project)
         yield server
     finally:
-        kill_workers(server)
         server.stop()
 
 
