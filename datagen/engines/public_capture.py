@@ -85,8 +85,13 @@ def _hidden_state_group(kv_cache_config) -> int:
         return 0
     from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
 
+    def holds(spec) -> bool:  # 0.24.0 may put it among the model's own layers (UniformTypeKVCacheSpecs)
+        inner = getattr(spec, "kv_cache_specs", None)
+        return isinstance(spec, HiddenStateCacheSpec) or (
+            isinstance(inner, dict) and any(isinstance(x, HiddenStateCacheSpec) for x in inner.values()))
+
     groups = kv_cache_config.kv_cache_groups
-    ids = [i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, HiddenStateCacheSpec)]
+    ids = [i for i, g in enumerate(groups) if holds(g.kv_cache_spec)]
     if len(ids) == 1:
         return ids[0]
     if not ids and len(groups) == 1:
