@@ -43,8 +43,8 @@ coverage: setup
 # modules, then the tests of each module, shuffled) and prints the seed first and last;
 # SEED=N replays the order of seed N. The tests that mostly wait on Prefect's timeouts run in a
 # pytest process of their own (with tests that fill their idle time), and modules that share no
-# fixture with the rest (the crash campaign, the server end-to-end, Kimi engine and regeneration
-# tests) in another, beside the main one (scripts/test.sh); SERIAL=1 runs everything in one.
+# fixture with the rest (the crash campaign, the server and kimi-mini end-to-end, Kimi engine and
+# regeneration tests) in another, beside the main one (scripts/test.sh); SERIAL=1 runs everything in one.
 # docs/testing.md says which tests are slow and why.
 test: setup services
 	PY=$(PY) SEED="$(SEED)" SHUFFLE="$(SHUFFLE)" SERIAL="$(SERIAL)" scripts/test.sh

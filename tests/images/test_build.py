@@ -16,7 +16,7 @@ import pytest
 from datagen.errors import CannotRunHereError, SpecError
 from images.build import TAGS_JSON
 from images.tags import DEFAULT_IMAGES, ROOT, ImageName, plan_image, resolve_image
-from tests.support.docker_engine import BUILD_TIMEOUT_S, built_images, docker_client
+from tests.support.docker_engine import BUILD_TIMEOUT_S, built_images, docker_client, images_lock
 
 ALL = tuple(ImageName)
 
@@ -150,9 +150,10 @@ def test_the_steps_image_leaves_out_vllm_and_what_only_vllm_needs(tree):
 
 
 def make_images() -> tuple[subprocess.CompletedProcess, float]:
-    started = time.monotonic()
-    command = [sys.executable, "images/build.py"]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    with images_lock(*DEFAULT_IMAGES):  # timed once held: another process's build is not this one's
+        started = time.monotonic()
+        command = [sys.executable, "images/build.py"]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     assert done.returncode == 0, done.stderr
     return done, time.monotonic() - started
 

@@ -7,6 +7,7 @@ missing with the same code as `make images` (cold: a few minutes; warm: about a 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import subprocess
@@ -54,13 +55,35 @@ def docker_client():
     return client
 
 
+@contextlib.contextmanager
+def images_lock(*names):
+    """Held by every test while it builds step images ``names`` (``built_images``, `make images`
+    run as a program, kimi-mini's project copy), across the pytest processes of `make test`: two
+    processes that need the same missing image build it once, one after the other (the second finds
+    it built), not twice at once on the same cores. One lock per image, taken in the order given
+    (``DEFAULT_IMAGES``' where several): a build of another image is not waited for."""
+    from filelock import FileLock
+
+    folder = ROOT / ".cache"
+    folder.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            stack.enter_context(FileLock(str(folder / f"images-build-{getattr(name, 'value', name)}.lock")))
+        yield
+
+
 @functools.cache
 def built_images(*names) -> dict:
     """Image name -> tag of each of ``names`` (``images.tags.ImageName``), built if missing."""
     from images.build import build_images
 
-    results = build_images(list(names), client=docker_client())
-    return {plan.recipe.name: plan.tag for plan, _, _ in results}
+    client = docker_client()
+    tags = {}
+    for name in names:  # one lock at a time: never one held while another is waited for
+        with images_lock(name):
+            (plan, _, _), = build_images([name], client=client)
+        tags[plan.recipe.name] = plan.tag
+    return tags
 
 
 def containers_labelled(client, test_id: str) -> list:
