@@ -316,7 +316,9 @@ def _loader_case(dataset: Path, *, total_seq_len: int, workers: int, collate: st
     t = time.monotonic()
     loader = _loader(data, settings, seed=0)
     it = iter(loader)
-    warm = 1 + 2 * workers  # workers started and their first batches handed over
+    # the workers started, then their prefetched batches (4 each) drained: the timed ones are made while
+    # the loop waits for them, not taken from a backlog filled during the start
+    warm = 1 + 4 * workers
     for _ in range(warm):
         next(it)
     start_s = time.monotonic() - t
@@ -327,6 +329,11 @@ def _loader_case(dataset: Path, *, total_seq_len: int, workers: int, collate: st
         toks.append(int((b["document_ids"] != -1).sum()))
         nbytes += sum(v.numel() * v.element_size() for k, v in b.items() if "hidden" in k)
         del b
+    if workers:  # now, mid-epoch, rather than in the next case's time; a worker stopped mid-batch
+        try:     # may abort on its way out ("terminate called without an active exception"), either collate
+            it._shutdown_workers()  # noqa: SLF001
+        except RuntimeError as e:
+            _log(f"loader shutdown: {e}")
     del it, loader
     gc.collect()
     w = max(1, workers)
@@ -360,7 +367,7 @@ def reader_bench(args) -> None:
                                device=device, lengths=(256, 2048))
         m = json.loads((dataset / "manifest.json").read_text())
         train_tokens = int(m["totals"]["tokens"] * 0.75)
-        reps = max(1, -(-args.total_seq_len * (args.batches + 1 + 2 * max(args.workers) + 8) // train_tokens))
+        reps = max(1, -(-args.total_seq_len * (args.batches + 1 + 4 * max(args.workers) + 8) // train_tokens))
         srec = rec["shapes"][name] = {"hidden": shape["hidden"], "layers": len(shape["layer_ids"]),
                                       "dataset": m["totals"], "dataset_s": round(time.monotonic() - t, 1),
                                       "reps": reps, "cases": []}

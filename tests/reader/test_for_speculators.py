@@ -178,6 +178,34 @@ def test_packed_batches_from_workers_are_the_same_and_built_in_shared_memory(pri
     assert batch["hidden_states"].is_shared() and batch["verifier_last_hidden_states"].is_shared()
 
 
+def test_batch_buffers_are_reused_once_freed_and_never_while_held(tmp_path):
+    """The states' buffers are reused (no fresh pages a batch) only after every tensor over the last batch
+    made in them is freed: batches dropped as they come share a few buffers, batches kept are never
+    written over, in the training process and through spawn workers alike."""
+    ds = make_synthetic_dataset(tmp_path / "ds", rows=60, tokens=(2, 40), hidden=32, samples_per_shard=7)
+    data = SpeculatorsDataset(open_dataset(ds), max_len=48, train_ratio=0.9, split="train")
+    reference = _epochs(_reference(data, 48, seed=5), 2)
+
+    def streamed(loader) -> set[int]:
+        pointers, k = set(), 0
+        for e in range(2):
+            loader.batch_sampler.set_epoch(e)
+            for batch in loader:
+                _assert_same_batches([batch], [reference[k]])
+                pointers.add(batch["hidden_states"].data_ptr())
+                k += 1
+                del batch
+        assert k == len(reference)
+        return pointers
+
+    assert len(streamed(packed_loader(data, 48, num_workers=0, prefetch_factor=None, seed=5))) <= 3
+    streamed(packed_loader(data, 48, num_workers=2, prefetch_factor=2, seed=5))
+    held = packed_loader(data, 48, num_workers=0, prefetch_factor=None, seed=5)
+    kept = _epochs(held, 2)
+    _assert_same_batches(kept, reference)
+    assert len({b["hidden_states"].data_ptr() for b in kept}) == len(kept)
+
+
 @pytest.mark.parametrize(("storage", "dtype"), [("fp8", torch.bfloat16), ("bf16", torch.float32)])
 def test_states_that_need_converting_are_converted_as_the_dataset_converts_them(tmp_path, storage, dtype):
     """fp8 shards (dequantized) and another training dtype than the stored one are not read straight into
