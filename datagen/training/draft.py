@@ -194,7 +194,7 @@ def _loader(data, settings: DraftSettings, *, seed: int):
 
     workers = settings.loader_workers
     prefetch = 4 if workers else None
-    if settings.collate is Collate.DIRECT and PackedBatches.packs(data):
+    if settings.collate == Collate.DIRECT and PackedBatches.packs(data):  # == : model_copy does not validate
         return packed_loader(data, settings.total_seq_len, num_workers=workers, prefetch_factor=prefetch, seed=seed)
     return _setup_dataloader(data, settings.total_seq_len, data.hidden_size, num_workers=workers,
                              prefetch_factor=prefetch, num_target_layers=data.num_target_layers,
