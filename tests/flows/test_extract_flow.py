@@ -98,20 +98,15 @@ def test_appending_rows_re_extracts_only_the_shards_whose_rows_changed(story):
     ]
 
 
-def test_a_range_whose_shards_are_gone_is_extracted_again(story):
-    (story.output / "shards" / "shard-000000.safetensors").unlink()  # the run puts it back
-    state, _, _ = story.run()
-    assert state.is_completed(), state.message
-    assert state.result()["shards_extracted"] == [0]
-
-
 @pytest.fixture(scope="module")
 def fault_runs(runs, tmp_path_factory) -> dict:
-    """Two runs on the extracted dataset, with faults injected into the plan step: a permanent one
-    (the run fails at once), then a transient one in the run right after it (retried, and that
-    run completes with nothing left to extract). The fault tests read both."""
+    """Two runs on the extracted dataset with its shard 0 deleted, with faults injected into the
+    plan step: a permanent one (the run fails at once), then a transient one in the run right after
+    it (retried, and that run completes, extracting shard 0 again and nothing else). The fault tests
+    and the gone-shard test read them: one run for the retry and the gone shard, not two."""
     story = runs.story
     faults = tmp_path_factory.mktemp("faults") / "faults.json"
+    (story.output / "shards" / "shard-000000.safetensors").unlink()  # the transient run puts it back
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(local_runner, "LocalRunner", hooked_runner(local_runner.LocalRunner, faults=faults))
         write_faults(faults, plan={"exit_code": EXIT_BAD_INPUT, "times": 1, "message": "row 7 is not JSON"})
@@ -121,10 +116,19 @@ def fault_runs(runs, tmp_path_factory) -> dict:
     return {"permanent": (permanent, permanent_id), "transient": (transient, transient_id)}
 
 
+def test_a_range_whose_shards_are_gone_is_extracted_again(fault_runs):
+    state, run_id = fault_runs["transient"]  # the first run that completes after shard 0 was deleted
+    assert state.is_completed(), state.message
+    assert state.result()["shards_extracted"] == [0]
+    assert sorted((r.name, r.state.name) for r in task_runs(run_id)["extract-range"]) == [
+        ("extract-range-0:2", "Completed"), ("extract-range-2:4", "Cached"),
+    ]
+
+
 def test_a_transient_fault_is_retried_and_the_run_completes(fault_runs):
     state, run_id = fault_runs["transient"]
     assert state.is_completed(), state.message
-    assert state.result()["shards_extracted"] == []
+    assert state.result()["shards_extracted"] == [0]  # the shard deleted before it, nothing else
     [plan] = task_runs(run_id)["plan"]
     assert plan.run_count == 2
     assert any("storage hiccup" in m for m in flow_run_logs(run_id))
@@ -136,5 +140,5 @@ def test_a_permanent_fault_fails_the_run_at_once_with_the_steps_message(fault_ru
     assert "row 7 is not JSON" in state.message and "bad input" in state.message
     [plan] = task_runs(run_id)["plan"]
     assert plan.run_count == 1, "a permanent fault must not be retried"
-    again, _ = fault_runs["transient"]  # the next run, on the same dataset
-    assert again.is_completed() and again.result()["shards_extracted"] == []
+    again, _ = fault_runs["transient"]  # the next run, on the same dataset: the failed run changed nothing
+    assert again.is_completed() and again.result()["shards_extracted"] == [0]  # only the shard deleted before
