@@ -289,6 +289,9 @@ def reader_alone(dataset: Path, *, total_seq_len: int, workers: int, batches: in
 
 # what the trainer consumed on the H200 (docs/performance.md 10b: `datagen train --device cuda`, 8 workers)
 TRAINER_TOKENS_PER_S = {"kimi": 15_406, "8b": 35_213}
+COLLATES = ("speculators", "direct-fresh", "direct")
+COLLATE_LABELS = {"speculators": "speculators' CollateFn", "direct-fresh": "direct, a fresh buffer a batch",
+                  "direct": "direct, buffers reused (datagen train)"}
 
 
 def _loader_case(dataset: Path, *, total_seq_len: int, workers: int, collate: str, batches: int, reps: int) -> dict:
@@ -307,14 +310,21 @@ def _loader_case(dataset: Path, *, total_seq_len: int, workers: int, collate: st
     from datagen.training.draft import _loader
     from datagen.training.settings import DraftSettings
 
-    settings = DraftSettings(total_seq_len=total_seq_len, loader_workers=workers, train_ratio=0.75, collate=collate)
+    settings = DraftSettings(total_seq_len=total_seq_len, loader_workers=workers, train_ratio=0.75,
+                             collate="direct" if collate == "direct-fresh" else collate)
     reader = open_dataset(dataset)
     data = SpeculatorsDataset(reader, max_len=total_seq_len, train_ratio=0.75, split="train")
     reader.verify_samples(data.indices)
     data.indices = list(data.indices) * reps
     data.approx_lengths = data._compute_approx_lengths()  # noqa: SLF001 (BaseDataset computes it once)
     t = time.monotonic()
-    loader = _loader(data, settings, seed=0)
+    if collate == "direct-fresh":  # the direct collate without reusing its buffers: a fresh one a batch
+        from datagen.reader.for_speculators import packed_loader
+
+        loader = packed_loader(data, total_seq_len, num_workers=workers, prefetch_factor=4 if workers else None,
+                               seed=0, buffers=0)
+    else:
+        loader = _loader(data, settings, seed=0)
     it = iter(loader)
     # the workers started, then their prefetched batches (4 each) drained: the timed ones are made while
     # the loop waits for them, not taken from a backlog filled during the start
@@ -374,7 +384,8 @@ def reader_bench(args) -> None:
         _log(f"reader {name}: dataset {m['totals']} in {srec['dataset_s']} s, split listed {reps}x")
         for w in args.workers:
             for r in range(args.repeats):  # ABBA: each collate first once per pair of repeats
-                order = ("speculators", "direct") if r % 2 == 0 else ("direct", "speculators")
+                order = ("speculators", "direct", *(("direct-fresh",) if args.fresh else ()))
+                order = order if r % 2 == 0 else order[::-1]
                 for collate in order:
                     c = _loader_case(dataset, total_seq_len=args.total_seq_len, workers=w, collate=collate,
                                      batches=args.batches, reps=reps)
@@ -399,7 +410,7 @@ def reader_report(path: Path) -> str:
     rec = json.loads(path.read_text())
     lines = [f"{rec['device']}, {rec['cpus']} CPUs; {rec['total_seq_len']:,} tokens a batch; medians of "
              f"{rec['batches']}-batch runs' windows, {rec['repeats']} run(s) of each case (ABBA order)", "",
-             "| shape | workers | collate | tokens/s (median) | GB/s of states | direct / speculators "
+             "| shape | workers | collate | tokens/s (median) | GB/s of states | vs speculators' collate "
              "| vs the trainer (10b) |", "|---|---|---|---|---|---|---|"]
     names = list(rec["shapes"])
     fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4), squeeze=False)
@@ -408,25 +419,28 @@ def reader_report(path: Path) -> str:
         workers = sorted({c["workers"] for c in s["cases"]})
         med: dict = {}
         for w in workers:
-            for collate in ("speculators", "direct"):
+            for collate in COLLATES:
                 cs = [c for c in s["cases"] if c["workers"] == w and c["collate"] == collate]
                 if not cs:
                     continue
                 windows = [x for c in cs for x in c["tokens_per_s_windows"]]
                 gb = statistics.median(c["gb_per_s"] for c in cs)
                 med[w, collate] = statistics.median(windows)
-                ratio = (f"**{med[w, 'direct'] / med[w, 'speculators']:.2f}x**"
-                         if collate == "direct" and (w, "speculators") in med else "")
+                ratio = (f"**{med[w, collate] / med[w, 'speculators']:.2f}x**"
+                         if collate != "speculators" and (w, "speculators") in med else "")
                 trainer = TRAINER_TOKENS_PER_S.get(name)
                 vs = f"{med[w, collate] / trainer:.2f}x" if trainer and rec["device"] != "cpu" else ""
                 lines.append(f"| {name} (hidden {s['hidden']}, {s['layers']} layers) | {w} | {collate} | "
                              f"{med[w, collate]:,.0f} | {gb:.2f} | {ratio} | {vs} |")
         x = range(len(workers))
-        for j, collate in enumerate(("speculators", "direct")):
+        shown = [c for c in COLLATES if any((w, c) in med for w in workers)]
+        bar = 0.8 / len(shown)
+        for j, collate in enumerate(shown):
+            at = [i + (j - (len(shown) - 1) / 2) * bar for i in x]
             ys = [med.get((w, collate), 0) for w in workers]
-            ax.bar([i + (j - 0.5) * 0.38 for i in x], ys, width=0.38, label=collate)
-            for i, y in zip(x, ys):
-                ax.text(i + (j - 0.5) * 0.38, y, f"{y / 1000:.1f}k", ha="center", va="bottom", fontsize=8)
+            ax.bar(at, ys, width=bar, label=COLLATE_LABELS[collate])
+            for i, y in zip(at, ys):
+                ax.text(i, y, f"{y / 1000:.1f}k", ha="center", va="bottom", fontsize=8)
         trainer = TRAINER_TOKENS_PER_S.get(name)
         if trainer and rec["device"] != "cpu":
             ax.axhline(trainer, color="gray", linestyle=":", label="trainer (H200, 10b)")
@@ -889,6 +903,7 @@ def main() -> None:
     p.add_argument("--dataset-mb", type=float, default=300, help="size of each shape's dataset")
     p.add_argument("--per-shard", type=int, default=16)
     p.add_argument("--keep", action="store_true", help="keep the datasets under --work")
+    p.add_argument("--fresh", action="store_true", help="also the direct collate with a fresh buffer a batch")
     p = sub.add_parser("reader-report")
     p.add_argument("json")
     p = sub.add_parser("proof")

@@ -105,7 +105,8 @@ class PackedBatches(Dataset):
     States are read straight into the batch when the stored dtype is the one trained on (bf16 shards,
     the default); otherwise (fp8, another dtype) each sample is converted as ``SpeculatorsDataset``
     converts it and copied into its rows. ``buffers``: the states' buffers a process keeps for reuse
-    (``_Ring``; a worker's batches in flight are the DataLoader's prefetch plus the one being pinned).
+    (``_Ring``; a worker's batches in flight are the DataLoader's prefetch plus the one being pinned);
+    0: a fresh buffer every batch (the benchmark's comparison).
     """
 
     def __init__(self, data: SpeculatorsDataset, max_len: int, *, buffers: int = 3) -> None:
@@ -130,7 +131,7 @@ class PackedBatches(Dataset):
         return self.data[index]
 
     def __getitems__(self, indices) -> dict:
-        if self._ring is None:  # made in the process that packs (each worker its own)
+        if self._ring is None and self.buffers:  # made in the process that packs (each worker its own)
             self._ring = _Ring(self.buffers)
         return pack(self.data, [int(i) for i in indices], self.max_len, ring=self._ring)
 
@@ -144,10 +145,11 @@ def as_packed(batch: dict) -> dict:
 
 
 def packed_loader(data: SpeculatorsDataset, total_seq_len: int, *, num_workers: int, prefetch_factor: int | None,
-                  seed: int) -> DataLoader:
+                  seed: int, buffers: int | None = None) -> DataLoader:
     """``speculators.train.dataloader._setup_dataloader(data, total_seq_len, ..., preprocess=shift_batch)``
     with ``PackedBatches`` in place of its per-sample collate: the same sampler (this rank's share, the
-    seed's order), workers, prefetch, pinning and batches."""
+    seed's order), workers, prefetch, pinning and batches. ``buffers``: ``PackedBatches``' (None: as many
+    as a process has batches in flight)."""
     from speculators.train.dataloader import _worker_init_fn
     from speculators.train.distributed import get_dp_rank, get_dp_size
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
@@ -156,7 +158,8 @@ def packed_loader(data: SpeculatorsDataset, total_seq_len: int, *, num_workers: 
                                                  num_replicas=get_dp_size(), rank=get_dp_rank(), seed=seed)
     use_workers = num_workers > 0
     # a worker's batches in flight: its prefetch, the one the training process is pinning, the one it packs
-    buffers = (prefetch_factor or 2) + 2 if use_workers else 3
+    if buffers is None:
+        buffers = (prefetch_factor or 2) + 2 if use_workers else 3
     return DataLoader(PackedBatches(data, total_seq_len, buffers=buffers), batch_sampler=sampler,
                       num_workers=num_workers, prefetch_factor=prefetch_factor if use_workers else None,
                       pin_memory=True, collate_fn=as_packed, persistent_workers=use_workers,
