@@ -251,8 +251,9 @@ def _summary(run: dict) -> dict:
 # --- the shard reader alone --------------------------------------------------------------------------
 
 def reader_alone(dataset: Path, *, total_seq_len: int, workers: int, batches: int, collate: str = "direct") -> dict:
-    """The loader ``datagen train`` trains from, iterated without a model: packed tokens/s and GB/s of
-    hidden states handed over (pinned host batches, as the trainer receives them)."""
+    """The loader ``datagen train`` trains from (``collate``), iterated without a model: packed tokens/s
+    and GB/s of hidden states handed over (pinned host batches, as the trainer receives them), after
+    the workers' prefetch is drained (before, up to 4 batches a worker were timed as if free)."""
     from datagen.reader import open_dataset
     from datagen.reader.for_speculators import SpeculatorsDataset
     from datagen.training.draft import _loader
@@ -267,17 +268,23 @@ def reader_alone(dataset: Path, *, total_seq_len: int, workers: int, batches: in
     loader = _loader(data, settings, seed=0)
     it, n, tokens, nbytes = iter(loader), 0, 0, 0
     first = next(it)  # workers started, the first batch prefetched
-    t0 = time.monotonic()
     per_epoch = len(loader)
-    while n < batches:
+    warm = 4 * workers  # the workers' prefetched batches drained, not timed (they were made during the start)
+    t0 = time.monotonic()
+    while n < batches + warm:
         try:
             b = next(it)
         except StopIteration:
             it = iter(loader)
             continue
+        n += 1
+        if n == warm:
+            t0 = time.monotonic()
+        if n <= warm:
+            continue
         tokens += int((b["document_ids"] != -1).sum())
         nbytes += sum(v.numel() * v.element_size() for k, v in b.items() if "hidden" in k)
-        n += 1
+    n -= warm
     wall = time.monotonic() - t0
     del first
     return {"workers": workers, "collate": collate, "batches": n, "batches_per_epoch": per_epoch,
