@@ -8,9 +8,10 @@
 # on Prefect's minimum timeouts (heartbeats every 30 s, a 60 s lost-host window, 60 s range leases)
 # and use little CPU, so they cost the suite no core. Tests that share no session fixture with the
 # main process fill that idle time: the image-row engine tests, the train image, the SmolLM2
-# training proof, the infrastructure faults (their own S3 servers) and the DeepSeek-V3 tests of
-# tests/test_extract_vllm.py, named FILE::TEST (the module's Llama tests share its session dataset
-# and stay in the main process, which deselects the named ones). BESIDE runs in a second process
+# training proof, the infrastructure faults (their own S3 servers), the DeepSeek-V3 tests of
+# tests/test_extract_vllm.py and the shipped Kimi processor's two extractions (its own tiny
+# checkpoint), named FILE::TEST (the rest of those modules shares fixtures with the main process
+# and stays there; the main process deselects the named ones). BESIDE runs in a second process
 # next to the rest: modules that share no fixture with any other (the crash campaign: one long
 # test, a vLLM extraction killed and resumed again and again; the server end-to-end tests with
 # their own Prefect server and workers; the Kimi engine and golden-validation tests with their own
@@ -56,7 +57,8 @@ CHECK_BESIDE=(tests/test_stored_plan.py tests/test_kimi_processor.py tests/test_
 WAITING=(tests/flows/test_scale_out.py tests/test_media_engine.py tests/images/test_train_image.py
          tests/test_train_smollm2.py tests/faults/test_infrastructure.py
          tests/test_extract_vllm.py::test_deepseek_v3_states_equal_the_reference_for_every_layer_and_token
-         tests/test_extract_vllm.py::test_deepseek_v3_bf16_states_match_the_reference_on_each_cpu_mla_backend)
+         tests/test_extract_vllm.py::test_deepseek_v3_bf16_states_match_the_reference_on_each_cpu_mla_backend
+         tests/test_kimi_processor.py::test_through_datagen_extract_the_shipped_processor_gives_vllms_own_shards)
 BESIDE=(tests/faults/test_crash_anywhere.py tests/flows/test_server_e2e.py tests/test_kimi_engine.py
         tests/test_validate_golden.py tests/test_regenerate.py tests/flows/test_regenerate_flow.py
         tests/flows/test_kimi_mini_e2e.py)
