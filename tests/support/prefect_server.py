@@ -38,8 +38,8 @@ def free_port() -> int:
 
 
 # How long a stop waits, after SIGTERM, for a process and everything it started to exit before it
-# kills what is left (SIGKILL). A Prefect server stops in 1-1.5 s, an idle worker or one with its flow
-# run in 0.3-0.5 s (measured on 2 busy cores); the server keeps the whole former budget (15 s, then
+# kills what is left (SIGKILL). A Prefect server stops in 0.4-1.5 s, an idle worker or one with its
+# flow run in 0.3-1 s (measured on 2 busy cores); the server keeps the whole former budget (15 s, then
 # 20 s more), so a server's stop stays the graceful one the orchestration faults restart it after.
 SERVER_STOP_GRACE_S = 35.0
 WORKER_STOP_GRACE_S = 5.0
