@@ -1,14 +1,12 @@
 """Train an EAGLE-3 draft from a dataset's packed shards with speculators' own trainer.
 
 Everything that makes the draft is speculators' (0.9.x): ``Eagle3DraftModel.from_training_args``
-(the draft and its verifier weights: embeddings, final norm, lm_head), the vocabulary mapping
-(``build_vocab_mappings_from_distribution``, over the training rows' assistant tokens), the
-multipack batch sampler and collate function (``_setup_dataloader`` with ``shift_batch``, as
-``speculators train`` sets them up for eagle3), the loss and the ``Trainer``'s epoch loop. What
-datagen adds is the data source (``datagen.reader.for_speculators.SpeculatorsDataset``, the shards
-read directly, no export), a CPU path, data-parallel training under ``torchrun`` on the GPU and the
-CPU (``datagen.training.distributed``: speculators' own topology, DDP and per-rank sampler), and the
-lineage written next to the draft.
+(the draft and its verifier weights), the vocabulary mapping (``build_vocab_mappings_from_distribution``
+over the training rows' assistant tokens), the multipack batch sampler, the loss and the ``Trainer``.
+datagen adds the data source (``datagen.reader.for_speculators``: the shards read directly, no export,
+each batch packed where it is read into the same tensors speculators' ``CollateFn`` + ``shift_batch``
+make), a CPU path, data-parallel training under ``torchrun`` (``datagen.training.distributed``) and
+the lineage written next to the draft.
 
 The draft directory is what ``speculators train`` saves (``save_pretrained`` in bf16,
 ``config.json`` with ``speculators_config``), the format vLLM loads as an EAGLE-3 speculator
@@ -184,9 +182,8 @@ def build_draft(reader: DatasetReader, verifier: Path, settings: DraftSettings, 
 
 
 def _loader(data, settings: DraftSettings, *, seed: int):
-    """The training batches: speculators' multipack sampler and DataLoader settings, each batch packed
-    by ``settings.collate`` (the same batches either way). A dataset whose samples are not the shards'
-    own (``measure-draft`` feeds the target's states) always goes through speculators' collate."""
+    """speculators' multipack sampler and DataLoader settings, each batch packed by ``settings.collate``
+    (the same batches either way); ``measure-draft``'s target-fed samples take speculators' collate."""
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.dataloader import _setup_dataloader
 
