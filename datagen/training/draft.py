@@ -182,16 +182,14 @@ def build_draft(reader: DatasetReader, verifier: Path, settings: DraftSettings, 
 
 
 def _loader(data, settings: DraftSettings, *, seed: int):
-    """speculators' multipack sampler and DataLoader settings, each batch packed by ``settings.collate``
-    (the same batches either way); ``measure-draft``'s target-fed samples take speculators' collate."""
+    """speculators' sampler and loader settings; batches packed by ``settings.collate`` (same either way)."""
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.dataloader import _setup_dataloader
 
     from datagen.reader.for_speculators import PackedBatches, packed_loader
-
-    workers = settings.loader_workers
-    prefetch = 4 if workers else None
-    if settings.collate == Collate.DIRECT and PackedBatches.packs(data):  # == : model_copy does not validate
+    workers, prefetch = settings.loader_workers, (4 if settings.loader_workers else None)
+    # measure-draft's target-fed samples are not the shards': speculators' collate. (==: model_copy does not validate)
+    if settings.collate == Collate.DIRECT and PackedBatches.packs(data):
         return packed_loader(data, settings.total_seq_len, num_workers=workers, prefetch_factor=prefetch, seed=seed)
     return _setup_dataloader(data, settings.total_seq_len, data.hidden_size, num_workers=workers,
                              prefetch_factor=prefetch, num_target_layers=data.num_target_layers,
