@@ -310,3 +310,15 @@ def test_a_template_that_cannot_render_a_chat_refuses_its_row_with_its_reason(tm
         tokenize_chat(tok, [{"role": "assistant", "content": "hello"}], path="chat.jsonl", line=4)
     assert reason in str(e.value) and "chat.jsonl:4" in str(e.value) and "pre-tokenize" in e.value.hint
     assert e.value.__cause__ is not None
+
+
+def test_the_models_media_placeholder_follows_the_tokenizers_media_pad_when_the_ranks_come_out_fewer(tmp_path):
+    from transformers import AutoTokenizer
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"media_placeholder_token_id": 163605, "text_config": {"media_placeholder_token_id": 163605}, "x": 1}))
+    write_kimi_tokenizer(tmp_path, vocab_size=163840, corpus=["a small corpus, a few merges"] * 4)
+    pad = AutoTokenizer.from_pretrained(tmp_path, trust_remote_code=True).convert_tokens_to_ids("<|media_pad|>")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert pad < 163605, "the ranks came out fewer than asked"
+    assert cfg["media_placeholder_token_id"] == cfg["text_config"]["media_placeholder_token_id"] == pad and cfg["x"] == 1

@@ -49,6 +49,7 @@ SPECIAL_OFFSETS = {
 # The tool-call markers are added tokens with "special": false in the real config (kept by
 # skip_special_tokens), and only these are listed as additional_special_tokens there.
 NOT_SPECIAL_OFFSETS = frozenset(range(11, 16))
+MEDIA_PAD_OFFSET = 21  # <|media_pad|>: 163605 in the real layout
 ADDITIONAL_SPECIAL_OFFSETS = (2, 3, 4, 6, 7, 9, 10, 17)
 DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
 
@@ -203,5 +204,23 @@ def write_kimi_tokenizer(model_dir: str | Path, *, vocab_size: int, corpus: list
     shutil.copyfile(kimi_code.__file__, d / CODE_FILE)
     (d / TEMPLATE_FILE).write_text(CHAT_TEMPLATE)
     (d / CONFIG_FILE).write_text(json.dumps(tokenizer_config(len(ranks)), indent=2) + "\n")
+    _align_media_placeholder(d, len(ranks) + MEDIA_PAD_OFFSET)
     log.info("Kimi-shaped tiktoken tokenizer (%d ranks + %d special) written to %s", len(ranks), RESERVED, d)
     return d
+
+
+def _align_media_placeholder(d: Path, pad_id: int) -> None:
+    """The model's ``media_placeholder_token_id`` set to the tokenizer's ``<|media_pad|>``, as in the
+    released checkpoint (163605 both). The ranks learned on a small corpus can be fewer than asked,
+    which moves the special tokens down; vLLM takes the tokenizer's id and warns when the config
+    disagrees, and so does planning (``datagen.data.media.PAD_TOKEN``)."""
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        return
+    cfg = json.loads(cfg_path.read_text())
+    changed = False
+    for c in (cfg, cfg.get("text_config") or {}):
+        if "media_placeholder_token_id" in c and c["media_placeholder_token_id"] != pad_id:
+            c["media_placeholder_token_id"], changed = pad_id, True
+    if changed:
+        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
