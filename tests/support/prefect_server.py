@@ -176,20 +176,33 @@ def _start_server_once(root: Path) -> PrefectServer:
     raise RuntimeError(f"prefect server did not answer within {STARTUP_TIMEOUT_S:.0f} s:\n{server.process.output()[-4000:]}")
 
 
-def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
-    """Send ``sig`` to ``pid`` and all its descendants (children first found, then all at once)."""
+def _signal_all(procs, sig: int) -> None:
     import psutil
 
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
     for p in procs:
         try:
             p.send_signal(sig)
         except psutil.NoSuchProcess:
             pass
+
+
+def _tree(pid: int) -> list:
+    """``pid`` and all its descendants, [] when it is gone."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to ``pid`` and all its descendants (children first found, then all at once)."""
+    import psutil
+
+    procs = _tree(pid)
+    _signal_all(procs, sig)
     psutil.wait_procs(procs, timeout=15)
 
 
@@ -198,22 +211,10 @@ def stop_tree(pid: int, grace: float) -> None:
     seconds later; returns once all have exited."""
     import psutil
 
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
+    procs = _tree(pid)
+    _signal_all(procs, signal.SIGTERM)
     _, alive = psutil.wait_procs(procs, timeout=grace)
-    for p in alive:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
+    _signal_all(alive, signal.SIGKILL)
     psutil.wait_procs(alive, timeout=10)
 
 
