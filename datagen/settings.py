@@ -51,13 +51,16 @@ def gpu_step_times() -> bool:
     return os.environ.get("DATAGEN_GPU_STEP_TIMES", "0") == "1"
 
 
-def capture_runner_v2(environ: Mapping[str, str] | None = None) -> bool:
-    """DATAGEN_CAPTURE_RUNNER_V2: 1 to let the internal capture run on vLLM's Model Runner V2
-    (datagen.engines.capture_v2: tested on V2's data structures on the CPU, never run on a GPU);
-    unset or 0: the internal capture pins the V1 runner on CUDA and refuses V2. ``environ``: read
-    instead of the process's environment."""
+def capture_runner_v2(environ: Mapping[str, str] | None = None) -> bool | None:
+    """DATAGEN_CAPTURE_RUNNER_V2: the model runner the internal capture may run on (CUDA). 1: Model
+    Runner V2 allowed anywhere (vLLM picks; a warning where the V2 capture is not verified); 0: V1
+    pinned everywhere; unset (None): datagen.engines.releases.V2_CAPTURE_VERIFIED decides (vLLM's
+    own choice where the V2 capture was verified: 0.24.0, tensor_parallel_size 1, LlamaForCausalLM;
+    V1 pinned elsewhere). Any other value pins V1. ``environ``: read instead of the process's
+    environment."""
     env = os.environ if environ is None else environ
-    return env.get("DATAGEN_CAPTURE_RUNNER_V2", "0") == "1"
+    raw = (env.get("DATAGEN_CAPTURE_RUNNER_V2") or "").strip()
+    return None if not raw else raw == "1"
 
 
 def model_cache() -> Path:

@@ -40,6 +40,54 @@ def test_the_model_runner_a_run_takes():
     assert "refuses" in capture_paths.describe("0.99.0", cpu_build=False, environ={})["why"]
 
 
+# release, TP, architecture, DATAGEN_CAPTURE_RUNNER_V2 -> runner, V1 pinned, what the why names
+RUNNER_TABLE = [
+    (CUDA_VLLM_RELEASE, 1, "LlamaForCausalLM", None, "auto", False, "the V2 capture is verified for vLLM 0.24.0, TP1"),
+    (CUDA_VLLM_RELEASE, 2, "LlamaForCausalLM", None, "v1", True, "not verified for vLLM 0.24.0, TP2, LlamaForCausalLM"),
+    (CUDA_VLLM_RELEASE, 1, "DeepseekV3ForCausalLM", None, "v1", True, "not verified for vLLM 0.24.0, TP1, Deepseek"),
+    (CUDA_VLLM_RELEASE, 1, "KimiK25ForConditionalGeneration", None, "v1", True, "not verified"),
+    ("0.99.0", 1, "LlamaForCausalLM", None, "v1", True, "not verified for vLLM 0.99.0"),
+    (CPU_VLLM_RELEASE, 1, "LlamaForCausalLM", None, "v1", True, "not verified for vLLM 0.32.0"),  # a CUDA 0.32
+    (CUDA_VLLM_RELEASE, 1, None, None, "v1", True, "architecture not given"),
+    (CUDA_VLLM_RELEASE, 1, "LlamaForCausalLM", "0", "v1", True, "DATAGEN_CAPTURE_RUNNER_V2=0 pins V1"),
+    (CUDA_VLLM_RELEASE, 2, "DeepseekV3ForCausalLM", "1", "auto", False, "NOT verified"),
+    ("0.99.0", 1, "LlamaForCausalLM", "1", "auto", False, "DATAGEN_CAPTURE_RUNNER_V2=1 allows the V2 capture"),
+    (CUDA_VLLM_RELEASE, 1, "LlamaForCausalLM", "1", "auto", False, "verified for vLLM 0.24.0, TP1, LlamaForCausalLM"),
+]
+
+
+@pytest.mark.parametrize("version,tp,arch,asked,runner,pinned,why", RUNNER_TABLE)
+def test_the_internal_capture_takes_vllms_runner_only_where_the_v2_capture_is_verified(version, tp, arch, asked,
+                                                                                       runner, pinned, why):
+    env = {} if asked is None else {"DATAGEN_CAPTURE_RUNNER_V2": asked}
+    choice = capture_paths.runner_choice(version, "internal", cpu_build=False, tensor_parallel_size=tp,
+                                         architecture=arch, environ=env)
+    assert (choice.runner, choice.pin_v1, choice.v2_capture) == (runner, pinned, not pinned)
+    assert why in choice.why and ("patch pin-v1-model-runner" in choice.why) == pinned
+    assert choice.unverified_v2 == (asked == "1" and "NOT verified" in choice.why)
+    assert capture_paths.model_runner(version, "internal", cpu_build=False, tensor_parallel_size=tp,
+                                      architecture=arch, environ=env) == runner
+    # VLLM_USE_V2_MODEL_RUNNER=1 runs V2 where V1 is not pinned, and is refused where it is
+    forced = capture_paths.runner_choice(version, "internal", cpu_build=False, tensor_parallel_size=tp,
+                                         architecture=arch, environ={**env, "VLLM_USE_V2_MODEL_RUNNER": "1"})
+    assert (forced.runner, bool(forced.refused)) == (("v1", True) if pinned else ("v2", False))
+    # the CPU build runs V1 whatever the table says (its V2 runner needs Triton)
+    cpu = capture_paths.runner_choice(version, "internal", cpu_build=True, tensor_parallel_size=tp,
+                                      architecture=arch, environ=env)
+    assert (cpu.runner, cpu.pin_v1, cpu.refused) == ("v1", False, None) and "Triton" in cpu.why
+
+
+def test_the_verified_table_names_what_was_run_and_where():
+    from datagen.engines.releases import V2_CAPTURE_VERIFIED
+
+    assert list(V2_CAPTURE_VERIFIED) == [(CUDA_VLLM_RELEASE, 1, "LlamaForCausalLM")]
+    assert V2_CAPTURE_VERIFIED[(CUDA_VLLM_RELEASE, 1, "LlamaForCausalLM")].startswith(
+        "H200, bench/gpu/v2.py, 2026-12-03")
+    d = capture_paths.describe(CUDA_VLLM_RELEASE, cpu_build=False, tensor_parallel_size=1,
+                               architecture="LlamaForCausalLM", environ={})
+    assert d["model_runner"] == "auto" and "H200, bench/gpu/v2.py, 2026-12-03" in d["why"] and "refused" not in d
+
+
 def test_runner_classes_are_named_by_their_runner():
     assert runner_version("vllm.v1.worker.cpu_model_runner.CPUModelRunner") == "v1"
     assert runner_version("vllm.v1.worker.gpu_model_runner.GPUModelRunner") == "v1"
@@ -115,3 +163,23 @@ def test_env_check_names_the_path_and_runner_on_this_vllm(monkeypatch):
     monkeypatch.setenv("DATAGEN_CAPTURE_PATH", "public")
     assert envcheck_engine._engine_path()["capture_path"] == "public"
     assert envcheck_engine._public_self_test() == "ok"
+
+
+def test_env_check_fails_the_v1_pin_where_the_runs_own_runner_choice_refuses_v2():
+    """VLLM_USE_V2_MODEL_RUNNER=1 on 0.24.0 passes the model-blind self-test (V2 is verified for some
+    runs of it), but the run's TP and architecture pin V1: env-check fails the pin, with the reason."""
+    from datagen.envcheck.engine import check_engine_patches
+    from datagen.envcheck.report import Status
+    from tests.test_env_check import spec_for
+
+    forced = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+    engine = capture_paths.describe(CUDA_VLLM_RELEASE, cpu_build=False, tensor_parallel_size=2,
+                                    architecture="LlamaForCausalLM", environ=forced)
+    result = check_engine_patches(spec_for("/m", "/o"), True, engine)
+    assert result.status is Status.FAILED
+    assert "pin-v1-model-runner: failed: VLLM_USE_V2_MODEL_RUNNER=1, but the V2 capture is not verified for " \
+           "vLLM 0.24.0, TP2, LlamaForCausalLM" in result.detail
+    engine = capture_paths.describe(CUDA_VLLM_RELEASE, cpu_build=False, tensor_parallel_size=1,
+                                    architecture="LlamaForCausalLM", environ=forced)
+    assert "refused" not in engine and engine["model_runner"] == "v2"
+    assert check_engine_patches(spec_for("/m", "/o"), True, engine).status is Status.OK

