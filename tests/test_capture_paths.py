@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from datagen.data.spec import EngineName
 from datagen.engines import capture_paths
 from datagen.engines.capture import Capture
 from datagen.engines.capture_paths import runner_version
@@ -183,3 +184,20 @@ def test_env_check_fails_the_v1_pin_where_the_runs_own_runner_choice_refuses_v2(
                                     architecture="LlamaForCausalLM", environ=forced)
     assert "refused" not in engine and engine["model_runner"] == "v2"
     assert check_engine_patches(spec_for("/m", "/o"), True, engine).status is Status.OK
+
+
+@pytest.mark.parametrize("tp, arch, runner", [(1, "LlamaForCausalLM", "auto"), (2, "LlamaForCausalLM", "v1"),
+                                              (1, "DeepseekV3ForCausalLM", "v1")])
+def test_the_plans_engine_record_names_the_runner_the_engine_will_take(monkeypatch, tp, arch, runner):
+    from datagen.engines import patches, vllm_attention
+    from datagen.extraction.plan import describe_engine
+
+    monkeypatch.delenv("DATAGEN_CAPTURE_RUNNER_V2", raising=False)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    monkeypatch.delenv("DATAGEN_CAPTURE_PATH", raising=False)
+    monkeypatch.setattr(patches, "check_vllm_version", lambda: CUDA_VLLM_RELEASE)
+    monkeypatch.setattr(vllm_attention, "is_cpu_build", lambda: False)
+    monkeypatch.setattr(vllm_attention, "choose_attention_backend", lambda info, mla: None)
+    spec = SimpleNamespace(engine=SimpleNamespace(name=EngineName.VLLM, tensor_parallel_size=tp, mla_backend=None))
+    rec = describe_engine(spec, SimpleNamespace(architecture=arch))
+    assert (rec["capture_path"], rec["model_runner"]) == ("internal", runner)

@@ -66,7 +66,9 @@ def describe_engine(spec: ExtractSpec, info: ModelInfo) -> dict:
         path = choose_path(version)
         return {"name": "vllm", "version": version, "patches": patches.patch_names(),
                 "attention_backend": choose_attention_backend(info, spec.engine.mla_backend),
-                "capture_path": path, "model_runner": model_runner(version, path, cpu_build=is_cpu_build())}
+                "capture_path": path,
+                "model_runner": model_runner(version, path, cpu_build=is_cpu_build(), architecture=info.architecture,
+                                             tensor_parallel_size=spec.engine.tensor_parallel_size)}
     import transformers
 
     return {"name": "hf", "version": transformers.__version__, "patches": []}
