@@ -23,7 +23,7 @@ from datagen.reader._shards import (
 from datagen.reader._store import LocalStore, open_store
 
 log = logging.getLogger(__name__)
-IOV_MAX = 1024  # buffers one preadv takes (Linux's IOV_MAX)
+IOV_MAX = os.sysconf("SC_IOV_MAX")  # buffers one preadv takes
 
 
 class Verify(str, enum.Enum):
@@ -131,11 +131,6 @@ class DatasetReader:
     def stored_dtype(self) -> torch.dtype:
         """The hidden states' dtype as the shards store them (``read_into`` hands out these bytes)."""
         return SAFETENSORS_DTYPES[self.expected.storage_code]
-
-    @property
-    def row_bytes(self) -> int:
-        """Stored bytes of one token's states: its L layers of H values, layer by layer."""
-        return len(self.layer_ids) * self.hidden_size * self.stored_dtype.itemsize
 
     def shard_samples(self) -> list[list[int]]:
         """For each opened shard, its sample numbers (in dataset-row order)."""

@@ -35,6 +35,7 @@ Only this module imports speculators.
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Literal
 
@@ -216,13 +217,13 @@ def _over(buffer: torch.Tensor, layout: list, lease: torch.Tensor | None, slot: 
     array = buffer.numpy()
     if slot is not None:
         weakref.finalize(array, _release, lease.numpy(), slot)
-    out = []
-    for offset, dtype, shape in layout:
-        count = 1
-        for d in shape:
-            count *= d
-        out.append(torch.frombuffer(array, dtype=dtype, count=count, offset=offset).view(shape))
-    return out
+    return [torch.frombuffer(array, dtype=dtype, count=math.prod(shape), offset=offset).view(shape)
+            for offset, dtype, shape in layout]
+
+
+def _views(buffer: torch.Tensor, layout: list) -> list[torch.Tensor]:
+    """Tensors ``layout`` ([(offset, dtype, shape)]) as plain views of ``buffer``."""
+    return [buffer[o:].view(dt)[:math.prod(sh)].view(sh) for o, dt, sh in layout]
 
 
 class _FromWorker(dict):
@@ -279,7 +280,7 @@ def pack(data: SpeculatorsDataset, indices: list[int], max_len: int, *, ring: _R
         buffer, slot = _allocate(nbytes, shared=in_worker, pinned=pinned), None
     else:
         buffer, slot = ring.take(nbytes)
-    hidden_states, last = (buffer[o:].view(dt)[:_count(sh)].view(sh) for o, dt, sh in layout)
+    hidden_states, last = _views(buffer, layout)
     hidden_states[0, used:].zero_()
     last[0, used:].zero_()
     input_ids = torch.zeros(1, max_len, dtype=torch.int64)
@@ -312,15 +313,8 @@ def pack(data: SpeculatorsDataset, indices: list[int], max_len: int, *, ring: _R
     del hidden_states, last
     if direct:
         del hs_bytes, last_bytes
-    # CollateFn's lengths: whole samples while they fit, the last one cut to the batch, the rest dropped
-    lengths, total = [], 0
-    for n in shifted:
-        if n + total >= max_len:
-            lengths.append(max_len - total)
-            break
-        lengths.append(n)
-        total += n
-    lengths = torch.tensor(lengths, dtype=torch.long)
+    # CollateFn's lengths are the rows placed: whole samples while they fit, the last one cut, the rest dropped
+    lengths = torch.tensor([n for _, _, n in placed], dtype=torch.long)
     document_ids = torch.repeat_interleave(torch.arange(lengths.shape[0], dtype=torch.long), lengths)
     document_ids = torch.cat([document_ids, -1 * torch.ones(max_len - document_ids.shape[0], dtype=torch.long)])
     items = {"input_ids": input_ids, "hidden_states": None, "verifier_last_hidden_states": None,
@@ -331,12 +325,5 @@ def pack(data: SpeculatorsDataset, indices: list[int], max_len: int, *, ring: _R
     if slot is not None:
         hs, vl = _over(buffer, layout, ring.lease, slot)
     else:  # a buffer of its own: plain views (in a worker, its shared memory travels as any tensor's)
-        hs, vl = (buffer[o:].view(dt)[:_count(sh)].view(sh) for o, dt, sh in layout)
+        hs, vl = _views(buffer, layout)
     return {**items, "hidden_states": hs, "verifier_last_hidden_states": vl}
-
-
-def _count(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
