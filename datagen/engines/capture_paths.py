@@ -75,7 +75,8 @@ class RunnerChoice:
     v2_capture: bool  # the internal capture may read Model Runner V2 where vLLM runs it
     why: str
     unverified_v2: bool = False  # DATAGEN_CAPTURE_RUNNER_V2=1 where the V2 capture is not verified: a warning
-    refused: str | None = None  # VLLM_USE_V2_MODEL_RUNNER=1 against the pin: the engine refuses to start
+    refused: str | None = None  # VLLM_USE_V2_MODEL_RUNNER=1 where this run cannot take V2: the engine refuses to start
+    refused_hint: str | None = None  # what to do instead, where it differs from unsetting the variable
 
 
 def verified_v2_runs() -> str:
@@ -104,7 +105,15 @@ def runner_choice(version: str | None, path: str, *, cpu_build: bool, tensor_par
         return RunnerChoice("v1", False, asked is True, "the CPU build runs V1 (its V2 runner needs Triton)")
     if path != INTERNAL:
         if version in V2_WITHOUT_EXTRACT_HIDDEN_STATES:
-            return RunnerChoice("v1", False, False, f"vLLM {version}'s V2 refuses extract_hidden_states: vLLM runs V1")
+            why = f"vLLM {version}'s V2 refuses extract_hidden_states: vLLM runs V1"
+            if forced != "1":
+                return RunnerChoice("v1", False, False, why)
+            # vLLM would refuse it in LLM(...) (0.24.0 config/vllm.py:2031-2032, 2092-2100)
+            return RunnerChoice("v1", False, False, why, refused=(
+                f"VLLM_USE_V2_MODEL_RUNNER=1: vLLM {version}'s Model Runner V2 does not run the "
+                "extract_hidden_states method the public capture path is built on"), refused_hint=(
+                "unset VLLM_USE_V2_MODEL_RUNNER (vLLM then runs V1 for it), or take the internal capture "
+                "(DATAGEN_CAPTURE_PATH=internal: on V2 where its capture is verified, or with DATAGEN_CAPTURE_RUNNER_V2=1)"))
         return RunnerChoice(picked, False, False, picked_why)
     run = f"vLLM {version}, TP{tensor_parallel_size or '?'}, {architecture or '(architecture not given)'}"
     where = V2_CAPTURE_VERIFIED.get((version, tensor_parallel_size, architecture))

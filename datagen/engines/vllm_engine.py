@@ -24,13 +24,7 @@ from datagen.data.shards.format import ShardJob
 from datagen.data.spec import MlaBackend
 from datagen.engines import patches
 from datagen.engines.base import Engine, Handout
-from datagen.engines.capture_paths import (
-    V2_WITHOUT_EXTRACT_HIDDEN_STATES,
-    RunnerChoice,
-    runner_choice,
-    runner_version,
-    verified_v2_runs,
-)
+from datagen.engines.capture_paths import RunnerChoice, runner_choice, runner_version, verified_v2_runs
 from datagen.engines.messages import CaptureReply
 from datagen.engines.vllm_attention import cpu_amx_flags, cpu_has_amx
 from datagen.engines.vllm_devices import check_devices, set_process_env
@@ -147,22 +141,14 @@ class VllmEngine(Engine):
                                  model=self.info.path)
         self.runner = self.runner_choice(cpu_build=not on_cuda)
         log.info("model runner: %s (%s)", self.runner.runner, self.runner.why)
-        if self.runner.refused:  # patch pin-v1-model-runner
+        if self.runner.refused:  # patch pin-v1-model-runner, or V2 where the path cannot run on it
             raise EngineUnsupportedError(
                 self.runner.refused,
-                hint="unset VLLM_USE_V2_MODEL_RUNNER or set it to 0 (DATAGEN_CAPTURE_RUNNER_V2=1 forces the V2 capture, "
-                     f"verified only for {verified_v2_runs()})",
+                hint=self.runner.refused_hint or "unset VLLM_USE_V2_MODEL_RUNNER or set it to 0 "
+                     f"(DATAGEN_CAPTURE_RUNNER_V2=1 forces the V2 capture, verified only for {verified_v2_runs()})",
             )
         if self.runner.pin_v1:
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-        if (on_cuda and self.config.capture_path == PUBLIC and self.version in V2_WITHOUT_EXTRACT_HIDDEN_STATES
-                and os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1"):
-            # vLLM would refuse it in LLM(...) (0.24.0 config/vllm.py:2031-2032, 2092-2100)
-            raise EngineUnsupportedError(
-                f"VLLM_USE_V2_MODEL_RUNNER=1: vLLM {self.version}'s Model Runner V2 does not run the "
-                "extract_hidden_states method the public capture path is built on",
-                hint="unset VLLM_USE_V2_MODEL_RUNNER (vLLM then runs V1 for it), or take the internal capture "
-                     "(DATAGEN_CAPTURE_PATH=internal: on V2 where its capture is verified, or with DATAGEN_CAPTURE_RUNNER_V2=1)")
         set_process_env(on_cuda=on_cuda, tensor_parallel_size=self.tp, multimodal=self.info.multimodal)
         kwargs = self.engine_kwargs()
         log.info("starting vLLM %s: %s", self.version,
