@@ -236,7 +236,11 @@ def main(argv: list[str] | None = None) -> int:
         print("error: interrupted", file=sys.stderr)
         return 130
     record = result.model_dump(mode="json", fallback=str)  # as json.dumps(default=str) did
-    print(RESULT_PREFIX + json.dumps(record, sort_keys=True, default=str), flush=True)
+    # one write of the whole line: the ranks of a torchrun share one stdout, and print() writes the
+    # text and its newline apart, so two ranks' lines could run together
+    sys.stdout.flush()
+    sys.stdout.write(RESULT_PREFIX + json.dumps(record, sort_keys=True, default=str) + "\n")
+    sys.stdout.flush()
     return EXIT_FAILED if record.get("failed") else EXIT_OK
 
 
