@@ -35,9 +35,10 @@
 #   SHUFFLE  non-empty: pick a seed
 #   SERIAL   non-empty: one process, every test in file order of tests/ (no overlap)
 #   TIER     check: the fast tier only (CHECK_MARKS; CHECK_BESIDE beside the rest); else the whole suite
-#   COVERAGE non-empty (with TIER=check): measure line coverage of datagen/, tasks/ and flows/
-#            (coverage.py, the pytest process and every process it starts; pyproject.toml
-#            [tool.coverage]) and print the report
+#   COVERAGE non-empty: measure line coverage of datagen/, tasks/ and flows/ (coverage.py, every
+#            pytest process and every process it starts; pyproject.toml [tool.coverage]) and print
+#            the report (`make coverage`: the fast tier; COVERAGE=1 make test: the whole suite;
+#            what runs inside a container is not measured)
 # Extra arguments go to every pytest process.
 set -u
 cd "$(dirname "$0")/.."
@@ -68,12 +69,20 @@ if [ -z "$seed" ] && [ -n "${SHUFFLE:-}" ]; then seed=$(od -An -N4 -tu4 /dev/ura
 order=()
 if [ -n "$seed" ]; then order=(-p randomly "--randomly-seed=$seed"); echo "test order: shuffled with seed $seed"; fi
 
-if [ "${TIER:-}" = check ]; then
-    pytest=("$PY" -m pytest)
+pytest=("$PY" -m pytest)
+if [ -n "${COVERAGE:-}" ]; then
+    mkdir -p .cache/coverage && rm -f .cache/coverage/data .cache/coverage/data.*
+    pytest=("$PY" -m coverage run -m pytest)
+fi
+coverage_report() {  # the combined report; a failure to make it fails the run
     if [ -n "${COVERAGE:-}" ]; then
-        mkdir -p .cache/coverage && rm -f .cache/coverage/data .cache/coverage/data.*
-        pytest=("$PY" -m coverage run -m pytest)
+        if ! { "$PY" -m coverage combine -q && "$PY" -m coverage report --sort=cover; }; then
+            [ "$status" -eq 0 ] && status=1
+        fi
     fi
+}
+
+if [ "${TIER:-}" = check ]; then
     log=$(mktemp -t datagen-check-beside.XXXXXX)
     "${pytest[@]}" -q "${order[@]}" -m "$CHECK_MARKS" "$@" "${CHECK_BESIDE[@]}" >"$log" 2>&1 &
     pid=$!
@@ -83,13 +92,10 @@ if [ "${TIER:-}" = check ]; then
     wait "$pid"; side_status=$?
     echo; echo "== ${CHECK_BESIDE[*]} (run beside the rest):"; cat "$log"; rm -f "$log"
     if [ "$side_status" -ne 0 ] && [ "$side_status" -ne 5 ] && [ "$status" -eq 0 ]; then status=$side_status; fi
-    if [ -n "${COVERAGE:-}" ]; then
-        if ! { "$PY" -m coverage combine -q && "$PY" -m coverage report --sort=cover; }; then
-            [ "$status" -eq 0 ] && status=1
-        fi
-    fi
+    coverage_report
 elif [ -n "${SERIAL:-}" ]; then
-    "$PY" -m pytest -q "${order[@]}" "$@" tests; status=$?
+    "${pytest[@]}" -q "${order[@]}" "$@" tests; status=$?
+    coverage_report
 else
     # The whole suite refuses an unmarked start as make check does (the guard's default):
     # DATAGEN_TEST_START_GUARD_MODE=report names them at the end of each process instead.
@@ -99,7 +105,7 @@ else
     beside() {  # beside TITLE TESTS...: a pytest process in the background, its output to a log
         local log; log=$(mktemp -t datagen-beside-tests.XXXXXX)
         VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-$last_cpus} \
-            "$PY" -m pytest -q "${order[@]}" "${extra[@]}" "${@:2}" >"$log" 2>&1 &
+            "${pytest[@]}" -q "${order[@]}" "${extra[@]}" "${@:2}" >"$log" 2>&1 &
         pids+=($!); logs+=("$log"); titles+=("$1")
     }
     beside "${WAITING[*]}" "${WAITING[@]}"
@@ -108,7 +114,7 @@ else
     for t in "${WAITING[@]}" "${BESIDE[@]}"; do
         if [[ $t == *::* ]]; then ignore+=("--deselect=$t"); else ignore+=("--ignore=$t"); fi
     done
-    "$PY" -m pytest -q "${order[@]}" "${extra[@]}" "${ignore[@]}" tests; status=$?
+    "${pytest[@]}" -q "${order[@]}" "${extra[@]}" "${ignore[@]}" tests; status=$?
     for i in "${!pids[@]}"; do
         wait "${pids[$i]}"; side_status=$?
         echo; echo "== ${titles[$i]} (run beside the rest):"; cat "${logs[$i]}"; rm -f "${logs[$i]}"
@@ -117,6 +123,7 @@ else
             [ "$status" -eq 0 ] && status=$side_status
         fi
     done
+    coverage_report
 fi
 if [ -n "$seed" ]; then echo "test order: shuffled with seed $seed (SEED=$seed make ${TIER:-test} replays it)"; fi
 exit "$status"

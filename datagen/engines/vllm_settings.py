@@ -99,7 +99,7 @@ class VllmSettings:
     layer_ids: tuple[int, ...]
     dtype: str
     max_seq_len: int
-    storage_dtype: str | None = None  # None: the engine's dtype (filled in once, when made)
+    storage_dtype: str  # the plan's (ResolvedSpec.storage_dtype), resolved once; an engine made by hand names it
     tensor_parallel_size: int = 1
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
@@ -110,10 +110,6 @@ class VllmSettings:
     host_budget_bytes: int | None = None  # None: DATAGEN_CAPTURE_HOST_GIB or 8 GiB
     media: bool = False  # some rows hold images: the engine loads the tokenizer and the image processor
     capture_path: str = INTERNAL  # INTERNAL or PUBLIC (datagen.engines.capture_paths resolves it)
-
-    def __post_init__(self) -> None:
-        if self.storage_dtype is None:  # the one place the engine's storage dtype defaults
-            object.__setattr__(self, "storage_dtype", self.dtype)
 
     @property
     def step_tokens(self) -> int:
