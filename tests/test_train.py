@@ -109,19 +109,27 @@ def test_the_untrained_draft_is_the_trained_one_before_its_first_step(trained, t
     assert torch.equal(load_file(again.path / "model.safetensors")["fc.weight"], a["fc.weight"])  # seeded
 
 
-def test_loader_workers_read_the_shards_in_processes_of_their_own_with_the_same_batches(tiny_dataset, tmp_path):
-    """The GPU pool trains with DataLoader workers (speculators' spawn workers): the dataset travels to
-    them pickled, and they hand the trainer the batches the training process would have read itself."""
+def test_loader_workers_are_spawn_workers_handed_the_dataset_pickled_with_the_same_batches(tiny_dataset, tmp_path):
+    """The GPU pool trains with DataLoader workers (speculators' spawn workers): ``--loader-workers``
+    reaches the loader, the dataset travels to them pickled, and a dataset so carried hands the trainer
+    the batches the training process would have read itself. (That spawn workers hand over the same
+    batches is held by tests/reader/test_for_speculators.py: test_batch_buffers_are_reused_once_freed_
+    and_never_while_held streams through two of them; one spawn run of the loader in the suite.)"""
+    import pickle
+
     from datagen.reader import open_dataset
     from datagen.reader.for_speculators import SpeculatorsDataset
     from datagen.training.draft import _loader
 
     data = SpeculatorsDataset(open_dataset(tiny_dataset), max_len=256, train_ratio=0.75, split="train")
-    inline = list(_loader(data, TINY, seed=0))
-    workers = list(_loader(data, TINY.model_copy(update={"loader_workers": 2}), seed=0))
+    loader = _loader(data, TINY.model_copy(update={"loader_workers": 2}), seed=0)
+    assert loader.num_workers == 2 and loader.prefetch_factor == 4 and loader.persistent_workers
+    assert loader.multiprocessing_context.get_start_method() == "spawn"
 
-    assert len(workers) == len(inline) > 0
-    for a, b in zip(inline, workers):
+    inline = list(_loader(data, TINY, seed=0))
+    carried = list(_loader(pickle.loads(pickle.dumps(data)), TINY, seed=0))
+    assert len(carried) == len(inline) > 0
+    for a, b in zip(inline, carried):
         assert a.keys() == b.keys()
         assert all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
 

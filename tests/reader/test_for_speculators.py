@@ -162,20 +162,19 @@ def test_packed_batches_cut_and_pad_as_speculators_does(tmp_path):
         _assert_same_batches(ours, _epochs(_reference(data, 64, seed=seed), 2))
 
 
-def test_packed_batches_from_workers_are_the_same_and_built_in_shared_memory(pristine, monkeypatch):
-    """Spawn workers (as ``datagen train --loader-workers`` starts them) hand over the same batches; a
-    worker builds the states in shared memory (sending them then copies nothing), the training process
-    in its own memory."""
+def test_a_worker_builds_its_batches_in_shared_memory_the_training_process_in_its_own(pristine, monkeypatch):
+    """Inside a DataLoader worker the states are built in shared memory (sending them then copies
+    nothing), in the training process in its own memory. That spawn workers (as ``datagen train
+    --loader-workers`` starts them) hand over the same batches: the spawn run of the next test."""
     import datagen.reader.for_speculators as fs
 
     data = SpeculatorsDataset(open_dataset(pristine), max_len=MAX_LEN, train_ratio=0.75, split="train")
-    ours = list(packed_loader(data, MAX_LEN, num_workers=2, prefetch_factor=2, seed=0))
-    _assert_same_batches(ours, list(_reference(data, MAX_LEN, seed=0)))
-
-    assert not pack(data, [0, 1], MAX_LEN)["hidden_states"].is_shared()
+    own = pack(data, [0, 1], MAX_LEN)
+    assert not own["hidden_states"].is_shared()
     monkeypatch.setattr(fs, "get_worker_info", lambda: object())  # as inside a DataLoader worker
     batch = pack(data, [0, 1], MAX_LEN)
     assert batch["hidden_states"].is_shared() and batch["verifier_last_hidden_states"].is_shared()
+    _assert_same_batches([batch], [own])
 
 
 def test_batch_buffers_are_reused_once_freed_and_never_while_held(tmp_path):
