@@ -91,12 +91,15 @@ def test_a_trained_draft_beats_the_untrained_one_and_a_mislabelled_dataset_is_to
     # draft has mostly learnt which token follows which. What tells its dataset apart is below.
     assert got["trained"].acceptance_length > got["untrained"].acceptance_length
     assert trained.lineage.losses[-1] < trained.lineage.losses[0]
-    # judged on its own dataset's states, the wrong draft is as good as the right one: only the
-    # target's states (or the stored states against them) show that its dataset is wrong
-    # (against its own agreement on the target's states the margin is one slot of about 95 at this size:
-    # measured 0.137 against 0.126, so the comparison is with the right draft)
+    # Agreement does not tell the mislabelled dataset apart at this size, on the target's states nor on
+    # its own: the numbers are a few slots of about 100 apart and their order depends on the chats this
+    # CPU's vLLM wrote (the wrong draft on its own states: 0.137 against the right draft's 0.126 on an
+    # Intel CPU with AMX, 0.049 against 0.078 on an AMD EPYC), so no order of them is asserted. What
+    # tells its dataset apart is below: its stored states against the target's, at the layers its
+    # config names.
     own = measure_agreement(wrong.path, datasets["wrong"], features=Features.DATASET)
-    assert own.positions[0].agreement >= first["trained"], (own.positions[0].agreement, first)
+    print(f"agreement@1: trained {first['trained']:.3f}, untrained {first['untrained']:.3f}, wrong on the "
+          f"target's states {first['wrong']:.3f}, wrong on its own {own.positions[0].agreement:.3f}")
     errors = {e.layer: e.median for e in measure_agreement(wrong.path, datasets["wrong"], target=target).feature_error}
     assert min(errors[k] for k in RIGHT[:-1]) > 0.2 and errors[RIGHT[-1]] < 0.03, errors
     shutil.rmtree(base / "untrained")
