@@ -99,11 +99,10 @@ def test_amx_mla_fails_the_check_on_a_cpu_without_amx(model_dir, tmp_path):
 
     if cpu_has_amx():
         pytest.skip("this CPU has AMX: AMX_MLA can run here")
-    spec = {"model": str(model_dir), "out": str(tmp_path / "out"), "engine": {"mla_backend": "AMX_MLA"}}
-    rc, result, report, output = run_cli(spec, tmp_path)
-    assert rc == EXIT_CANNOT_RUN_HERE and result is None, output
-    check = next(c for c in report["checks"] if c["name"] == "cpu_engine")
-    assert check["status"] == "failed" and "needs AMX tiles" in check["detail"] and "CPU_MLA" in check["fix"]
+    # in the test's process: the program's exit code and error line for a failed check are the next test's
+    report = envcheck.check(spec_for(model_dir, tmp_path / "out", engine={"mla_backend": "AMX_MLA"}))
+    cpu = check(report, "cpu_engine")
+    assert not report.ok and cpu.status is Status.FAILED and "needs AMX tiles" in cpu.detail and "CPU_MLA" in cpu.fix
 
 
 @cpu_only
