@@ -111,13 +111,15 @@ def bench(args) -> None:
     from bench.gpu.timing import extraction, plain_prefill
 
     p = plan(_spec(args.model, str(data), str(work / "ds0"), LAYERS_8B))
-    eng = VllmEngine(p.info, layer_ids=p.layer_ids, dtype="bfloat16", storage_dtype="bfloat16", max_seq_len=p.spec.max_seq_len, **ENGINE)
+    eng = VllmEngine(p.info, layer_ids=p.layer_ids, dtype="bfloat16", storage_dtype="bfloat16",
+                     max_seq_len=p.spec.max_seq_len, **ENGINE)
     prompts = [TokensPrompt(prompt_token_ids=r.tolist()) for r in rows]
     plain, _ = plain_prefill(eng, prompts, tokens=tokens, repeats=3, warmup=16)
     result["plain_tokens_per_s"] = plain
 
     # datagen extraction: the real engine and shard writer, shards to local disk.
-    eng = VllmEngine(p.info, layer_ids=p.layer_ids, dtype="bfloat16", storage_dtype="bfloat16", max_seq_len=p.spec.max_seq_len, **ENGINE)
+    eng = VllmEngine(p.info, layer_ids=p.layer_ids, dtype="bfloat16", storage_dtype="bfloat16",
+                     max_seq_len=p.spec.max_seq_len, **ENGINE)
     eng.start()
 
     def plans():

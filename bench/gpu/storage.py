@@ -219,8 +219,8 @@ def stage_plain(args) -> dict:
 
     cfg = _cfg(args)
     p = _plan(cfg, Path(cfg["out_dir"]) / "plain", tp=args.tp)
-    eng = VllmEngine(p.info, layer_ids=p.layer_ids, dtype="bfloat16", storage_dtype="bfloat16", max_seq_len=p.spec.max_seq_len,
-                     tensor_parallel_size=args.tp, **ENGINE)
+    eng = VllmEngine(p.info, layer_ids=p.layer_ids, dtype="bfloat16", storage_dtype="bfloat16",
+                     max_seq_len=p.spec.max_seq_len, tensor_parallel_size=args.tp, **ENGINE)
     rows = _rows(cfg["rows"], cfg["row_len"], cfg["vocab"])
     prompts = [TokensPrompt(prompt_token_ids=r.tolist()) for r in rows]
     rates, start = plain_prefill(eng, prompts, tokens=cfg["rows"] * cfg["row_len"], repeats=cfg["passes"],
