@@ -470,6 +470,8 @@ def reader_report(path: Path) -> str:
 # --- width: datagen train vs speculators' own script ------------------------------------------------
 
 def width(args) -> None:
+    import shutil
+
     import torch
 
     out = Path(args.out)
@@ -512,6 +514,7 @@ def width(args) -> None:
                 "--loader-workers", str(args.workers), "--seed", str(seed), *common]
         r = _run_child("datagen", work / f"metrics-datagen-{seed}.jsonl", argv, timeout=args.run_timeout)
         runs[f"datagen seed {seed}"] = _summary(r)
+        shutil.rmtree(draft, ignore_errors=True)  # the disk: a Kimi-width draft is 4 GB
 
     def speculators_run(seed: int) -> None:
         if not export.exists():  # speculators' own format, written once
@@ -530,11 +533,15 @@ def width(args) -> None:
                 "--lr", "3e-4", "--ttt-steps", "3", "--num-layers", "1", "--train-data-ratio", "0.75",
                 "--num-workers", str(args.workers), "--prefetch-factor", "4", "--seed", str(seed),
                 "--scheduler-type", "linear", "--loss-implementation", args.loss,
+                # its checkpoint (float32 draft and optimizer state: about 24 GB at Kimi's width) only after
+                # epoch 0, where it always writes one; datagen writes the bf16 draft once
+                "--checkpoint-freq", "1000",
                 "--logger", "", "--log-dir", str(work / "logs"), "--no-resume-from-checkpoint",
                 "--hidden-states-backend", "file", "--mask-token-id", "0",
                 "--target-layer-ids", *map(str, shape["layer_ids"][:-1])]
         r = _run_child("speculators", work / f"metrics-speculators-{seed}.jsonl", argv, timeout=args.run_timeout)
         runs[f"speculators seed {seed}"] = _summary(r)
+        shutil.rmtree(save, ignore_errors=True)
 
     # interleaved, so that a run cut short still has both pipelines at seed 0
     for seed in args.seeds:
