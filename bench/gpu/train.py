@@ -169,7 +169,10 @@ def child(args) -> int:
     class Lines(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             if isinstance(record.msg, dict) and isinstance(record.msg.get("train"), dict):
-                metrics_file.write(json.dumps(record.msg, default=float) + "\n")
+                line = dict(record.msg)  # the peak so far: a run stopped after its last step has no end record
+                if torch.cuda.is_available():
+                    line["peak"] = [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()]
+                metrics_file.write(json.dumps(line, default=float) + "\n")
                 metrics_file.flush()
 
     handler = Lines(logging.INFO)
@@ -211,23 +214,55 @@ def child(args) -> int:
     return rc
 
 
-def _run_child(entry: str, metrics: Path, argv: list[str], *, timeout: float) -> dict:
+def _metric_lines(metrics: Path) -> list[dict]:
+    if not metrics.exists():
+        return []
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.endswith("}")]
+
+
+def _run_child(entry: str, metrics: Path, argv: list[str], *, timeout: float, steps_wanted: int | None = None,
+               grace: float = 20.0) -> dict:
+    """The run in a process group of its own, stopped at ``timeout``, or ``grace`` seconds after its
+    ``steps_wanted``-th step was logged without the run ending (what follows the last step, the
+    validation pass and speculators' float32 checkpoint with its optimizer state, is not timed)."""
+    import signal
+    import tempfile
+
     cmd = [sys.executable, __file__, "child", "--entry", entry, "--metrics", str(metrics), "--", *argv]
     t0 = time.monotonic()
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-        rc, err = p.returncode, p.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, err = "timeout", (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-    steps, end = [], {}
-    if metrics.exists():
-        for line in metrics.read_text().splitlines():
-            d = json.loads(line)
-            if "end" in d:
-                end = d["end"]
-            else:
-                steps.append({"step": d.get("global_step"), "loss": d["train"].get("loss"),
-                              **{k: v for k, v in (d.get("profile") or {}).items() if k != "memory_mb"}})
+    metrics.unlink(missing_ok=True)
+    with tempfile.TemporaryFile("w+") as errf:
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=errf, text=True, cwd=REPO, start_new_session=True)
+        rc, done_at = None, None
+        while rc is None:
+            try:
+                rc = p.wait(timeout=2)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            if steps_wanted and done_at is None and \
+                    sum(1 for d in _metric_lines(metrics) if "end" not in d) >= steps_wanted:
+                done_at = now
+            if now - t0 > timeout or (done_at is not None and now - done_at > grace):
+                rc = "timeout" if done_at is None else "stopped after its last step"
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # its loader workers too
+        except ProcessLookupError:
+            pass
+        p.wait()
+        errf.seek(0)
+        err = errf.read()
+    steps, end, peak = [], {}, [0, 0]
+    for d in _metric_lines(metrics):
+        if "end" in d:
+            end = d["end"]
+        else:
+            steps.append({"step": d.get("global_step"), "loss": d["train"].get("loss"),
+                          **{k: v for k, v in (d.get("profile") or {}).items() if k != "memory_mb"}})
+            peak = [max(a, b) for a, b in zip(peak, d.get("peak") or [0, 0])]
+    if not end and any(peak):
+        end = {"max_memory_allocated": peak[0], "max_memory_reserved": peak[1]}
     out = {"rc": rc, "wall_s": round(time.monotonic() - t0, 1), "steps": steps, **end}
     if rc != 0:
         out["stderr_tail"] = err[-3000:]
@@ -512,7 +547,8 @@ def width(args) -> None:
         subprocess.run(["rm", "-rf", str(draft)])
         argv = ["train", str(dataset), "--out", str(draft), "--model", str(verifier), "--device", device, "--loss", args.loss,
                 "--loader-workers", str(args.workers), "--seed", str(seed), *common]
-        r = _run_child("datagen", work / f"metrics-datagen-{seed}.jsonl", argv, timeout=args.run_timeout)
+        r = _run_child("datagen", work / f"metrics-datagen-{seed}.jsonl", argv, timeout=args.run_timeout,
+                       steps_wanted=args.steps)
         runs[f"datagen seed {seed}"] = _summary(r)
         shutil.rmtree(draft, ignore_errors=True)  # the disk: a Kimi-width draft is 4 GB
 
@@ -539,7 +575,8 @@ def width(args) -> None:
                 "--logger", "", "--log-dir", str(work / "logs"), "--no-resume-from-checkpoint",
                 "--hidden-states-backend", "file", "--mask-token-id", "0",
                 "--target-layer-ids", *map(str, shape["layer_ids"][:-1])]
-        r = _run_child("speculators", work / f"metrics-speculators-{seed}.jsonl", argv, timeout=args.run_timeout)
+        r = _run_child("speculators", work / f"metrics-speculators-{seed}.jsonl", argv, timeout=args.run_timeout,
+                       steps_wanted=args.steps)
         runs[f"speculators seed {seed}"] = _summary(r)
         shutil.rmtree(save, ignore_errors=True)
 
