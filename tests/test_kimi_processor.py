@@ -338,47 +338,37 @@ def test_planning_counts_with_the_shipped_processor_where_vllm_has_none(checkpoi
 
 
 @pytest.mark.engine
-def test_through_datagen_extract_the_shipped_processor_gives_vllms_own_shards(tmp_path):
+def test_through_datagen_extract_the_shipped_processor_gives_vllms_own_shards(tmp_path, tmp_path_factory):
     """``datagen extract`` of image rows on a vLLM without a Kimi-K2.5 processor of its own (the
     path of vLLM 0.24.0: planning counts with the shipped processor, the engine loads it through
     AutoImageProcessor, profiles with it and expands the placeholders with it) writes the shards
-    the same run with vLLM 0.32's own processor writes, tensor for tensor."""
+    the same run with vLLM 0.32's own processor writes, tensor for tensor. vLLM's own run is the
+    image-row extraction tests/test_media_engine.py reads (tests/support/media_extraction.py: RGB,
+    palette and tall RGBA images, a missing one), shared in the process: one multimodal extraction
+    fewer than a run of each here."""
     import torch
     from safetensors.torch import load_file
 
-    from datagen.data.spec import ExtractSpec
-    from datagen.models.tiny_kimi import make_tiny_kimi
-    from datagen.models.tiny_tiktoken import write_kimi_tokenizer
-    from tests.builders import run_datagen, write_jsonl
+    from tests.builders import run_datagen
+    from tests.support.media_extraction import media_extraction, write_spec
 
-    p = make_tiny_kimi(tmp_path / "kimi", quantization="none", vocab_size=1024, num_layers=2, write_twin=False)
-    write_kimi_tokenizer(p.model, vocab_size=1024)
-    _image(90, 60, seed=0).save(tmp_path / "a.png")
-    _image(200, 150, mode="P", seed=1).save(tmp_path / "b.png")
-    _image(37, 700, mode="RGBA", seed=2).save(tmp_path / "c.png")
-
-    def row(*urls):
-        parts = [{"type": "text", "text": "What is in it?"}] + [{"type": "image_url", "image_url": {"url": u}} for u in urls]
-        return {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": "A cat."}]}
-
-    data = write_jsonl(tmp_path / "rows.jsonl", [row("a.png"), row("b.png", "c.png"), row("c.png")])
-    outs, logs = {}, {}
-    for name, env in {"own": {}, "shipped": _hidden_numba(tmp_path)}.items():
-        out = tmp_path / f"out-{name}"
-        spec = ExtractSpec(model=str(p.model), dataset=str(data), out=str(out), layer_ids=[1, 2], max_seq_len=512,
-                           samples_per_shard=2, engine={"name": "vllm", "trust_remote_code": True,
-                                                        "max_num_batched_tokens": 256})
-        spec_path = tmp_path / f"{out.name}.json"
-        spec_path.write_text(spec.model_dump_json())
-        proc = run_datagen("extract", "--spec", str(spec_path), env={"DATAGEN_ENFORCE_EAGER": "1", **env}, timeout=900)
-        assert proc.returncode == 0, f"{name}: {proc.stderr[-4000:]}"
-        outs[name], logs[name] = out, proc.stdout + proc.stderr
+    own_run = media_extraction(tmp_path_factory)
+    data = Path(json.loads(own_run.spec.read_text())["dataset"])
+    out = tmp_path / "out-shipped"
+    spec_path = write_spec(tmp_path, own_run.kimi.model, data, out, "shipped")
+    proc = run_datagen("extract", "--spec", str(spec_path),
+                       env={"DATAGEN_ENFORCE_EAGER": "1", **_hidden_numba(tmp_path)}, timeout=900)
+    assert proc.returncode == 0, f"shipped: {proc.stderr[-4000:]}"
+    outs = {"own": own_run.out, "shipped": out}
+    logs = {"own": own_run.log, "shipped": proc.stdout + proc.stderr}
     # vLLM says which processor its Kimi-K2.5 processing info loaded
     assert "fused CPU image preprocessing" in logs["own"] and "remote HF" not in logs["own"]
     assert "remote HF image preprocessing" in logs["shipped"] and "fused CPU" not in logs["shipped"]
     own, shipped = (json.loads((outs[n] / "manifest.json").read_text()) for n in ("own", "shipped"))
     assert shipped["media"] == own["media"] and len(own["media"]) == 3
-    assert [i["tokens"] for m in own["media"] for i in m["images"]] == [12, 48, 16, 16]
+    # a (RGB 90 x 60), b (palette 200 x 150), c (RGBA 37 x 700): three sizes, three counts
+    assert [i["tokens"] for m in own["media"] for i in m["images"]] == [12, 48, 12, 16]
+    assert shipped["skipped"] == own["skipped"] and {r["row"]: r["reason"] for r in own["skipped"]} == {3: "media_missing"}
     assert [s["path"] for s in shipped["shards"]] == [s["path"] for s in own["shards"]]
     for s in own["shards"]:
         a, b = load_file(str(outs["shipped"] / s["path"])), load_file(str(outs["own"] / s["path"]))

