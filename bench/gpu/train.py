@@ -263,7 +263,8 @@ def _run_child(entry: str, metrics: Path, argv: list[str], *, timeout: float, st
             peak = [max(a, b) for a, b in zip(peak, d.get("peak") or [0, 0])]
     if not end and any(peak):
         end = {"max_memory_allocated": peak[0], "max_memory_reserved": peak[1]}
-    out = {"rc": rc, "wall_s": round(time.monotonic() - t0, 1), "steps": steps, **end}
+    out = {"rc": rc, "wall_s": round(time.monotonic() - t0, 1), "steps": steps, **end,
+           "log_tail": err[-4000:]}  # where the start-up's time went (its log lines are timestamped)
     if rc != 0:
         out["stderr_tail"] = err[-3000:]
         metrics.with_suffix(".stderr").write_text(err)
@@ -280,7 +281,7 @@ def _summary(run: dict) -> dict:
             "fetch_ms": med("fetch_ms"), "fwd_ms": med("fwd_ms"), "bwd_ms": med("bwd_ms"), "opt_ms": med("opt_ms"),
             "max_memory_gib": round(run.get("max_memory_allocated", 0) / 2**30, 2),
             "max_reserved_gib": round(run.get("max_memory_reserved", 0) / 2**30, 2),
-            "losses": [s["loss"] for s in steps], "wall_s": run.get("wall_s")}
+            "losses": [s["loss"] for s in steps], "wall_s": run.get("wall_s"), "log_tail": run.get("log_tail")}
 
 
 # --- the shard reader alone --------------------------------------------------------------------------
@@ -502,6 +503,17 @@ def reader_report(path: Path) -> str:
     return text
 
 
+def _batches_per_epoch(dataset: Path, total_seq_len: int) -> int:
+    """The training split's packed batches (speculators' multipack sampler), without starting a loader."""
+    from datagen.reader import open_dataset
+    from datagen.reader.for_speculators import SpeculatorsDataset
+    from datagen.training.draft import _loader
+    from datagen.training.settings import DraftSettings
+
+    data = SpeculatorsDataset(open_dataset(dataset), max_len=total_seq_len, train_ratio=0.75, split="train")
+    return len(_loader(data, DraftSettings(total_seq_len=total_seq_len, loader_workers=0, train_ratio=0.75), seed=0))
+
+
 # --- width: datagen train vs speculators' own script ------------------------------------------------
 
 def width(args) -> None:
@@ -532,10 +544,13 @@ def width(args) -> None:
     _log(f"{name}: verifier {rec['verifier_s']} s, dataset {rec['dataset_s']} s: {rec['dataset']}")
     _save(path, rec)
 
-    rec["reader"] = [reader_alone(dataset, total_seq_len=args.total_seq_len, workers=w, batches=args.reader_batches,
-                                  collate=c) for w in sorted({0, args.workers}) for c in ("speculators", "direct")]
-    _log(f"{name}: reader alone {json.dumps(rec['reader'])}")
-    _save(path, rec)
+    if args.reader_batches:
+        rec["reader"] = [reader_alone(dataset, total_seq_len=args.total_seq_len, workers=w,
+                                      batches=args.reader_batches, collate=c)
+                         for w in sorted({0, args.workers}) for c in ("speculators", "direct")]
+        _log(f"{name}: reader alone {json.dumps(rec['reader'])}")
+        _save(path, rec)
+    per_epoch = _batches_per_epoch(dataset, args.total_seq_len)
 
     common = ["--steps", str(args.steps), "--total-seq-len", str(args.total_seq_len), "--lr", "3e-4",
               "--ttt-steps", "3", "--num-layers", "1", "--train-ratio", "0.75"]
@@ -565,7 +580,7 @@ def width(args) -> None:
         subprocess.run(["rm", "-rf", str(save)])
         argv = ["--speculator-type", "eagle3", "--verifier-name-or-path", str(verifier), "--data-path", str(export),
                 "--save-path", str(save), "--total-seq-len", str(args.total_seq_len), "--max-steps", str(args.steps),
-                "--epochs", str(max(1, -(-args.steps // max(1, rec["reader"][0]["batches_per_epoch"])))),
+                "--epochs", str(max(1, -(-args.steps // max(1, per_epoch)))),
                 "--lr", "3e-4", "--ttt-steps", "3", "--num-layers", "1", "--train-data-ratio", "0.75",
                 "--num-workers", str(args.workers), "--prefetch-factor", "4", "--seed", str(seed),
                 "--scheduler-type", "linear", "--loss-implementation", args.loss,
@@ -583,12 +598,14 @@ def width(args) -> None:
     # interleaved, so that a run cut short still has both pipelines at seed 0
     for seed in args.seeds:
         for label, run in (("datagen", datagen_run), ("speculators", speculators_run)):
+            if label not in args.runs:
+                continue
             if time.monotonic() > deadline:
                 _log(f"{name}: {label} seed {seed} not started (past --budget)")
                 continue
             run(seed)
             summary = runs[f"{label} seed {seed}"]
-            _log(f"{name}: {label} seed {seed}: {json.dumps({k: v for k, v in summary.items() if k != 'losses'})}")
+            _log(f"{name}: {label} seed {seed}: {json.dumps({k: v for k, v in summary.items() if k not in ('losses', 'log_tail')})}")
             _save(path, rec)
     _save(path, rec)
 
@@ -938,7 +955,9 @@ def main() -> None:
     p.add_argument("--per-shard", type=int, default=16)
     p.add_argument("--total-seq-len", type=int, default=8192)
     p.add_argument("--workers", type=int, default=8)
-    p.add_argument("--reader-batches", type=int, default=40)
+    p.add_argument("--reader-batches", type=int, default=40, help="0: no reader-alone cases")
+    p.add_argument("--runs", type=lambda s: s.split(","), default=["datagen", "speculators"],
+                   help="which training runs: datagen, speculators")
     p.add_argument("--budget", type=float, default=420.0, help="seconds; no new run starts past it")
     p.add_argument("--run-timeout", type=float, default=240.0, help="seconds one training run may take")
     p.add_argument("--loss", choices=("eager", "fused"), default="eager", help="speculators' loss, both pipelines")
