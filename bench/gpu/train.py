@@ -605,7 +605,8 @@ def width(args) -> None:
                 continue
             run(seed)
             summary = runs[f"{label} seed {seed}"]
-            _log(f"{name}: {label} seed {seed}: {json.dumps({k: v for k, v in summary.items() if k not in ('losses', 'log_tail')})}")
+            shown = {k: v for k, v in summary.items() if k not in ("losses", "log_tail")}
+            _log(f"{name}: {label} seed {seed}: {json.dumps(shown)}")
             _save(path, rec)
     _save(path, rec)
 
