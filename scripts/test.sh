@@ -9,9 +9,10 @@
 # and use little CPU, so they cost the suite no core. Tests that share no session fixture with the
 # main process fill that idle time: the image-row engine tests, the train image, the SmolLM2
 # training proof, the infrastructure faults (their own S3 servers), the DeepSeek-V3 tests of
-# tests/test_extract_vllm.py and the shipped Kimi processor's two extractions (its own tiny
-# checkpoint), named FILE::TEST (the rest of those modules shares fixtures with the main process
-# and stays there; the main process deselects the named ones). BESIDE runs in a second process
+# tests/test_extract_vllm.py and the shipped Kimi processor's extraction (compared with the image-row
+# extraction the image-row engine tests read, tests/support/media_extraction.py, built once per
+# process: keep the two in one process), named FILE::TEST (the rest of those modules shares fixtures
+# with the main process and stays there; the main process deselects the named ones). BESIDE runs in a second process
 # next to the rest: modules that share no fixture with any other (the crash campaign: one long
 # test, a vLLM extraction killed and resumed again and again; the server end-to-end tests with
 # their own Prefect server and workers; the Kimi engine and golden-validation tests with their own

@@ -289,3 +289,45 @@ def test_the_pinned_ring_reuses_its_pieces_in_order_and_waits_only_for_a_pending
     ring.free(e)
     assert not ring.live and take(ring, 4 * A, never)[0][0] == 0
     assert take(HostArena(A, pin=False), 2 * A, lambda: True)[0] is None  # larger than the ring: never fits
+
+
+def test_a_group_running_longer_than_the_collect_interval_fetches_its_records_while_it_runs(monkeypatch):
+    """VllmEngine._run_group steps the engine until the group's requests finish and, every
+    COLLECT_EVERY_S meanwhile, fetches the workers' finished records without waiting, so a long
+    group's shards are kept as they are written, not all after it. The mechanism on a stand-in
+    engine whose steps take 0.6 s each (no vLLM engine starts): three requests, one finishing per
+    step; after the second step more than a second has passed with one request left."""
+    import time
+
+    from datagen.engines import vllm_engine
+    from datagen.engines.vllm_engine import VllmEngine
+    from datagen.engines.vllm_settings import INTERNAL
+
+    monkeypatch.setattr(vllm_engine, "COLLECT_EVERY_S", 1.0)
+    steps, added, collected = [], [], []
+
+    class StandIn:  # LLMEngine: requests in, one finished per step
+        def add_request(self, rid, prompt, params):
+            added.append(rid)
+
+        def has_unfinished_requests(self):
+            return len(steps) < len(added)
+
+        def step(self):
+            time.sleep(0.6)
+            steps.append(time.monotonic())
+            return [SimpleNamespace(finished=True)]
+
+    engine = object.__new__(VllmEngine)  # its __init__ checks the installed vLLM
+    engine._group, engine._run, engine._submitted = [], 0, 0
+    engine.config = SimpleNamespace(capture_path=INTERNAL)
+    engine.llm = SimpleNamespace(llm_engine=StandIn(), collective_rpc=lambda name, args: [])
+    monkeypatch.setattr(engine, "_take", lambda wires: [])
+    monkeypatch.setattr(engine, "_pause", lambda e: False)
+    monkeypatch.setattr(engine, "_collect", lambda *, wait: collected.append((len(steps), wait)))
+    job = SimpleNamespace(index=0, input_ids=[np.array(ids) for ids in ([1, 2], [3], [4, 5, 6])], media=None,
+                          to_wire=lambda: {"index": 0})
+    engine._group = [job]
+    engine._run_group()
+    assert len(added) == len(steps) == 3 and engine._group == []
+    assert collected == [(2, False)]  # once, after the second step (1.2 s, a request left), never after the last
