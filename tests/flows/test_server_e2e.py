@@ -35,9 +35,36 @@ def project(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("project")
     for name in ("flows", "tasks", "datagen", "images"):
         (root / name).symlink_to(REPO / name)
-    (root / "prefect.yaml").write_text((REPO / "prefect.yaml").read_text())
+    (root / "prefect.yaml").write_text(for_this_module((REPO / "prefect.yaml").read_text()))
     prepare(root)
     return root
+
+
+# What this module proves is the wiring, not the amounts, so its copy of prefect.yaml asks for less:
+# - the tiny deployment's 4 shards in one range (one `datagen extract` program and engine start per
+#   extracting run, not two): the retry and the cache hold per range, whatever their number
+#   (several ranges, in order and at once, are tests/flows/test_extract_flow.py's and
+#   tests/flows/test_scale_out.py's);
+# - the triggered train run's optimizer steps: the event starts it on its pool's worker, it trains,
+#   measures and reports a draft; how well a draft learns is tests/test_train_smollm2.py's and
+#   tests/training/'s. The default 60 steps were most of its 230-260 s in the suite.
+SHARDS, TRAIN_STEPS = 4, 4
+
+
+def for_this_module(text: str) -> str:
+    """prefect.yaml with the tiny deployment's shards in one range and the train trigger asking for
+    TRAIN_STEPS optimizer steps (each edit checked: a moved line fails here, not later)."""
+    edits = {
+        "        samples_per_shard: 8\n        shards_per_task: 2\n":
+            f"        samples_per_shard: 8\n        shards_per_task: {SHARDS}\n",
+        '          fingerprint: "{{ event.payload.fingerprint }}"\n':
+            '          fingerprint: "{{ event.payload.fingerprint }}"\n'
+            f'          settings: {{"steps": {TRAIN_STEPS}}}\n',
+    }
+    for old, new in edits.items():
+        assert text.count(old) == 1, f"prefect.yaml changed where this module edits its copy: {old!r}"
+        text = text.replace(old, new)
+    return text
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +135,7 @@ def test_every_deployment_of_prefect_yaml_deploys_kimi_included(server):
 
 @pytest.fixture(scope="module")
 def retried_run(server, project, worker, faults) -> dict:
-    """The module's first run, into an empty output: it extracts both ranges (two vLLM engines),
+    """The module's first run, into an empty output: it extracts its one range (a vLLM engine),
     then its finalize step fails for good; then the UI's Retry button, through the API. Every test
     that needs a finished dataset or a warm cache asks for this, so the tests run in any order."""
     faults.write_text(json.dumps({"finalize": {"exit_code": EXIT_BAD_INPUT, "times": 1, "message": "manifest refused"}}))
@@ -139,19 +166,19 @@ def test_a_run_that_failed_for_real_is_retried_from_the_api_without_recomputing_
     failed = retried_run["failed"]
     assert failed.state.is_failed() and "manifest refused" in (failed.state.message or "")
     first = retried_run["first"]
-    assert sorted(r.state.name for r in first["extract-range"]) == ["Completed", "Completed"]
+    assert [r.state.name for r in first["extract-range"]] == ["Completed"]
     assert [r.run_count for r in first["finalize"]] == [1], "a permanent fault is not retried"
 
     run = retried_run["run"]
     assert run.run_count >= 2 and run.state.is_completed(), run.state.message
     second = retried_run["second"]
-    assert sorted(r.state.name for r in second["extract-range"]) == ["Cached", "Cached"]
+    assert [r.state.name for r in second["extract-range"]] == ["Cached"]
     assert [r.state.name for r in second["finalize"]] == ["Completed"]
 
     dataset = project / "out" / "tiny"
     manifest = json.loads((dataset / "manifest.json").read_text())
     report = json.loads((dataset / ".datagen" / "validation.json").read_text())
-    assert report["ok"] is True and manifest["totals"]["shards"] == 4
+    assert report["ok"] is True and manifest["totals"]["shards"] == SHARDS
 
 
 def test_a_second_run_retries_a_transient_fault_and_finds_every_range_in_the_cache_starting_no_engine(
@@ -167,7 +194,7 @@ def test_a_second_run_retries_a_transient_fault_and_finds_every_range_in_the_cac
     runs = task_runs_of(server, run_id)
     [plan] = runs["plan"]
     assert plan.run_count == 2 and plan.state.is_completed()
-    assert sorted(r.state.name for r in runs["extract-range"]) == ["Cached", "Cached"]
+    assert [r.state.name for r in runs["extract-range"]] == ["Cached"]
     assert [r.state.name for r in runs["finalize"]] == ["Cached"]
     assert not [m for m in logs_of(server, run_id) if "starting vLLM" in m]
     run = read_flow_run(server, run_id)
@@ -220,4 +247,5 @@ def test_the_triggered_training_run_trains_and_measures_a_draft_on_its_pools_wor
     assert run.state.is_completed(), f"{run.state.type}: {run.state.message}\n{gpu_worker.output()[-3000:]}"
     lineage = json.loads(next((project / "out").glob("tiny.draft-*/datagen_draft.json")).read_text())
     assert lineage["dataset_fingerprint"] == manifest["fingerprint"]
+    assert lineage["steps_done"] == TRAIN_STEPS, lineage  # the trigger's parameters reached the step
     assert reports, "the night's draft report is an artifact of the run"
