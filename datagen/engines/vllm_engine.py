@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from datagen.data.contract import ShardRecord
 from datagen.data.shards.format import ShardJob
@@ -39,6 +40,7 @@ EXTENSION = "datagen.engines.vllm_worker.CaptureExtension"
 CACHE_ONLY_ATTENTION = "CACHE_ONLY_ATTN"  # extract_hidden_states' layer that only stores the states
 COLLECT_EVERY_S = 1.0  # while a group runs, the workers' finished records are fetched this often
 PUBLIC_DRAIN_S = 120.0  # the public path: the longest wait for the connector's last states of a group
+DECODE_THREADS = 16  # at most this many threads read and decode a group's images (prompts())
 
 
 def prompt(tokens, images=()):
@@ -50,6 +52,20 @@ def prompt(tokens, images=()):
     from datagen.data.media_tokens import engine_prompt
 
     return TokensPrompt(**engine_prompt(tokens, images))
+
+
+def prompts(requests) -> list:
+    """The prompts of ``(tokens, images)`` pairs, in order. Where two or more have images, the
+    images are read, checked (sha256) and decoded on a pool of threads, which PIL's decoders and
+    hashlib run outside the GIL: done one after another, this host work left the GPU idle for
+    longer than the group's own steps took (docs/datasets-media.md, "Throughput"). The first
+    failure in order is raised, as the loop would have raised it."""
+    with_images = sum(1 for _, images in requests if images)
+    if with_images < 2:
+        return [prompt(tokens, images) for tokens, images in requests]
+    workers = min(with_images, max(2, os.cpu_count() or 1), DECODE_THREADS)
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="datagen-decode") as pool:
+        return list(pool.map(lambda r: prompt(*r), requests))
 
 
 class VllmEngine(Engine):
@@ -209,7 +225,6 @@ class VllmEngine(Engine):
     def _run_group(self) -> None:
         """Announce the group's shards, add all its requests, step until they have finished."""
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
         jobs, self._group = self._group, []
         if not jobs:
@@ -221,6 +236,9 @@ class VllmEngine(Engine):
             ids = [f"dg{self._run}.{self._submitted}-{job.index}-{i}" for i in range(len(job.input_ids))]
             wires.append({**job.to_wire(), "request_ids": ids})
             requests.extend(zip(ids, job.input_ids, job.media or [()] * len(ids)))
+        # the images read and decoded before the group is announced: an image changed since the plan
+        # fails the run here, with nothing announced to the workers or added to the engine
+        built = prompts([(tokens, images) for _, tokens, images in requests])
         self._take(self.llm.collective_rpc("datagen_announce", args=(wires,)))
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         # The scheduler holds while the group's requests arrive: the first step sees them all, so
@@ -229,8 +247,8 @@ class VllmEngine(Engine):
         # dies of SIGILL there).
         paused = self._pause(engine)
         try:
-            for rid, tokens, images in requests:
-                engine.add_request(rid, prompt(tokens, images), params)
+            for (rid, _, _), p in zip(requests, built):
+                engine.add_request(rid, p, params)
         finally:
             if paused:
                 engine.engine_core.call_utility("resume_scheduler")
