@@ -343,7 +343,7 @@ def stage_experts384(args, work: Path, out: Path) -> dict:
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, str(REPO / "bench/gpu/kimi.py"), "wide-bench", "--work", str(w), "--tp", "1",
                            "--layers", ",".join(map(str, layers)), "--row-len", "1024", "--per-shard", "16",
-                           "--budget", "16384", "--storages", "bfloat16,fp8_e4m3", "--clean"],
+                           "--budget", "16384", "--storages", args.storages384, "--clean"],
                           env=_env(args.smoke), capture_output=True, text=True, timeout=args.timeout, cwd=REPO)
     (out / "experts384.bench.log").write_text(proc.stderr[-60000:] + "\n--- stdout ---\n" + proc.stdout[-20000:])
     bench = next((json.loads(ln[len("wide-bench: "):]) for ln in reversed(proc.stdout.splitlines())
@@ -356,9 +356,10 @@ def stage_experts384(args, work: Path, out: Path) -> dict:
 
 
 STAGES = {"tiny": stage_tiny, "wide": stage_wide, "wide-bench": stage_wide_bench, "experts384": stage_experts384}
-# rough seconds each stage needs on the H200 (compiled), to skip what the budget cannot hold (wide: 2026-12-03,
-# extraction 161 s and parity 42 s, then its bench part over 300 s)
-NEEDS = {"tiny": 100, "wide": 520, "wide-bench": 330, "experts384": 300}
+# rough seconds each stage needs on the H200 (compiled), to skip what the budget cannot hold (2026-12-03/04:
+# wide's extraction 161 s and parity 42 s; wide-bench 434 s; experts384: each compiled engine of the 33 GB
+# checkpoint starts in about 185 s (load 20-25 s, init 135 s), so plain and one storage dtype take a call)
+NEEDS = {"tiny": 100, "wide": 520, "wide-bench": 460, "experts384": 480}
 
 
 # --- the bench (its own process: engines started and shut down in turn) ---------------------------
@@ -411,13 +412,10 @@ def bench(args) -> None:
                 else TokensPrompt(prompt_token_ids=np.asarray(s.input_ids).tolist()) for s in samples]
 
     # plain prefill is handed the images decoded (before its clock starts); the extraction reads
-    # and decodes them itself: the host's share, timed alone (read, sha256, decode; median of 3)
-    loads = []
-    for _ in range(3):
-        t0 = time.monotonic()
-        prompts_img = image_prompts()
-        loads.append(time.monotonic() - t0)
-    res["image_load_s"] = statistics.median(loads)
+    # and decodes them itself: the host's share, timed alone (read, sha256, decode; median of 3),
+    # one after another and on the engine's pool (vllm_engine.prompts, what the extraction does)
+    res.update(_load_times(samples))
+    prompts_img = image_prompts()
     # and vLLM's host work on them, the checkpoint's processor as 0.24.0 loads it: count, resize,
     # normalize, cut into patches (vLLM does this in the process that adds the requests)
     from vllm.transformers_utils.processor import cached_get_image_processor
@@ -469,8 +467,110 @@ def bench(args) -> None:
     res["plain_images_with_load_tokens_per_s"] = with_load
     res["extract_over_plain_images_with_load"] = med["extract_images_tokens_per_s"] / with_load
     res["goal_0_95"] = res["extract_over_plain_images"] >= 0.95
+    # the disk bound, as for text rows: the volume's direct-write rate over the bytes a token costs
+    res["disk"] = _disk_rate(work)
+    bpt = statistics.median(res["extract_images_bytes_per_s"]) / med["extract_images_tokens_per_s"]
+    if res["disk"].get("dd_bytes_per_s"):
+        res["disk_bound_tokens_per_s"] = res["disk"]["dd_bytes_per_s"] / bpt
+        bound = min(med["plain_images_tokens_per_s"], res["disk_bound_tokens_per_s"])
+        res["extract_over_bound_images"] = med["extract_images_tokens_per_s"] / bound
+        res["extract_over_bound_text"] = med["extract_text_tokens_per_s"] / min(med["plain_text_tokens_per_s"],
+                                                                                res["disk_bound_tokens_per_s"])
     shutil.rmtree(work, ignore_errors=True)
     print("media-bench: " + json.dumps(res), flush=True)
+
+
+def _load_times(samples, repeats: int = 3) -> dict:
+    """Seconds to make the image rows' prompts (read, sha256, decode): one after another, and on
+    the engine's pool of threads (datagen.engines.vllm_engine.prompts); medians of ``repeats``."""
+    import statistics
+
+    import numpy as np
+
+    from datagen.engines.vllm_engine import DECODE_THREADS, prompt, prompts
+
+    pairs = [(np.asarray(s.input_ids), tuple(s.media)) for s in samples]
+    times: dict = {"serial": [], "pooled": []}
+    for _ in range(repeats):
+        t0 = time.monotonic()
+        [prompt(t, m) for t, m in pairs]
+        times["serial"].append(time.monotonic() - t0)
+        t0 = time.monotonic()
+        prompts(pairs)
+        times["pooled"].append(time.monotonic() - t0)
+    return {"image_load_s": statistics.median(times["serial"]), "image_load_pooled_s": statistics.median(times["pooled"]),
+            "decode_threads": min(sum(1 for _, m in pairs if m), max(2, os.cpu_count() or 1), DECODE_THREADS),
+            "cpus": os.cpu_count()}
+
+
+def _disk_rate(work: Path, mb: int = 4096) -> dict:
+    """dd oflag=direct of ``mb`` MB into ``work`` (the volume the extraction wrote to)."""
+    from bench.gpu.storage import _dd_rate
+
+    target = work / "ddtest"
+    proc = subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=16M", f"count={max(1, mb // 16)}", "oflag=direct"],
+                          capture_output=True, text=True)
+    target.unlink(missing_ok=True)
+    line = (proc.stderr.strip().splitlines() or ["?"])[-1]
+    return {"dd": line, "dd_bytes_per_s": _dd_rate(line)}
+
+
+def decode(args) -> None:
+    """The host's share alone, on any machine: the wide bench's images (``wide_rows``), their
+    prompts made one after another and on the engine's pool (no engine, no GPU)."""
+    import hashlib
+
+    import numpy as np
+
+    from datagen.data.media import MediaItem
+
+    work = Path(args.work)
+    data = wide_rows(work / "data", rows=args.rows, words=8, seed=2, name="bench")
+    samples = []
+    for row in (json.loads(ln) for ln in data.read_text().splitlines()):
+        ids, items = [1], []
+        for part in row["messages"][0]["content"]:
+            if part.get("type") != "image_url":
+                continue
+            path = work / "data" / part["image_url"]["url"]
+            items.append(MediaItem(url=path.name, path=str(path), sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
+                                   offset=len(ids), tokens=4))
+            ids += [9] * 4 + [2]
+        samples.append(argparse.Namespace(input_ids=np.asarray(ids), media=tuple(items)))
+    res = {"rows": len(samples), "images": sum(len(s.media) for s in samples),
+           "pixels": sum(_pixels(m.path) for s in samples for m in s.media), **_load_times(samples, args.repeats)}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode.json").write_text(json.dumps(res, indent=1))
+    table = ["| prompts of the image rows | seconds (median of %d) | images/s |" % args.repeats, "| --- | --- | --- |",
+             f"| one after another | {res['image_load_s']:.3f} | {res['images'] / res['image_load_s']:,.0f} |",
+             f"| the engine's pool ({res['decode_threads']} threads, {res['cpus']} CPUs) | {res['image_load_pooled_s']:.3f} "
+             f"| {res['images'] / res['image_load_pooled_s']:,.0f} |",
+             "", f"{res['rows']} rows, {res['images']} images, {res['pixels'] / 1e6:.1f} Mpixel; "
+             f"speed-up {res['image_load_s'] / res['image_load_pooled_s']:.2f}x"]
+    (out / "decode.md").write_text("\n".join(table) + "\n")
+    print("\n".join(table), flush=True)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3))
+        ax.barh(["one after another", f"pool of {res['decode_threads']}"], [res["image_load_s"], res["image_load_pooled_s"]])
+        ax.set_xlabel("seconds per pass (read, sha256, decode)")
+        ax.set_title(f"{res['images']} images of the wide bench, {res['cpus']} CPUs")
+        fig.tight_layout()
+        fig.savefig(out / "decode.png", dpi=110)
+    except ImportError:
+        pass
+
+
+def _pixels(path: str) -> int:
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return im.width * im.height
 
 
 # --- report -------------------------------------------------------------------------------------
@@ -521,9 +621,16 @@ def markdown(report: dict) -> str:
             lines.append(f"| {lab} | {' / '.join(f'{x:,.0f}' for x in r)} | {f'{over:.3f}' if over else ''} |")
         lines.append(f"\nvision share of a plain pass: {_pct(b.get('vision_share_plain'))}; goal (extraction >= 0.95 "
                      f"of plain, image rows): {b.get('goal_0_95')}; reading and decoding the images alone: "
-                     f"{b.get('image_load_s', 0):.2f} s a pass (plain is handed them decoded), the processor's host work "
+                     f"{b.get('image_load_s', 0):.2f} s a pass one after another"
+                     + (f", {b['image_load_pooled_s']:.2f} s on the engine's pool of {b.get('decode_threads')}"
+                        if "image_load_pooled_s" in b else "")
+                     + f" (plain is handed them decoded), the processor's host work "
                      f"{b.get('image_preprocess_s', 0):.2f} s ({b.get('image_processor')}); extraction over plain "
                      f"with that added to plain: {b.get('extract_over_plain_images_with_load', 0):.3f}")
+        if "extract_over_bound_images" in b:
+            lines.append(f"\ndisk: {b['disk']['dd']}; disk bound {b['disk_bound_tokens_per_s']:,.0f} tokens/s; "
+                         f"extraction over min(plain, disk bound): image rows {b['extract_over_bound_images']:.3f}, "
+                         f"without images {b['extract_over_bound_text']:.3f}")
     e = report["stages"].get("experts384", {}).get("bench")
     if e:
         lines += ["", f"**experts384**: {json.dumps({k: v for k, v in e.items() if k != 'engine'})}"]
@@ -662,6 +769,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--stages", default="tiny,wide")
     p.add_argument("--experts384", help="work dir of kimi.py wide --experts 384 --make-only: run that stage too")
+    p.add_argument("--storages384", default="bfloat16", help="experts384: storage dtypes, one compiled engine each "
+                   "beside plain's (bfloat16,fp8_e4m3 needs more than one call's 600 s)")
     p.add_argument("--budget", type=float, default=520, help="seconds for all stages (a stage that cannot fit is skipped)")
     p.add_argument("--timeout-max", type=float, default=480)
     p.add_argument("--parity-rows", type=int, default=6)
@@ -677,8 +786,13 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=16384)
     p.add_argument("--per-shard", type=int, default=16)
     p.add_argument("--repeats", type=int, default=2)
+    p = sub.add_parser("decode", help="the image rows' prompts one after another and on the engine's pool (any machine)")
+    p.add_argument("--work", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--rows", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    {"make": make, "run": run, "bench": bench}[args.cmd](args)
+    {"make": make, "run": run, "bench": bench, "decode": decode}[args.cmd](args)
 
 
 if __name__ == "__main__":

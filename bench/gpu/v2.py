@@ -261,6 +261,13 @@ def stage_agree(work: Path, label: str) -> dict:
             equal = sum(bool(torch.equal(got[r][1][:, c], base[r][1][:, c])) for r in base)
             e = torch.cat([token_rel_err(got[r][1][:, c], base[r][1][:, c]) for r in base])
             per[str(k)] = {"bitwise_equal_rows": equal, "rows": len(base), **_stats(e)}
+            # the other stored layers of the base run: how far a wrong layer would be (a pair within bf16
+            # noise of each other must be far closer to the right layer than to any other)
+            wrong = {str(j): float(torch.cat([token_rel_err(got[r][1][:, c], base[r][1][:, cj]) for r in base]).median())
+                     for cj, j in enumerate(layers) if cj != c}
+            if wrong:
+                per[str(k)]["nearest_wrong_layer"] = min(wrong, key=wrong.get)
+                per[str(k)]["nearest_wrong_median"] = min(wrong.values())
         res["pairs"][lab] = {"layers": per, "bitwise_identical": all(v["bitwise_equal_rows"] == v["rows"]
                                                                      for v in per.values())}
         if not res["pairs"][lab]["bitwise_identical"]:
@@ -376,12 +383,14 @@ def _reason(r: dict) -> str:
 def _render_agree(label: str, a: dict | None) -> list[str]:
     lines: list[str] = []
     if a and a.get("status") == "ok":
-        lines += ["", "| pair (against v1 bf16) | layer | rows bitwise equal | median rel | p99 rel | max rel |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += ["", "| pair (against v1 bf16) | layer | rows bitwise equal | median rel | p99 rel | max rel | "
+                  "nearest wrong stored layer (median) |", "| --- | --- | --- | --- | --- | --- | --- |"]
         for pair, p in a["pairs"].items():
             for k, s in (p.get("layers") or {}).items():
+                wrong = (f"{s['nearest_wrong_layer']} ({s['nearest_wrong_median']:.1%})"
+                         if "nearest_wrong_layer" in s else "")
                 lines.append(f"| {pair} | {k} | {s['bitwise_equal_rows']}/{s['rows']} | {s['median']:.3%} | "
-                             f"{s['p99']:.3%} | {s['max']:.3%} |")
+                             f"{s['p99']:.3%} | {s['max']:.3%} | {wrong} |")
         ref = a.get("reference") or {}
         if ref.get("runs"):
             lines += ["", f"float32 reference, rows {ref['rows']}:", "",
