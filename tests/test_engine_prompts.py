@@ -1,7 +1,8 @@
 """The engine's prompts for a group: images read, checked and decoded on a pool of threads, in order.
 
 No engine starts here (vllm.inputs only): the pool's output is held against the one-by-one
-prompts, and a changed image must fail the way the loop failed, naming the first changed image.
+prompts, only a few prompts are made ahead of the one taken, and a changed image must fail the way
+the loop failed, naming the first changed image.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def test_the_pooled_prompts_equal_the_one_by_one_prompts_in_order(tmp_path, monk
         return real(path, sha256)
 
     monkeypatch.setattr(media_tokens, "load_image", slow_load)
-    got = prompts(requests)
+    got = list(prompts(requests))
     threads, pooled = set(), set(threads)  # the one-by-one prompts below load on this thread
     assert len(got) == len(requests)
     for (tokens, images), p in zip(requests, got):
@@ -78,6 +79,29 @@ def test_a_changed_image_fails_naming_the_first_changed_one(tmp_path):
     for item, seed in ((first, 91), (later, 92)):
         _image(tmp_path / item.url, 33, 33, seed=seed)
     with pytest.raises(DatasetError, match="the image changed since the plan") as e:
-        prompts(requests)
+        list(prompts(requests))
     assert e.value.path == first.path
     assert "run the extraction again" in e.value.hint
+
+
+def test_only_a_few_prompts_are_made_ahead_of_the_one_taken(tmp_path, monkeypatch):
+    """A group's decoded images are never all in memory at once: two per thread ahead at most."""
+    from datagen.engines import vllm_engine
+
+    monkeypatch.setattr(vllm_engine, "DECODE_THREADS", 2)
+    requests = [_sample(tmp_path, i, 1) for i in range(20)]
+    loaded = []
+    real = media_tokens.load_image
+
+    def counting_load(path, sha256):
+        loaded.append(path)
+        return real(path, sha256)
+
+    monkeypatch.setattr(media_tokens, "load_image", counting_load)
+    gen = prompts(requests)
+    first = next(gen)
+    time.sleep(0.5)  # every prompt the pool was given is made by now
+    assert first["prompt_token_ids"][0] == 100
+    assert 2 <= len(loaded) <= 1 + 2 * 2 + 1, f"{len(loaded)} images loaded for one prompt taken"
+    rest = list(gen)
+    assert len(rest) == 19 and len(loaded) == 20

@@ -18,7 +18,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from itertools import islice
 
 from datagen.data.contract import ShardRecord
 from datagen.data.shards.format import ShardJob
@@ -54,18 +56,30 @@ def prompt(tokens, images=()):
     return TokensPrompt(**engine_prompt(tokens, images))
 
 
-def prompts(requests) -> list:
-    """The prompts of ``(tokens, images)`` pairs, in order. Where two or more have images, the
-    images are read, checked (sha256) and decoded on a pool of threads, which PIL's decoders and
-    hashlib run outside the GIL: done one after another, this host work left the GPU idle for
-    longer than the group's own steps took (docs/datasets-media.md, "Throughput"). The first
-    failure in order is raised, as the loop would have raised it."""
+def prompts(requests):
+    """The prompts of ``(tokens, images)`` pairs, yielded in order. Where two or more have images,
+    the images are read, checked (sha256) and decoded on a pool of threads, which PIL's decoders
+    and hashlib run outside the GIL: done one after another, this host work left the GPU idle for
+    longer than the group's own steps took (docs/datasets-media.md, "Throughput at Kimi's width").
+    At most two prompts per thread are made ahead of the one taken, so a group's decoded images are
+    never all in memory at once. The first failure in order is raised where its prompt is taken,
+    as the loop one by one raised it."""
     with_images = sum(1 for _, images in requests if images)
     if with_images < 2:
-        return [prompt(tokens, images) for tokens, images in requests]
+        yield from (prompt(tokens, images) for tokens, images in requests)
+        return
     workers = min(with_images, max(2, os.cpu_count() or 1), DECODE_THREADS)
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="datagen-decode") as pool:
-        return list(pool.map(lambda r: prompt(*r), requests))
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="datagen-decode")
+    try:
+        ahead = iter(requests)
+        pending = deque(pool.submit(prompt, *r) for r in islice(ahead, 2 * workers))
+        while pending:
+            done = pending.popleft().result()
+            for r in islice(ahead, 1):
+                pending.append(pool.submit(prompt, *r))
+            yield done
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 class VllmEngine(Engine):
@@ -236,9 +250,6 @@ class VllmEngine(Engine):
             ids = [f"dg{self._run}.{self._submitted}-{job.index}-{i}" for i in range(len(job.input_ids))]
             wires.append({**job.to_wire(), "request_ids": ids})
             requests.extend(zip(ids, job.input_ids, job.media or [()] * len(ids)))
-        # the images read and decoded before the group is announced: an image changed since the plan
-        # fails the run here, with nothing announced to the workers or added to the engine
-        built = prompts([(tokens, images) for _, tokens, images in requests])
         self._take(self.llm.collective_rpc("datagen_announce", args=(wires,)))
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         # The scheduler holds while the group's requests arrive: the first step sees them all, so
@@ -247,7 +258,7 @@ class VllmEngine(Engine):
         # dies of SIGILL there).
         paused = self._pause(engine)
         try:
-            for (rid, _, _), p in zip(requests, built):
+            for (rid, _, _), p in zip(requests, prompts([(tokens, images) for _, tokens, images in requests])):
                 engine.add_request(rid, p, params)
         finally:
             if paused:
