@@ -468,7 +468,9 @@ def bench(args) -> None:
     res["extract_over_plain_images_with_load"] = med["extract_images_tokens_per_s"] / with_load
     res["goal_0_95"] = res["extract_over_plain_images"] >= 0.95
     # the disk bound, as for text rows: the volume's direct-write rate over the bytes a token costs
-    res["disk"] = _disk_rate(work)
+    from bench.gpu.storage import dd_direct
+
+    res["disk"] = dd_direct(work, 4096)
     bpt = statistics.median(res["extract_images_bytes_per_s"]) / med["extract_images_tokens_per_s"]
     if res["disk"].get("dd_bytes_per_s"):
         res["disk_bound_tokens_per_s"] = res["disk"]["dd_bytes_per_s"] / bpt
@@ -501,18 +503,6 @@ def _load_times(samples, repeats: int = 3) -> dict:
     return {"image_load_s": statistics.median(times["serial"]), "image_load_pooled_s": statistics.median(times["pooled"]),
             "decode_threads": min(sum(1 for _, m in pairs if m), max(2, os.cpu_count() or 1), DECODE_THREADS),
             "cpus": os.cpu_count()}
-
-
-def _disk_rate(work: Path, mb: int = 4096) -> dict:
-    """dd oflag=direct of ``mb`` MB into ``work`` (the volume the extraction wrote to)."""
-    from bench.gpu.storage import _dd_rate
-
-    target = work / "ddtest"
-    proc = subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=16M", f"count={max(1, mb // 16)}", "oflag=direct"],
-                          capture_output=True, text=True)
-    target.unlink(missing_ok=True)
-    line = (proc.stderr.strip().splitlines() or ["?"])[-1]
-    return {"dd": line, "dd_bytes_per_s": _dd_rate(line)}
 
 
 def decode(args) -> None:

@@ -122,11 +122,7 @@ def stage_disk(args) -> dict:
     work = Path(cfg["out_dir"])
     work.mkdir(parents=True, exist_ok=True)
     mb = 16 if args.smoke else 4096
-    target = work / "ddtest"
-    proc = subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=16M", f"count={mb // 16}", "oflag=direct"],
-                          capture_output=True, text=True)
-    target.unlink(missing_ok=True)
-    dd_line = (proc.stderr.strip().splitlines() or ["?"])[-1]
+    dd_line = dd_direct(work, mb)["dd"]
     size = (16 if args.smoke else 1024) << 20
     buf = _Buffer.get(size)
     buf[:size] = os.urandom(1 << 20) * (size >> 20)
@@ -200,6 +196,16 @@ def _writers(root: Path, cfg: dict, args) -> dict:
         out[str(w)] = written[0] / (time.time() - t0)
     shutil.rmtree(root, ignore_errors=True)
     return out
+
+
+def dd_direct(work: Path, mb: int) -> dict:
+    """``dd oflag=direct`` of ``mb`` MB into ``work``: its last line and the rate it names."""
+    target = work / "ddtest"
+    proc = subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=16M", f"count={max(1, mb // 16)}", "oflag=direct"],
+                          capture_output=True, text=True)
+    target.unlink(missing_ok=True)
+    line = (proc.stderr.strip().splitlines() or ["?"])[-1]
+    return {"dd": line, "dd_bytes_per_s": _dd_rate(line)}
 
 
 def _dd_rate(line: str) -> float | None:
