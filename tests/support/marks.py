@@ -28,6 +28,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -161,7 +162,34 @@ def _reporting() -> bool:
 _REPORTED: list[str] = []  # report mode: the unmarked starts, named at the session's end
 
 
+ENGINE_CORE = "a vLLM engine core"  # start_guard's name for one engine start, in whichever process it runs
+
+
+def _starts() -> list[dict]:
+    path = _folder() / start_guard.STARTS
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(errors="replace").splitlines() if line.strip()]
+
+
+def _write_starts(terminalreporter) -> None:
+    """What this session started, counted where it started (every process of the session): engine
+    cores, Prefect and S3 servers, Docker clients; and the tests that started the most engines."""
+    starts = _starts()
+    if not starts:
+        return
+    terminalreporter.write_sep("=", f"starts in this session ({len(starts)})")
+    for what, n in Counter(s["what"] for s in starts).most_common():
+        terminalreporter.write_line(f"{n:5d}  {what}")
+    engines = Counter(s["test"] or "(between tests)" for s in starts if s["what"] == ENGINE_CORE)
+    if engines:
+        terminalreporter.write_line(f"engine cores by test ({sum(engines.values())} in {len(engines)} tests):")
+        for test, n in engines.most_common():
+            terminalreporter.write_line(f"{n:5d}  {test}")
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    _write_starts(terminalreporter)
     if _REPORTED:
         terminalreporter.write_sep("=", "unmarked starts (add the marks named: `make check` would refuse them)")
         for line in dict.fromkeys(_REPORTED):

@@ -28,6 +28,7 @@ from pathlib import Path
 GUARD_ENV = "DATAGEN_TEST_START_GUARD"  # the guard's directory; unset: no guard
 CURRENT = "current.json"  # {"test": node id or null, "unmarked": [mark, ...]}
 TRIPS = "trips.jsonl"  # one {"test", "mark", "what", "pid"} per start that was refused
+STARTS = "starts.jsonl"  # one {"test", "mark", "what"} per start, allowed or not: what the session counts
 
 ENGINE, DOCKER, S3, PREFECT_SERVER = "engine", "docker", "s3", "prefect_server"
 GUARDED = (ENGINE, DOCKER, S3, PREFECT_SERVER)
@@ -58,6 +59,8 @@ def check(mark: str, what: str) -> None:
         current = json.loads((Path(folder) / CURRENT).read_text())
     except (OSError, ValueError):  # the session is over (its folder removed): nothing to guard
         return
+    with open(Path(folder) / STARTS, "a") as starts:
+        starts.write(json.dumps({"test": current.get("test"), "mark": mark, "what": what}) + "\n")
     if mark not in current.get("unmarked", ()):
         return
     test = current.get("test") or "a test"
