@@ -21,10 +21,17 @@ setup: $(STAMP)
 # pip byte-compiles what it installs one file at a time (about 100 s of the install's 158 s on two
 # cores); the same compile on every core after it takes 44 s. A file for a newer Python than the
 # venv's (torch's py312 intrinsics) does not compile: pip passes over such files, and so does this.
+# pip also downloads and unpacks one wheel at a time, so the lock's pins are installed by two pips
+# side by side, every other line each (--no-deps: nothing to resolve, no two write the same file):
+# 29 s against 60 s on two cores, the same files installed.
 $(STAMP): requirements/lock.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip==24.3.1"
-	$(PY) -m pip install -q --no-deps --no-compile -r requirements/lock.txt
+	grep -E '^[^#[:space:]]' requirements/lock.txt | awk 'NR % 2 == 1' >$(VENV)/lock-half-1.txt
+	grep -E '^[^#[:space:]]' requirements/lock.txt | awk 'NR % 2 == 0' >$(VENV)/lock-half-2.txt
+	$(PY) -m pip install -q --no-deps --no-compile -r $(VENV)/lock-half-1.txt & half=$$!; \
+	$(PY) -m pip install -q --no-deps --no-compile -r $(VENV)/lock-half-2.txt; status=$$?; \
+	wait $$half && exit $$status
 	$(PY) -m compileall -q -q -j 0 $(VENV)/lib || true
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m datagen._installcheck
