@@ -20,6 +20,7 @@ from datagen.data.checksums import sha256_file
 from datagen.regeneration.chats import Generated, RowState, script
 from datagen.regeneration.settings import OnLength, RegenerationSettings, ToolRows, row_seed
 from tests.builders import REPO, result_of, run_datagen, write_jsonl
+from tests.faults._refusal import assert_refused, run_cli
 from tests.support.slow_regenerate import slow_regenerate_cmd
 
 EAGER = {"DATAGEN_ENFORCE_EAGER": "1"}
@@ -136,38 +137,40 @@ def test_greedy_settings_refuse_sampling_knobs():
 
 # --- bad input: refused before the engine starts, output left as found --------------------------
 
-@pytest.mark.slow
+# Through `datagen`'s `main` in the test's process (tests/faults/_refusal.py: run_cli), where starting
+# an engine fails the test (none of these is marked `engine`): a `datagen regenerate` program each
+# took 16 s in the suite, most of it importing vLLM. That the program's exit code and error line reach
+# its caller is tests/tasks/test_local_runner.py::test_runs_the_real_datagen_cli_and_reports_its_error's.
+
 def test_pre_tokenized_rows_are_refused_with_their_line(smollm2, tmp_path):
     data = write_jsonl(tmp_path / "in.jsonl", [regen_rows()[6], {"input_ids": [1, 2, 3]}])
     out = tmp_path / "out"
-    proc = run_datagen("regenerate", "--model", str(smollm2), "--dataset", str(data), "--out", str(out))
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "in.jsonl:2" in proc.stderr and "only chat rows can be regenerated" in proc.stderr
+    o = run_cli("regenerate", "--model", smollm2, "--dataset", data, "--out", out)
+    assert_refused(o, code=2, message="only chat rows can be regenerated")
+    assert "in.jsonl:2" in o.err, o.err[-2000:]
     assert not out.exists()
 
 
-@pytest.mark.slow
 def test_image_rows_are_refused_with_their_line(smollm2, tmp_path):
     image = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this"},
                                                         {"type": "image_url", "image_url": {"url": "a.png"}}]}]}
     data = write_jsonl(tmp_path / "in.jsonl", [regen_rows()[6], image])
     out = tmp_path / "out"
-    proc = run_datagen("regenerate", "--model", str(smollm2), "--dataset", str(data), "--out", str(out))
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "in.jsonl:2" in proc.stderr and "regeneration takes text chats only" in proc.stderr
+    o = run_cli("regenerate", "--model", smollm2, "--dataset", data, "--out", out)
+    assert_refused(o, code=2, message="regeneration takes text chats only")
+    assert "in.jsonl:2" in o.err, o.err[-2000:]
     assert not out.exists()
 
 
-@pytest.mark.slow
 def test_an_output_directory_of_something_else_is_left_as_found(smollm2, rows_file, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    proc = run_datagen("regenerate", "--model", str(smollm2), "--dataset", str(rows_file), "--out", str(out),
-                       "--temperature", "0", "--top-k", "5")
-    assert proc.returncode == 2 and "greedy" in proc.stderr, proc.stderr[-2000:]
-    proc = run_datagen("regenerate", "--model", str(smollm2), "--dataset", str(rows_file), "--out", str(out))
-    assert proc.returncode == 2 and "not a regeneration's output" in proc.stderr, proc.stderr[-2000:]
+    o = run_cli("regenerate", "--model", smollm2, "--dataset", rows_file, "--out", out,
+                "--temperature", "0", "--top-k", "5")
+    assert o.code == 2 and "greedy" in o.err, o.err[-2000:]
+    o = run_cli("regenerate", "--model", smollm2, "--dataset", rows_file, "--out", out)
+    assert o.code == 2 and "not a regeneration's output" in o.err, o.err[-2000:]
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
 
 
