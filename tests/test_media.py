@@ -248,7 +248,7 @@ def test_the_transformers_engine_refuses_image_rows_and_leaves_no_output(kimi, t
     """Through `datagen`'s `main` in the test's process (a `datagen extract` program took 16 s in
     the suite, most of it imports); the refusal as tests/faults/_refusal.py holds every refusal."""
     from datagen.data.spec import ExtractSpec
-    from tests.faults._refusal import assert_refused, run_cli
+    from tests.faults._refusal import run_cli
 
     _png(tmp_path / "a.png", 60, 60)
     data = write_jsonl(tmp_path / "d.jsonl", [image_row("a.png"), TEXT_ROW])

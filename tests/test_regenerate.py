@@ -288,7 +288,6 @@ def test_a_finished_regeneration_is_not_generated_again(smollm2, rows_file, gree
     from types import SimpleNamespace
 
     from datagen.regeneration.generator import Generator
-    from tests.faults._refusal import run_cli
 
     out, first = greedy
     before = {p.name: p.read_bytes() for p in out.iterdir()}

@@ -352,11 +352,11 @@ def wide_bench(args) -> None:
     from bench.gpu.storage import dd_direct
 
     res["disk"] = dd_direct(work, 4096)
-    for r in res["by_storage"].values():
-        if res["disk"].get("dd_bytes_per_s"):
-            r["disk_bound_tokens_per_s"] = res["disk"]["dd_bytes_per_s"] / r["bytes_per_token"]
-            bound = min(([statistics.median(plain)] if plain else []) + [r["disk_bound_tokens_per_s"]])
-            r["extract_over_bound"] = statistics.median(r["extract_tokens_per_s"]) / bound
+    rate = res["disk"].get("dd_bytes_per_s")
+    for r in res["by_storage"].values() if rate else ():
+        r["disk_bound_tokens_per_s"] = rate / r["bytes_per_token"]
+        bound = min(([statistics.median(plain)] if plain else []) + [r["disk_bound_tokens_per_s"]])
+        r["extract_over_bound"] = statistics.median(r["extract_tokens_per_s"]) / bound
     first = res["by_storage"][storages[0]]  # the keys of the runs before storages were selectable
     res.update({"extract_start_s": first["extract_start_s"], "engine": first["engine"],
                 "extract_tokens_per_s": first["extract_tokens_per_s"],
