@@ -58,3 +58,17 @@ def test_plan_sizes_an_fp8_run_at_one_byte_per_value_and_its_scales(capsys, tmp_
                          "--engine", "hf", "--storage-dtype", "fp8_e4m3"])
     err = capsys.readouterr().err
     assert code == EXIT_CANNOT_RUN_HERE and "1000 tokens x 401 bytes" in err, err
+
+
+def test_a_range_is_on_disk_only_when_every_shard_of_it_is_complete():
+    """The extract flow refreshes the cache of each range this says is not on disk, and of no other
+    (flows/extract.py: submit): a range whose shard was deleted is extracted again, its neighbour
+    stays cached (tests/flows/test_extract_flow.py's fault runs refresh one range)."""
+    from datagen.steps.plan import PlanResult
+    from tasks.pipeline_spec import ShardRange
+
+    planned = PlanResult.model_construct(shards_complete=[1, 2, 3])
+    assert not planned.range_on_disk(ShardRange(first=0, stop=2))
+    assert planned.range_on_disk(ShardRange(first=2, stop=4))
+    assert planned.range_on_disk(ShardRange(first=1, stop=2))
+    assert not PlanResult.model_construct(shards_complete=[]).range_on_disk(ShardRange(first=2, stop=4))

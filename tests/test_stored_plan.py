@@ -233,6 +233,7 @@ def test_an_appended_dataset_tokenizes_only_its_new_rows_and_plans_as_a_fresh_pl
                                                                                    rows, tokenized):
     out = tmp_path / "ds"
     _extract(capsys, tiny_llama, rows, out, "--shards", "0:1")  # last night: claimed, plan stored
+    last_night = _plan_result(capsys, tiny_llama, rows, out)
     nightly = tmp_path / "nightly.jsonl"
     new = chat_dataset(tmp_path / "new.jsonl", rows=5, seed=11).read_bytes()
     nightly.write_bytes(rows.read_bytes() + new)
@@ -243,6 +244,9 @@ def test_an_appended_dataset_tokenizes_only_its_new_rows_and_plans_as_a_fresh_pl
     tokenized.clear()
     reused = plan_result()
     assert sorted(tokenized) == list(range(ROWS + 1, ROWS + 6)), "only the appended rows are tokenized"
+    # the shards whose rows did not change keep their cache keys, and so do their ranges' keys
+    # (tasks/extract.py: range_cache_key): the extract flow serves them from the cache
+    assert reused["shard_keys"][:SHARDS] == last_night["shard_keys"] and len(reused["shard_keys"]) > SHARDS
     # an edited row is tokenized again, its neighbours are not (the appended night's plan is the stored one now)
     lines = nightly.read_bytes().splitlines(keepends=True)
     edited = json.loads(lines[4])

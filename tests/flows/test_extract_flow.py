@@ -3,9 +3,9 @@ the transformers engine on a tiny Llama: caching by shard range, incremental re-
 transient faults retried, permanent ones not, artifacts, log streaming, the dataset event.
 
 The module's tests share one dataset: ``runs`` (tests/flows/conftest.py) extracts it and runs
-the flow again at once (everything cached), and keeps what those two runs returned; the tests that
-change the dataset or inject faults run after both and leave it complete, so any test passes
-alone and in any order.
+the flow again at once (everything cached), and keeps what those two runs returned; ``fault_runs``
+(a shard deleted, rows appended, faults injected) runs after both and leaves it complete, so any
+test passes alone and in any order.
 """
 
 from __future__ import annotations
@@ -18,17 +18,10 @@ import pytest
 from datagen.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT
 from tasks import local_runner
 from tests.flows.builders import append_rows
-from tests.flows.conftest import Story
 from tests.support.step_hooks import hooked_runner, write_faults
 from tests.support.prefect_runs import artifacts_by_key, flow_run_logs, state_names, task_runs
 
 pytestmark = [pytest.mark.prefect_server, pytest.mark.usefixtures("prefect_harness")]
-
-
-@pytest.fixture
-def story(runs) -> Story:
-    """The extracted dataset, for a test that runs the flow again (and leaves the dataset complete)."""
-    return runs.story
 
 
 def test_a_first_run_extracts_every_range_then_validates_and_announces(runs):
@@ -87,26 +80,20 @@ def test_step_output_reaches_the_run_log_line_by_line(runs):
     assert any(" extract INFO progress " in m for m in logs), "the extraction's progress lines too"
 
 
-def test_appending_rows_re_extracts_only_the_shards_whose_rows_changed(story):
-    append_rows(story.dataset, rows=2)  # shard 3 (rows 9..11) gains rows: only its range changes
-    state, run_id, _ = story.run()
-    assert state.is_completed(), state.message
-    assert state.result()["shards_extracted"] == [3]
-    runs = task_runs(run_id)
-    assert sorted((r.name, r.state.name) for r in runs["extract-range"]) == [
-        ("extract-range-0:2", "Cached"), ("extract-range-2:4", "Completed"),
-    ]
-
-
 @pytest.fixture(scope="module")
 def fault_runs(runs, tmp_path_factory) -> dict:
-    """Two runs on the extracted dataset with its shard 0 deleted, with faults injected into the
-    plan step: a permanent one (the run fails at once), then a transient one in the run right after
-    it (retried, and that run completes, extracting shard 0 again and nothing else). The fault tests
-    and the gone-shard test read them: one run for the retry and the gone shard, not two."""
+    """Two runs on the extracted dataset with its shard 0 deleted and two rows appended (shard 3,
+    rows 9..11, gains them), with faults injected into the plan step: a permanent one (the run fails
+    at once), then a transient one in the run right after it (retried, and that run completes,
+    extracting shard 0 again and shard 3, nothing else). The fault tests, the gone-shard test and
+    the appended rows' test read them: one run for the retry, the gone shard and the appended rows,
+    not three. That appending rows leaves the other shards' cache keys (and so their ranges' keys)
+    as they were is tests/test_stored_plan.py's; that only a range with a shard gone is refreshed,
+    tests/test_plan.py's."""
     story = runs.story
     faults = tmp_path_factory.mktemp("faults") / "faults.json"
     (story.output / "shards" / "shard-000000.safetensors").unlink()  # the transient run puts it back
+    append_rows(story.dataset, rows=2)  # the dataset stays complete after the transient run
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(local_runner, "LocalRunner", hooked_runner(local_runner.LocalRunner, faults=faults))
         write_faults(faults, plan={"exit_code": EXIT_BAD_INPUT, "times": 1, "message": "row 7 is not JSON"})
@@ -119,16 +106,25 @@ def fault_runs(runs, tmp_path_factory) -> dict:
 def test_a_range_whose_shards_are_gone_is_extracted_again(fault_runs):
     state, run_id = fault_runs["transient"]  # the first run that completes after shard 0 was deleted
     assert state.is_completed(), state.message
-    assert state.result()["shards_extracted"] == [0]
+    # range 0:2's rows did not change (its cache key neither): only its deleted shard runs it again
+    assert state.result()["shards_extracted"] == [0, 3]
     assert sorted((r.name, r.state.name) for r in task_runs(run_id)["extract-range"]) == [
-        ("extract-range-0:2", "Completed"), ("extract-range-2:4", "Cached"),
+        ("extract-range-0:2", "Completed"), ("extract-range-2:4", "Completed"),
     ]
+
+
+def test_appending_rows_re_extracts_only_the_shards_whose_rows_changed(fault_runs):
+    state, run_id = fault_runs["transient"]  # the first run that completes after two rows were appended
+    assert state.is_completed(), state.message
+    # shard 3 gained rows; shard 2, in the same range, is not extracted again (nor shard 1)
+    assert state.result()["shards_extracted"] == [0, 3]  # and shard 0, deleted before the run
+    assert "extract-range-2:4" in {r.name for r in task_runs(run_id)["extract-range"] if r.state.name == "Completed"}
 
 
 def test_a_transient_fault_is_retried_and_the_run_completes(fault_runs):
     state, run_id = fault_runs["transient"]
     assert state.is_completed(), state.message
-    assert state.result()["shards_extracted"] == [0]  # the shard deleted before it, nothing else
+    assert state.result()["shards_extracted"] == [0, 3]  # the shard deleted and the one that gained rows
     [plan] = task_runs(run_id)["plan"]
     assert plan.run_count == 2
     assert any("storage hiccup" in m for m in flow_run_logs(run_id))
@@ -141,4 +137,4 @@ def test_a_permanent_fault_fails_the_run_at_once_with_the_steps_message(fault_ru
     [plan] = task_runs(run_id)["plan"]
     assert plan.run_count == 1, "a permanent fault must not be retried"
     again, _ = fault_runs["transient"]  # the next run, on the same dataset: the failed run changed nothing
-    assert again.is_completed() and again.result()["shards_extracted"] == [0]  # only the shard deleted before
+    assert again.is_completed() and again.result()["shards_extracted"] == [0, 3]  # only what changed before it
