@@ -56,6 +56,14 @@ PY=${PY:-.venv/bin/python}
 # spinning: three processes of small torch matmuls side by side took 76 s instead of 326 s; one
 # alone 30 s instead of 28 s. It changes no result, only how idle threads wait.
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+# One OpenMP thread a process: the tiers run two to four pytest processes on the cores, so a torch
+# operation split over two threads waits at its barrier for a half whose core another process
+# holds. Three processes of small torch matmuls side by side took 51.6 s with one thread each
+# against 63.7 s with two (101 s of CPU against 123 s); `make check` 122.7 s of CPU against 143.8 s,
+# 75 s against 83 s. vLLM's CPU engines set their own threads from VLLM_CPU_OMP_THREADS_BIND (one
+# core each on two cores, unchanged), and validation sets its workers' own. OMP_NUM_THREADS set by
+# the caller wins.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # The fast tier leaves out what starts a vLLM engine, a container, an S3 or a Prefect server (the
 # guard fails a test that starts one without its mark), what needs a GPU, and the few tests marked
 # slow: minutes of work with none of those (pyproject.toml says what each mark means).
