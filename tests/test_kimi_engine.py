@@ -217,8 +217,8 @@ def test_plan_refuses_a_layer_the_engine_cannot_capture(tmp_path):
     fails the test: plan refuses before any engine, and a `datagen` program's exit code reaching
     its caller is tests/tasks/test_local_runner.py's."""
     from datagen.models.tiny_kimi import make_tiny_kimi
-    from tests.builders import token_rows, write_jsonl
     from tasks.runners import parse_result_line
+    from tests.builders import token_rows, write_jsonl
     from tests.faults._refusal import run_cli
 
     p = make_tiny_kimi(tmp_path / "kimi", quantization="int4", vocab_size=512, num_layers=3, n_routed_experts=4,
