@@ -9,6 +9,13 @@ such as the flow-run id), and ``remove_leftover_containers`` removes them by lab
 
 Containers run as the host user (uid:gid), so what a step writes to a bind mount belongs
 to the user who started the flow, not to root or the image's user.
+
+Each container is fresh, and so would be the kernels its engine compiles (torch inductor's, Triton's,
+vLLM's compiled graphs and its probe of the model registry): a host folder is mounted into every step
+container for them (``tasks.settings.compile_cache``, DATAGEN_COMPILE_CACHE), so that an engine
+started again with the same model, settings and image finds them. Their keys hold the versions of
+torch, vLLM and the kernels' sources, so one folder serves images of several versions; removing it
+costs one compile, nothing else.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import requests
 
 from datagen.errors import CannotRunHereError
 from tasks.runners import StepInvocation, StepOutcome, parse_result_line
-from tasks.settings import engine_step_env
+from tasks.settings import compile_cache, engine_step_env
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +46,9 @@ MANAGED_LABEL = LABEL_PREFIX + "managed"  # "true" on every container this runne
 EXIT_DOCKER_FAILED = 125  # docker's own code for "could not run the container": retryable
 EXIT_OOM_KILLED = 137  # SIGKILL, as the OOM killer delivers it: retryable
 LAST_LINES = 50  # output lines kept for error messages
+COMPILE_CACHE_PATH = "/var/cache/datagen-compile"  # where the host's compile cache is in a container
+# what the compilers read their cache folders from, each under the mounted folder
+COMPILE_CACHE_ENV = {"TORCHINDUCTOR_CACHE_DIR": "torchinductor", "TRITON_CACHE_DIR": "triton", "VLLM_CACHE_ROOT": "vllm"}
 
 _running: set = set()  # containers this process created and has not removed yet
 _running_lock = threading.Lock()
@@ -110,15 +120,20 @@ class DockerRunner:
 
     def _create_args(self, invocation: StepInvocation) -> dict:
         gpu = invocation.gpus > 0
+        mounts = [
+            docker.types.Mount(target=m.path, source=m.path, type="bind", read_only=m.read_only)
+            for m in invocation.mounts
+        ]
+        cache = compile_cache()
+        if cache is not None:
+            cache.mkdir(parents=True, exist_ok=True)  # made here, it belongs to the user, not to root
+            mounts.append(docker.types.Mount(target=COMPILE_CACHE_PATH, source=str(cache.absolute()), type="bind"))
         return dict(
             entrypoint=["datagen"],
             command=[invocation.step, *invocation.args],
             user=self.settings.user or f"{os.getuid()}:{os.getgid()}",
-            environment=self._environment(invocation),
-            mounts=[
-                docker.types.Mount(target=m.path, source=m.path, type="bind", read_only=m.read_only)
-                for m in invocation.mounts
-            ],
+            environment=self._environment(invocation, compiled_kernels=cache is not None),
+            mounts=mounts,
             labels=self._labels(invocation),
             shm_size=None if gpu else self.settings.shm_size,
             ipc_mode=self.settings.gpu_ipc_mode if gpu else None,
@@ -130,10 +145,14 @@ class DockerRunner:
             detach=True,
         )
 
-    def _environment(self, invocation: StepInvocation) -> dict[str, str]:
-        # The host user may have no home in the image; tools that cache under ~ need one. The worker's
-        # engine settings reach the step as they reach a local step; the step's own env comes last.
-        env = {"HOME": "/tmp", **engine_step_env(), **invocation.env}
+    def _environment(self, invocation: StepInvocation, *, compiled_kernels: bool = False) -> dict[str, str]:
+        # The host user may have no home in the image; tools that cache under ~ need one. The compile
+        # cache's folders, then the worker's engine settings reach the step as they reach a local step;
+        # the step's own env comes last.
+        env = {"HOME": "/tmp"}
+        if compiled_kernels:
+            env.update({name: f"{COMPILE_CACHE_PATH}/{sub}" for name, sub in COMPILE_CACHE_ENV.items()})
+        env.update({**engine_step_env(), **invocation.env})
         missing = [n for n in invocation.secret_env_names if n not in os.environ]
         if missing:
             logger.warning("%s: secret env vars not set on the host: %s", invocation.step, missing)

@@ -6,6 +6,7 @@ The step programs' own settings are in ``datagen.settings``.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 S3_SETTINGS_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION")
 
@@ -24,3 +25,12 @@ ENGINE_SETTINGS_ENV = ("DATAGEN_ENFORCE_EAGER", "DATAGEN_CPU_KVCACHE_GIB", "DATA
 def engine_step_env() -> dict[str, str]:
     """The engine settings set here, passed on to a step container as a local step inherits them."""
     return {k: os.environ[k] for k in ENGINE_SETTINGS_ENV if k in os.environ}
+
+
+def compile_cache() -> Path | None:
+    """The host folder every step container keeps its compiled kernels in (DATAGEN_COMPILE_CACHE;
+    default ~/.cache/datagen/compile; "off": none, each container compiles afresh)."""
+    value = os.environ.get("DATAGEN_COMPILE_CACHE", "")
+    if value.lower() == "off":
+        return None
+    return Path(value).expanduser() if value else Path.home() / ".cache" / "datagen" / "compile"

@@ -14,6 +14,7 @@ import pytest
 from datagen.errors import EXIT_BAD_INPUT, CannotRunHereError
 from images.tags import ImageName
 from tasks.docker_runner import (
+    COMPILE_CACHE_PATH,
     LABEL_PREFIX,
     MANAGED_LABEL,
     DockerRunner,
@@ -190,6 +191,29 @@ def test_the_workers_engine_settings_reach_the_step_container_and_the_steps_own_
     assert "DATAGEN_ENFORCE_EAGER=1" in env_in_container
     assert "DATAGEN_CPU_KVCACHE_GIB=1" in env_in_container  # the step's own setting, not the worker's 3
     assert not any(e.startswith("DATAGEN_NOT_AN_ENGINE_SETTING=") for e in env_in_container)
+
+
+def test_the_compile_cache_is_a_host_folder_the_step_writes_to_as_the_host_user(
+    runner, client, tmp_path, test_id, monkeypatch
+):
+    # each container is fresh: the kernels its engine compiles are kept in one host folder, mounted
+    # into every step container, where the next container's engine finds them
+    cache = tmp_path / "compile-cache"  # not there yet: the runner makes it
+    monkeypatch.setenv("DATAGEN_COMPILE_CACHE", str(cache))
+    env_in_container, log = _container_env(client, test_id)
+    # the step writes into the cache's folder in the container, as an engine's compiler would
+    inside = f"{COMPILE_CACHE_PATH}/torchinductor/written-by-the-step"
+    invocation = make_tiny(tmp_path, test_id, "--out", inside)
+
+    outcome = runner.run(invocation, log)
+
+    assert outcome.ok, outcome.last_lines
+    assert f"TORCHINDUCTOR_CACHE_DIR={COMPILE_CACHE_PATH}/torchinductor" in env_in_container
+    assert f"VLLM_CACHE_ROOT={COMPILE_CACHE_PATH}/vllm" in env_in_container
+    assert f"TRITON_CACHE_DIR={COMPILE_CACHE_PATH}/triton" in env_in_container
+    written = cache / "torchinductor" / "written-by-the-step" / "chat.jsonl"
+    assert len(written.read_text().splitlines()) == 4, "the step's write did not reach the host folder"
+    assert (written.stat().st_uid, written.stat().st_gid) == (os.getuid(), os.getgid())
 
 
 def test_the_report_step_draws_its_plot_in_the_steps_image(runner, tmp_path, test_id):
