@@ -28,6 +28,11 @@ import httpx
 from tests.support.marks import PREFECT_SERVER, check
 
 STARTUP_TIMEOUT_S = 120.0
+# A new server's database is a copy of one that a server of this Prefect version made before (its
+# migrations run and its block types registered): a start from it took 5.1 s of CPU against 11.5 s
+# from an empty home (`prefect server start` to healthy, idle machine). Made by the first server
+# started without one (an online copy, sqlite's backup API), kept under .cache.
+DATABASE_TEMPLATES = Path(__file__).resolve().parents[2] / ".cache" / "prefect-database"
 UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
@@ -138,9 +143,53 @@ class PortTaken(RuntimeError):
     """The server could not bind the port chosen for it."""
 
 
+def _database_template() -> Path:
+    import importlib.metadata
+
+    return DATABASE_TEMPLATES / f"prefect-{importlib.metadata.version('prefect')}.db"
+
+
+def _seed_database(home: Path) -> bool:
+    """Copies the template database into a new home; False where there is none yet."""
+    import shutil
+
+    template, database = _database_template(), home / "prefect.db"
+    if not template.is_file():
+        return False
+    shutil.copyfile(template, database)
+    return True
+
+
+def _save_template(home: Path) -> None:
+    """The running server's database as the template: sqlite's online backup (a consistent copy
+    while the server writes), then renamed into place (a reader never sees half a file)."""
+    import sqlite3
+    import tempfile
+
+    template = _database_template()
+    template.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=template.parent, suffix=".partial")
+    os.close(fd)
+    try:
+        source, target = sqlite3.connect(home / "prefect.db", timeout=30), sqlite3.connect(partial)
+        try:
+            with target:
+                source.backup(target)
+            target.execute("PRAGMA journal_mode=DELETE")  # one file, no WAL beside it
+        finally:
+            source.close()
+            target.close()
+        os.replace(partial, template)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
 def _start_server_once(root: Path) -> PrefectServer:
     home = Path(root) / "prefect-home"
     home.mkdir(parents=True, exist_ok=True)
+    fresh = not (home / "prefect.db").exists()  # not a server started again on its home
+    seeded = fresh and _seed_database(home)
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
@@ -168,6 +217,8 @@ def _start_server_once(root: Path) -> PrefectServer:
             raise error(f"prefect server exited {proc.returncode}:\n{output[-4000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                if fresh and not seeded and not _database_template().exists():
+                    _save_template(home)
                 return server
         except httpx.HTTPError:
             pass
