@@ -27,17 +27,38 @@ def prefect_harness(tmp_path_factory):
     if _active:
         yield _active[0]
         return
+    import prefect.testing.utilities as harness
     from prefect.settings import (
         PREFECT_LOCAL_STORAGE_PATH, PREFECT_SERVER_ANALYTICS_ENABLED, temporary_settings,
     )
-    from prefect.testing.utilities import prefect_test_harness
 
     storage = tmp_path_factory.mktemp("prefect-results")
     # Analytics off: its heartbeat competes with the runs for the harness's SQLite database.
-    with temporary_settings(updates={PREFECT_LOCAL_STORAGE_PATH: storage, PREFECT_SERVER_ANALYTICS_ENABLED: False}):
-        with prefect_test_harness(server_startup_timeout=120):
+    with temporary_settings(updates={PREFECT_LOCAL_STORAGE_PATH: storage, PREFECT_SERVER_ANALYTICS_ENABLED: False}), \
+            pytest.MonkeyPatch.context() as patch:
+        # the harness's database starts as a copy of a migrated one, as the real servers' do
+        # (tests/support/prefect_server.py); where there is no template yet, from nothing
+        patch.setattr(harness, "mkdtemp", _seeded_temp_dir(harness.mkdtemp))
+        with harness.prefect_test_harness(server_startup_timeout=120):
             _active.append(storage)
             try:
                 yield storage
             finally:
                 _active.clear()
+
+
+def _seeded_temp_dir(mkdtemp):
+    """``mkdtemp`` for the harness: the folder of its database (``prefect-test.db``), holding a
+    copy of the migrated template where there is one."""
+
+    def seeded(*args, **kwargs) -> str:
+        import shutil
+
+        from tests.support.prefect_server import _database_template
+
+        folder = mkdtemp(*args, **kwargs)
+        if _database_template().is_file():
+            shutil.copyfile(_database_template(), Path(folder) / "prefect-test.db")
+        return folder
+
+    return seeded
