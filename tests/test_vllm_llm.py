@@ -47,6 +47,33 @@ def test_a_failure_that_names_no_setting_is_the_model_vllm_cannot_load(monkeypat
         vllm_llm.start_llm({"model": "/m"}, version="0.32.0")
 
 
+def test_the_engine_starts_with_this_processs_heap_frozen_and_a_failed_start_leaves_it_unfrozen(monkeypatch):
+    # vLLM's seven collections while it starts skip what this process held before (its imports)
+    import gc
+
+    import vllm
+
+    seen = []
+
+    class CountingLLM:
+        def __init__(self, **kwargs):
+            seen.append(gc.get_freeze_count())
+
+    monkeypatch.setattr(vllm, "LLM", CountingLLM)
+    assert gc.get_freeze_count() == 0
+    try:
+        vllm_llm.start_llm({"model": "/m"}, version="0.32.0")
+        assert seen and seen[0] > 10_000, seen  # the imports' objects, frozen before LLM starts
+    finally:
+        gc.unfreeze()  # a started engine's shutdown does this (vLLM's EngineCore.shutdown)
+
+    for error in (OSError("config.json not found"), RuntimeError("an engine core died")):
+        monkeypatch.setattr(vllm, "LLM", _refusing_llm(error))
+        with pytest.raises((ModelError, RuntimeError)):
+            vllm_llm.start_llm({"model": "/m"}, version="0.32.0")
+        assert gc.get_freeze_count() == 0, f"left frozen after {error!r}"
+
+
 def test_regeneration_starts_with_the_shared_arguments_plus_its_own(monkeypatch):
     import vllm
 
