@@ -14,6 +14,17 @@ from datagen.regeneration.settings import RegenerationSettings
 V2_REFUSED = "Model Runner V2 needs Triton, which this platform lacks (unset VLLM_USE_V2_MODEL_RUNNER)"
 
 
+@pytest.fixture(autouse=True)
+def _heap_unfrozen():
+    """A stand-in ``LLM`` that starts leaves the heap frozen (a real engine's shutdown unfreezes it):
+    each test starts and ends with this process's heap as Python leaves it."""
+    import gc
+
+    gc.unfreeze()
+    yield
+    gc.unfreeze()
+
+
 def _refusing_llm(error: Exception):
     class RefusingLLM:
         def __init__(self, **kwargs):
@@ -60,12 +71,10 @@ def test_the_engine_starts_with_this_processs_heap_frozen_and_a_failed_start_lea
             seen.append(gc.get_freeze_count())
 
     monkeypatch.setattr(vllm, "LLM", CountingLLM)
-    assert gc.get_freeze_count() == 0
-    try:
-        vllm_llm.start_llm({"model": "/m"}, version="0.32.0")
-        assert seen and seen[0] > 10_000, seen  # the imports' objects, frozen before LLM starts
-    finally:
-        gc.unfreeze()  # a started engine's shutdown does this (vLLM's EngineCore.shutdown)
+    assert gc.get_freeze_count() == 0  # the fixture's
+    vllm_llm.start_llm({"model": "/m"}, version="0.32.0")
+    assert seen and seen[0] > 10_000, seen  # the imports' objects, frozen before LLM starts
+    gc.unfreeze()  # a started engine's shutdown does this (vLLM's EngineCore.shutdown)
 
     for error in (OSError("config.json not found"), RuntimeError("an engine core died")):
         monkeypatch.setattr(vllm, "LLM", _refusing_llm(error))
