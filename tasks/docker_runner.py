@@ -126,7 +126,13 @@ class DockerRunner:
         ]
         cache = compile_cache()
         if cache is not None:
-            cache.mkdir(parents=True, exist_ok=True)  # made here, it belongs to the user, not to root
+            try:
+                cache.mkdir(parents=True, exist_ok=True)  # made here, it belongs to the user, not to root
+            except OSError as e:
+                raise CannotRunHereError(
+                    f"the compile cache {cache} cannot be made: {e.strerror}",
+                    hint="set DATAGEN_COMPILE_CACHE to a folder this user can write, or to off",
+                ) from e
             mounts.append(docker.types.Mount(target=COMPILE_CACHE_PATH, source=str(cache.absolute()), type="bind"))
         return dict(
             entrypoint=["datagen"],

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from datagen.errors import CannotRunHereError
 from tasks.docker_runner import COMPILE_CACHE_PATH, DockerRunner
 from tasks.runners import StepInvocation
 from tasks.settings import compile_cache
@@ -53,3 +56,12 @@ def test_off_mounts_nothing_and_names_no_cache(monkeypatch):
     assert compile_cache() is None
     assert _cache_mounts(args) == []
     assert not {"TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR"} & set(args["environment"])
+
+
+def test_a_folder_that_cannot_be_made_is_a_clear_error_before_any_container(monkeypatch, tmp_path):
+    (tmp_path / "a-file").write_text("not a folder")
+    monkeypatch.setenv("DATAGEN_COMPILE_CACHE", str(tmp_path / "a-file" / "compile"))
+
+    with pytest.raises(CannotRunHereError, match="compile cache .*a-file/compile cannot be made") as e:
+        _args()
+    assert "DATAGEN_COMPILE_CACHE" in e.value.hint
