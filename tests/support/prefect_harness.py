@@ -49,7 +49,9 @@ def prefect_harness(tmp_path_factory):
 
 def _seeded_temp_dir(mkdtemp):
     """``mkdtemp`` for the harness: the folder of its database (``prefect-test.db``), holding a
-    copy of the migrated template where there is one."""
+    copy of the migrated template where there is one. Prefect's harness (3.9) makes that folder
+    with its module's ``mkdtemp`` and names the file so; should a release do otherwise, its harness
+    starts from nothing, as before, only slower."""
 
     def seeded(*args, **kwargs) -> str:
         import shutil
