@@ -54,13 +54,10 @@ def _seeded_temp_dir(mkdtemp):
     starts from nothing, as before, only slower."""
 
     def seeded(*args, **kwargs) -> str:
-        import shutil
-
-        from tests.support.prefect_server import _database_template
+        from tests.support.prefect_server import seed_database
 
         folder = mkdtemp(*args, **kwargs)
-        if _database_template().is_file():
-            shutil.copyfile(_database_template(), Path(folder) / "prefect-test.db")
+        seed_database(Path(folder) / "prefect-test.db")
         return folder
 
     return seeded

@@ -13,6 +13,7 @@ storage, cache records), so nothing touches the user's Prefect home.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
@@ -143,17 +144,19 @@ class PortTaken(RuntimeError):
     """The server could not bind the port chosen for it."""
 
 
+@functools.cache
 def _database_template() -> Path:
     import importlib.metadata
 
     return DATABASE_TEMPLATES / f"prefect-{importlib.metadata.version('prefect')}.db"
 
 
-def _seed_database(home: Path) -> bool:
-    """Copies the template database into a new home; False where there is none yet."""
+def seed_database(database: Path) -> bool:
+    """Copies the template database to ``database`` (a new server's or harness's); False where
+    there is none yet."""
     import shutil
 
-    template, database = _database_template(), home / "prefect.db"
+    template = _database_template()
     if not template.is_file():
         return False
     shutil.copyfile(template, database)
@@ -189,7 +192,7 @@ def _start_server_once(root: Path) -> PrefectServer:
     home = Path(root) / "prefect-home"
     home.mkdir(parents=True, exist_ok=True)
     fresh = not (home / "prefect.db").exists()  # not a server started again on its home
-    seeded = fresh and _seed_database(home)
+    seeded = fresh and seed_database(home / "prefect.db")
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
