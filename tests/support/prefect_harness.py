@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.marks import PREFECT_SERVER, starts
+from tests.support.prefect_server import seed_database
 
 _active: list[Path] = []  # the storage directory of the running harness, if one runs
 
@@ -54,8 +55,6 @@ def _seeded_temp_dir(mkdtemp):
     starts from nothing, as before, only slower."""
 
     def seeded(*args, **kwargs) -> str:
-        from tests.support.prefect_server import seed_database
-
         folder = mkdtemp(*args, **kwargs)
         seed_database(Path(folder) / "prefect-test.db")
         return folder
