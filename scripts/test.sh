@@ -4,11 +4,13 @@
 # no container and no S3 or Prefect server, and is not marked slow; the marks hold,
 # tests/support/marks.py).
 #
-# Four pytest processes side by side. WAITING holds only the scale-out tests: they spend most of their
+# Four pytest processes side by side. WAITING holds the scale-out tests: they spend most of their
 # nine minutes waiting on Prefect's minimum timeouts (heartbeats every 30 s, a 60 s lost-host window,
-# 60 s range leases) and use little CPU, so they cost the suite no core, and nothing queued behind
-# them waits on their timeouts (a whole run used both cores 64% of its time when tests that compute
-# were queued behind them in the same process). ALONGSIDE and BESIDE run next to the main process:
+# 60 s range leases) and use little CPU, and three modules of about a minute alone that share no
+# fixture with the main process (env-check, download, the torch datasets), so that the process still
+# ends minutes before the others while the main process, which ended last, loses their minute or two
+# (a whole run used both cores 64% of its time when minutes of heavy tests were queued behind the
+# scale-out tests in one process: keep what is added here small). ALONGSIDE and BESIDE run next to the main process:
 # modules that share no session fixture with it (their tiny models are built again in seconds), chosen
 # so that the three that compute end together on two cores. ALONGSIDE: the image-row engine tests,
 # the train image, the SmolLM2 training proof, the two-process training (its tiny dataset, a
@@ -76,7 +78,7 @@ CHECK_MARKS="not engine and not docker and not s3 and not prefect_server and not
 CHECK_BESIDE=(tests/test_stored_plan.py tests/test_kimi_processor.py tests/test_kimi_tokenizer.py
               tests/test_smollm2.py tests/tasks/test_local_runner.py tests/test_planning.py tests/test_report.py
               tests/test_architecture.py tests/test_capture.py tests/test_shards.py)
-WAITING=(tests/flows/test_scale_out.py)
+WAITING=(tests/flows/test_scale_out.py tests/test_env_check.py tests/test_download.py tests/reader/test_torch_data.py)
 ALONGSIDE=(tests/test_media_engine.py tests/images/test_train_image.py tests/test_train_smollm2.py
            tests/faults/test_infrastructure.py tests/training/test_distributed.py tests/flows/test_server_e2e.py
            tests/flows/test_s3.py tests/flows/test_train_flow.py
