@@ -10,9 +10,10 @@
 # fixture with the main process (env-check, download, the torch datasets), so that the process still
 # ends minutes before the others while the main process, which ended last, loses their minute or two
 # (a whole run used both cores 64% of its time when minutes of heavy tests were queued behind the
-# scale-out tests in one process: keep what is added here small). ALONGSIDE and BESIDE run next to the main process:
-# modules that share no session fixture with it (their tiny models are built again in seconds), chosen
-# so that the three that compute end together on two cores. ALONGSIDE: the image-row engine tests,
+# scale-out tests in one process: keep what is added here small). ALONGSIDE and BESIDE run next to the
+# main process: modules that share no session fixture with it (their tiny models are built again in
+# seconds), chosen so that the three that compute end together on two cores. ALONGSIDE: the
+# image-row engine tests,
 # the train image, the SmolLM2 training proof, the two-process training (its tiny dataset, a
 # transformers extraction, is built again there in seconds), the infrastructure faults (their own S3
 # servers), the server end-to-end tests (their own Prefect server and workers), the S3 and train
