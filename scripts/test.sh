@@ -5,28 +5,28 @@
 # tests/support/marks.py).
 #
 # Four pytest processes side by side. WAITING holds the scale-out tests: they spend most of their
-# nine minutes waiting on Prefect's minimum timeouts (heartbeats every 30 s, a 60 s lost-host window,
-# 60 s range leases) and use little CPU, and three modules of about a minute alone that share no
-# fixture with the main process (env-check, download, the torch datasets), so that the process still
-# ends minutes before the others while the main process, which ended last, loses their minute or two
-# (a whole run used both cores 64% of its time when minutes of heavy tests were queued behind the
-# scale-out tests in one process: keep what is added here small). ALONGSIDE and BESIDE run next to the
-# main process: modules that share no session fixture with it (their tiny models are built again in
-# seconds), chosen so that the three that compute end together on two cores. ALONGSIDE: the
-# image-row engine tests,
-# the train image, the SmolLM2 training proof, the two-process training (its tiny dataset, a
-# transformers extraction, is built again there in seconds), the infrastructure faults (their own S3
-# servers), the server end-to-end tests (their own Prefect server and workers), the S3 and train
-# flows (a harness of their own), the DeepSeek-V3 tests of tests/test_extract_vllm.py and the shipped
-# Kimi processor's extraction (compared with the image-row extraction the image-row engine tests
-# read, tests/support/media_extraction.py, built once per process: keep the two in one process),
-# named FILE::TEST (the rest of those modules shares fixtures with the main process and stays there;
-# the main process deselects the named ones). BESIDE: the crash campaign (one long test, a vLLM
-# extraction killed and resumed again and again), the Kimi engine and golden-validation tests with
-# their own tiny checkpoints and engines, the regeneration tests and flow with their own models and
-# harness, kimi-mini's end-to-end run with its own project copy, S3 and Prefect servers, planning
-# image rows (an S3 server and a container of its own), the run reports' tests (the harness), and the
-# marks' guard's own tests (a pytest session of their own).
+# nine minutes waiting on Prefect's minimum timeouts (heartbeats every 30 s, a 60 s lost-host
+# window, 60 s range leases) and use little CPU, and three modules of about a minute alone that
+# share no fixture with the main process (env-check, download, the torch datasets), so that the
+# process still ends minutes before the others while the main process, which ended last, loses their
+# minute or two (a whole run used both cores 64% of its time when minutes of heavy tests were queued
+# behind the scale-out tests in one process: keep what is added here small). ALONGSIDE and BESIDE
+# run next to the main process: modules that share no session fixture with it (their tiny models are
+# built again in seconds), chosen so that the three that compute end together on two cores.
+# ALONGSIDE: the image-row engine tests, the train image, the SmolLM2 training proof, the
+# two-process training (its tiny dataset, a transformers extraction, is built again there in
+# seconds), the infrastructure faults (their own S3 servers), the server end-to-end tests (their own
+# Prefect server and workers), the S3 and train flows (a harness of their own), the DeepSeek-V3
+# tests of tests/test_extract_vllm.py and the shipped Kimi processor's extraction (compared with the
+# image-row extraction the image-row engine tests read, tests/support/media_extraction.py, built
+# once per process: keep the two in one process), named FILE::TEST (the rest of those modules shares
+# fixtures with the main process and stays there; the main process deselects the named ones).
+# BESIDE: the crash campaign (one long test, a vLLM extraction killed and resumed again and again),
+# the Kimi engine and golden-validation tests with their own tiny checkpoints and engines, the
+# regeneration tests and flow with their own models and harness, kimi-mini's end-to-end run with its
+# own project copy, S3 and Prefect servers, planning image rows (an S3 server and a container of its
+# own), the run reports' tests (the harness), and the marks' guard's own tests (a pytest session of
+# their own).
 # Each process starts its own S3 and Prefect servers on free ports and builds its own models under
 # its own pytest temp dir, so they share nothing but the Docker engine (of the tests beside, the
 # train image's and kimi-mini's use it: a step image two processes need is built once, behind a
