@@ -79,7 +79,8 @@ CHECK_MARKS="not engine and not docker and not s3 and not prefect_server and not
 CHECK_BESIDE=(tests/test_stored_plan.py tests/test_kimi_processor.py tests/test_kimi_tokenizer.py
               tests/test_smollm2.py tests/tasks/test_local_runner.py tests/test_planning.py tests/test_report.py
               tests/test_architecture.py tests/test_capture.py tests/test_shards.py)
-WAITING=(tests/flows/test_scale_out.py tests/test_env_check.py tests/test_download.py tests/reader/test_torch_data.py)
+WAITING=(tests/flows/test_scale_out.py tests/test_env_check.py tests/test_download.py
+         tests/reader/test_torch_data.py)
 ALONGSIDE=(tests/test_media_engine.py tests/images/test_train_image.py tests/test_train_smollm2.py
            tests/faults/test_infrastructure.py tests/training/test_distributed.py tests/flows/test_server_e2e.py
            tests/flows/test_s3.py tests/flows/test_train_flow.py
