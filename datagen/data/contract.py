@@ -194,7 +194,9 @@ class ResolvedPreprocessing(_Recorded):
     max_seq_len: int | None = Field(None, description="Tokens a row was truncated to (the value used).")
     chat_template_sha256: str | None = Field(None, description="sha256 of the chat template (chat rows).")
     tokenizer_sha256: str | None = Field(None, description="sha256 of the tokenizer (chat rows).")
-    samples_per_shard: int | None = Field(None, description="Dataset rows per shard S.")
+    samples_per_shard: int | None = Field(None, description="Dataset rows per shard S (shards sized by rows).")
+    shard_bytes: int | None = Field(None, description="Target bytes of stored states per shard (shards sized by "
+                                    "bytes: boundaries cut by content, datagen.extraction.boundaries).")
 
 
 class ResolvedDataset(_Recorded):
