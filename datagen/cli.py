@@ -110,8 +110,8 @@ def add_spec_arguments(parser: argparse.ArgumentParser, spec_type: type[BaseMode
         kwargs: dict[str, Any] = {"help": arg.help or field.description}
         if arg.parse is not None:
             kwargs["metavar"] = arg.metavar or opt.path.split(".")[-1].upper()
-        elif kind is bool:
-            kwargs["action"] = "store_true"
+        elif kind is bool:  # an optional bool left unset (None) can be set either way: --x / --no-x
+            kwargs["action"] = argparse.BooleanOptionalAction if field.default is None else "store_true"
         else:
             if typing.get_origin(kind) in (list, tuple):
                 kwargs["nargs"] = "+"
