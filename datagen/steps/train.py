@@ -1,7 +1,9 @@
 """The train step: ``datagen train DATASET --out DRAFT --model MODEL``.
 
-Trains an EAGLE-3 draft on the dataset's training split with speculators' own trainer, straight
-from the packed shards (``datagen.training.draft``), and writes it in speculators' format, which
+Trains an EAGLE-3 draft on the dataset's training split with speculators' own recipe and trainer,
+straight from the packed shards (``datagen.training.draft``): every option of speculators' training
+script that applies is an option here, named as speculators names it (``--optimizer adamw
+--no-norm-before-fc``), and what is not given is speculators' default (``datagen.training.recipe``), and writes it in speculators' format, which
 vLLM loads as an EAGLE-3 speculator, with ``datagen_draft.json`` (the lineage: dataset fingerprint,
 steps, settings, losses). ``--steps 0`` writes the untrained draft (the baseline a trained one must
 beat). The draft directory must not exist; it is written under a temporary name and renamed.
@@ -56,6 +58,10 @@ class TrainResult(BaseModel):
     first_loss: float | None = Field(description="training loss at the first step (None: untrained)")
     last_loss: float | None = Field(description="training loss at the last step (None: untrained)")
     speculators_version: str = Field(description="the speculators release that trained it")
+    settings: DraftSettings = Field(
+        description="the recipe, resolved: every speculators option as that release resolved it for this run, "
+                    "and datagen's own settings")
+    given: list[str] = Field(description="the speculators options set by the caller (the rest: its defaults)")
     world_size: int = Field(default=1, description="data-parallel processes that trained it (torchrun ranks)")
 
 
@@ -97,4 +103,4 @@ def run(spec: Spec) -> TrainResult:
                        steps_done=lin.steps_done, train_samples=lin.train_samples,
                        held_out_samples=lin.held_out_samples, first_loss=lin.losses[0] if lin.losses else None,
                        last_loss=lin.losses[-1] if lin.losses else None, speculators_version=lin.speculators_version,
-                       world_size=lin.world_size)
+                       settings=lin.settings, given=lin.given, world_size=lin.world_size)

@@ -1,8 +1,10 @@
 """Train an EAGLE-3 draft from a dataset's packed shards with speculators' own trainer.
 
-Everything that makes the draft is speculators' (0.9.x): ``Eagle3DraftModel.from_training_args``
+Everything that makes the draft is speculators' (0.9.x), for the recipe speculators resolves
+(``datagen.training.recipe``: its defaults, or the options given): its script's ``build_draft_model``
 (the draft and its verifier weights), the vocabulary mapping (``build_vocab_mappings_from_distribution``
-over the training rows' assistant tokens), the multipack batch sampler, the loss and the ``Trainer``.
+over the training rows' assistant tokens), the multipack batch sampler, the loss, the optimizer and the
+``Trainer``.
 datagen adds the data source (``datagen.reader.for_speculators``: the shards read directly, no export,
 each batch packed where it is read into the same tensors speculators' ``CollateFn`` + ``shift_batch``
 make), a CPU path, data-parallel training under ``torchrun`` (``datagen.training.distributed``) and
@@ -35,7 +37,8 @@ from pydantic import BaseModel, Field
 from datagen.errors import ModelError, OutputConflictError, SpecError
 from datagen.reader import DatasetReader, open_dataset
 from datagen.training.distributed import Topology, data_parallel
-from datagen.training.settings import Collate, Device, DraftSettings
+from datagen.training.recipe import Recipe, default, trainer_config
+from datagen.training.settings import Collate, Device, DraftSettings, resolve_settings
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +46,6 @@ LINEAGE_NAME = "datagen_draft.json"
 SPECULATORS = "speculators"
 # speculators' ``speculators.metrics`` logger carries each logged step's metrics (a dict) as the message
 _METRICS_LOGGER = "speculators.metrics"
-# the draft's attention: speculators' own default on the GPU (flex attention, a compiled Triton kernel);
-# sdpa on the CPU, where that kernel does not exist
-ATTENTION = {Device.CUDA: "simple_flex_attention", Device.CPU: "sdpa"}
 
 
 class DraftLineage(BaseModel):
@@ -56,7 +56,12 @@ class DraftLineage(BaseModel):
     verifier: str = Field(description="the target model directory whose embeddings, norm and lm_head it uses")
     layer_ids: list[int] = Field(description="the dataset's layers: aux layers (the draft's input) then the final")
     storage_dtype: str = Field(description="the dataset's hidden-state dtype (bfloat16, fp8_e4m3, ...)")
-    settings: DraftSettings = Field(description="what it was trained with")
+    settings: DraftSettings = Field(
+        description="what it was trained with, resolved: every speculators option as speculators resolved it")
+    given: list[str] = Field(default_factory=list,
+                             description="the speculators options the caller set (the rest: speculators' defaults)")
+    device_defaults: list[str] = Field(
+        default_factory=list, description="the speculators options set for the CPU, where its default does not run")
     steps_done: int = Field(description="optimizer steps run (0: the untrained baseline)")
     train_samples: int = Field(description="samples of the training split")
     held_out_samples: int = Field(description="samples of the held-out split (measured, never trained on)")
@@ -133,19 +138,6 @@ def token_frequencies(reader: DatasetReader, samples: range) -> dict[int, int]:
     return dict(counts)
 
 
-def _draft_layer_config(verifier: Path, settings: DraftSettings):
-    """The draft's decoder config as `speculators train` makes it by default: a Llama decoder shaped from
-    the verifier (attention geometry, hidden size, vocabulary; a dense MLP for MoE targets such as
-    DeepSeek-V3 / Kimi), SiLU, speculators' default sliding window of 2048 on every layer."""
-    from speculators.train.cli import create_transformer_layer_config
-
-    try:
-        return create_transformer_layer_config(str(verifier), settings.num_layers, "llama", "silu", 2048, [])
-    except (OSError, ValueError) as e:
-        raise ModelError(f"cannot shape a draft from the target model's config.json in {verifier}: {e}",
-                         hint="pass --model: the checkpoint directory the dataset was extracted from") from e
-
-
 def _check_matches(reader: DatasetReader, verifier: Path) -> None:
     """The dataset was extracted from this model: same hidden size and layer count."""
     from transformers import AutoConfig
@@ -160,25 +152,31 @@ def _check_matches(reader: DatasetReader, verifier: Path) -> None:
             hint="pass --model: the checkpoint the dataset was extracted from")
 
 
-def build_draft(reader: DatasetReader, verifier: Path, settings: DraftSettings, *, train: range):
-    """A freshly initialised ``Eagle3DraftModel`` for the dataset's layers (seeded by ``settings.seed``)."""
-    from speculators.models.eagle3.core import Eagle3DraftModel
-    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+def build_draft(reader: DatasetReader, verifier: Path, recipe: Recipe, *, train: range):
+    """speculators' freshly initialised draft for the recipe; with a draft vocabulary, mapped from the
+    training rows' assistant tokens (or the recipe's ``token_freq_path``, or its d2t/t2d files)."""
+    from speculators.train.cli import parse_vocab_mappings
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution, get_target_vocab_size
+
+    from datagen.training.recipe import build_draft as build
 
     _check_matches(reader, verifier)
-    config = _draft_layer_config(verifier, settings)
+    args = recipe.args()
     d2t = t2d = None
-    vocab = config.vocab_size
-    if settings.draft_vocab_size is not None and settings.draft_vocab_size < config.vocab_size:
-        d2t, t2d = build_vocab_mappings_from_distribution(
-            token_frequencies(reader, train), draft_vocab_size=settings.draft_vocab_size,
-            target_vocab_size=config.vocab_size)
-        vocab = settings.draft_vocab_size
-    torch.manual_seed(settings.seed)
-    return Eagle3DraftModel.from_training_args(
-        config, t2d=t2d, d2t=d2t, verifier_name_or_path=str(verifier), draft_vocab_size=vocab,
-        norm_before_residual=True, ttt_steps=settings.ttt_steps, target_layer_ids=list(reader.layer_ids[:-1]),
-        draft_attn_impl=ATTENTION[settings.device])
+    try:
+        vocab = get_target_vocab_size(None, str(verifier), trust_remote_code=args.trust_remote_code)
+        if args.d2t_path or args.t2d_path:
+            d2t, t2d, vocab = parse_vocab_mappings(args)
+        elif args.draft_vocab_size is not None and args.draft_vocab_size < vocab:
+            counts = (torch.load(args.token_freq_path, weights_only=True) if args.token_freq_path
+                      else token_frequencies(reader, train))
+            d2t, t2d = build_vocab_mappings_from_distribution(counts, draft_vocab_size=args.draft_vocab_size,
+                                                              target_vocab_size=vocab)
+            vocab = args.draft_vocab_size
+        return build(recipe, t2d=t2d, d2t=d2t, draft_vocab_size=vocab)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot build the draft from the target model in {verifier}: {e}",
+                         hint="pass --model: the checkpoint directory the dataset was extracted from") from e
 
 
 def _loader(data, settings: DraftSettings, *, seed: int):
@@ -187,7 +185,8 @@ def _loader(data, settings: DraftSettings, *, seed: int):
     from speculators.train.dataloader import _setup_dataloader
 
     from datagen.reader.for_speculators import PackedBatches, packed_loader
-    workers, prefetch = settings.loader_workers, (4 if settings.loader_workers else None)
+    prefetch = settings.prefetch_factor if settings.prefetch_factor is not None else default("prefetch_factor")
+    workers, prefetch = settings.loader_workers, (prefetch if settings.loader_workers else None)
     # measure-draft's target-fed samples are not the shards': speculators' collate. (==: model_copy does not validate)
     if settings.collate == Collate.DIRECT and PackedBatches.packs(data):
         return packed_loader(data, settings.total_seq_len, num_workers=workers, prefetch_factor=prefetch, seed=seed)
@@ -225,29 +224,21 @@ def _on_device(device: Device):
         torch.accelerator.synchronize = real
 
 
-def _trainer(model, settings: DraftSettings, loader, save_path: Path):
-    from speculators.train.trainer import Trainer, TrainerConfig
+def _trainer(model, recipe: Recipe, device: Device, loader, save_path: Path):
+    from speculators.train.trainer import Trainer
 
     class DeviceTrainer(Trainer):
-        """speculators' Trainer on ``settings.device``: it moves the model and each batch to device index
+        """speculators' Trainer on ``device``: it moves the model and each batch to device index
         ``local_rank`` (0: the first GPU), which on the CPU must be "cpu"."""
 
         def setup_model(self):
-            if settings.device is Device.CPU:
+            if device is Device.CPU:
                 self.local_rank, self.device_type = "cpu", "cpu"
             super().setup_model()
 
-    from speculators.models.eagle3.core import Eagle3DraftModel
-
-    # the fused loss is a Triton kernel (GPU only); the eager one is the same loss
-    train_kwargs, val_kwargs = Eagle3DraftModel.get_trainer_kwargs(
-        ttt_steps=settings.ttt_steps, ttt_step_loss_decay=1.0, loss_fn="kl_div",
-        loss_implementation=settings.loss.value)
-    return DeviceTrainer(model, TrainerConfig(
-        lr=settings.lr, num_epochs=max(1, math.ceil(settings.steps / max(1, len(loader)))), save_path=str(save_path),
-        train_call_kwargs=train_kwargs, val_call_kwargs=val_kwargs, max_steps=settings.steps,
-        scheduler_type="linear", scheduler_warmup_ratio=settings.warmup_ratio, hidden_states_dtype=torch.bfloat16, log_freq=1,
-        resume_from_checkpoint=False), loader)
+    steps = recipe.config.trainer.max_steps
+    epochs = max(1, math.ceil(steps / max(1, len(loader))))
+    return DeviceTrainer(model, trainer_config(recipe, num_epochs=epochs, save_path=str(save_path)), loader)
 
 
 def _save(model, out: Path) -> None:
@@ -302,17 +293,20 @@ def _make(dataset, out, *, verifier: Path, settings: DraftSettings, train: bool)
     # and reads its own share of the batches; rank 0 alone writes, the others read its lineage
     with data_parallel(settings.device) as topology:
         reader = as_reader(dataset)
+        recipe, settings = resolve_settings(settings, dataset=str(reader.location), verifier=verifier,
+                                          layer_ids=reader.layer_ids, save_path=str(out))
         data = SpeculatorsDataset(reader, max_len=settings.total_seq_len, train_ratio=settings.train_ratio,
                                   split="train")
         if train:  # the shards' content checked once, here, not again in every loader worker
             reader.verify_samples(data.indices)
-        model = build_draft(reader, verifier, settings, train=data.indices)
-        run = _train(model, data, settings, topology) if train else UNTRAINED
+        model = build_draft(reader, verifier, recipe, train=data.indices)
+        run = _train(model, data, settings, recipe, topology) if train else UNTRAINED
         if topology.writes:
             lineage = DraftLineage(
                 dataset=str(reader.location), dataset_fingerprint=reader.manifest.fingerprint,
                 verifier=str(verifier), layer_ids=list(reader.layer_ids),
-                storage_dtype=str(reader.manifest.spec.storage_dtype), settings=settings, steps_done=run.steps,
+                storage_dtype=str(reader.manifest.spec.storage_dtype), settings=settings, given=list(recipe.given),
+                device_defaults=list(recipe.device_defaults), steps_done=run.steps,
                 train_samples=len(data), held_out_samples=len(reader) - len(data),  # at least one: train_ratio < 1
                 losses=run.losses, speculators_version=speculators_version(),
                 created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -358,7 +352,7 @@ class _TokenCounter:
         self._handle.remove()
 
 
-def _train(model, data, settings: DraftSettings, topology: Topology) -> TrainingRun:
+def _train(model, data, settings: DraftSettings, recipe: Recipe, topology: Topology) -> TrainingRun:
     """speculators' epoch loop for ``settings.steps`` steps. Every rank runs it (the collectives of DDP
     and of the metrics are in step); the losses are speculators' logged ones, already reduced across ranks."""
     loader = _loader(data, settings, seed=settings.seed)  # the sampler takes this rank's share
@@ -377,7 +371,7 @@ def _train(model, data, settings: DraftSettings, topology: Topology) -> Training
     try:
         # speculators' checkpointer only reads its directory unless asked to save, which datagen never does
         with _on_device(settings.device), tempfile.TemporaryDirectory(prefix="datagen-train-") as scratch:
-            trainer = _trainer(model, settings, loader, Path(scratch) / "checkpoints")
+            trainer = _trainer(model, recipe, settings.device, loader, Path(scratch) / "checkpoints")
             # epochs until the steps are done: a later epoch may pack into fewer batches than the first
             epoch = 0
             while trainer.global_step < settings.steps:

@@ -1,10 +1,20 @@
-"""What an EAGLE-3 draft is trained and measured with: one record, stored in the draft's lineage."""
+"""What an EAGLE-3 draft is trained and measured with: one record, stored in the draft's lineage.
+
+``DraftSettings`` is speculators' training recipe (every option of its training script that applies,
+``datagen.training.recipe.SpeculatorsOptions``: unset, speculators' default for the installed release)
+plus datagen's own: the steps, the held-out split, the device and how the shards are read. A draft's
+lineage holds them resolved: every option as speculators resolved it for that run.
+"""
 
 from __future__ import annotations
 
 import enum
+from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from datagen.errors import SpecError
+from datagen.training.recipe import CPU_DEFAULTS, Recipe, SpeculatorsOptions, resolve
 
 
 class Device(str, enum.Enum):
@@ -14,13 +24,6 @@ class Device(str, enum.Enum):
     CUDA = "cuda"  # production GPUs
 
 
-class LossImplementation(str, enum.Enum):
-    """speculators' implementation of the KL loss over the vocabulary."""
-
-    EAGER = "eager"  # torch operations (every device)
-    FUSED = "fused"  # speculators' Triton kernels (GPU only; failed to run on the H200 image, docs/gpu.md)
-
-
 class Collate(str, enum.Enum):
     """How the loader packs each batch of the multipack sampler (the batches are the same, byte for byte)."""
 
@@ -28,37 +31,42 @@ class Collate(str, enum.Enum):
     SPECULATORS = "speculators"  # speculators' CollateFn over per-sample dicts (the reference)
 
 
-class DraftSettings(BaseModel):
-    """How a draft is trained. Defaults are the CPU miniature's; production raises ``steps``."""
+class DraftSettings(SpeculatorsOptions):
+    """How a draft is trained: speculators' options (unset: its defaults) and datagen's own."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    steps: int = Field(default=60, ge=1, description="optimizer steps (one packed batch each)")
-    lr: float = Field(default=3e-3, gt=0, description="AdamW learning rate (linear schedule after the warm-up)")
-    warmup_ratio: float | None = Field(
-        default=None, ge=0, le=1,
-        description="share of the steps the learning rate warms up over (speculators' scheduler_warmup_ratio); "
-                    "None: speculators' default, the first hundredth")
-    ttt_steps: int = Field(default=3, ge=1, le=8,
-                           description="speculation depth k: TTT steps in training, positions 1..k measured")
-    num_layers: int = Field(default=1, ge=1, description="decoder layers of the draft")
-    draft_vocab_size: int | None = Field(
-        default=None, ge=2,
-        description="draft vocabulary (the most frequent assistant tokens of the training rows); None: the target's")
-    total_seq_len: int = Field(default=1024, ge=16, description="tokens per packed batch")
-    seed: int = Field(default=0, description="seed of the draft's initialisation and the batch order")
+    steps: int = Field(default=60, ge=1, description="optimizer steps (one packed batch each; speculators' max_steps)")
     train_ratio: float = Field(
         default=0.75, gt=0, lt=1,
-        description="the first train_ratio of the dataset's samples (dataset-row order) train; "
-                    "the rest are the held-out rows the draft is measured on (speculators' own split)")
+        description="the first train_ratio of the dataset's samples (dataset-row order) train; the rest are the "
+                    "held-out rows the draft is measured on (speculators' train_data_ratio, its own split; "
+                    "datagen holds out more rows than speculators' 0.9 leaves, to measure the draft on)")
     device: Device = Field(default=Device.CPU, description="cpu (miniature) or cuda")
-    loss: LossImplementation = Field(default=LossImplementation.EAGER,
-                                     description="speculators' KL loss: eager (torch) or fused (Triton, GPU only)")
     loader_workers: int = Field(
         default=0, ge=0,
-        description="DataLoader worker processes reading the shards (speculators' spawn workers, prefetch 4 "
-                    "batches each); 0: the training process reads them itself (the CPU miniature)")
+        description="DataLoader worker processes reading the shards (speculators' num_workers: spawn workers, "
+                    "prefetch_factor batches each); 0: the training process reads them itself (the CPU miniature)")
     collate: Collate = Field(
         default=Collate.DIRECT,
         description="how each packed batch is made: direct (the shards read straight into the batch, in shared "
                     "memory in a worker) or speculators (its CollateFn over per-sample tensors); the same batches")
+
+
+def resolve_settings(settings: DraftSettings, *, dataset: str, verifier: Path, layer_ids,
+                     save_path: str) -> tuple[Recipe, DraftSettings]:
+    """speculators' recipe for a draft's settings (``resolve``) and the settings resolved: datagen's own
+    values given under speculators' names, CPU_DEFAULTS on the CPU.
+
+    Raises:
+        SpecError: speculators refuses the options.
+    """
+    own = {"verifier_name_or_path": str(verifier), "data_path": dataset, "save_path": save_path,
+           "max_steps": settings.steps, "train_data_ratio": settings.train_ratio,
+           "num_workers": settings.loader_workers, "target_layer_ids": list(layer_ids[:-1])}
+    try:
+        recipe = resolve(settings, own=own, device_defaults=CPU_DEFAULTS if settings.device is Device.CPU else {})
+    except ValueError as e:
+        raise SpecError(f"speculators refuses the training options: {e}",
+                        hint="fix the options named (`datagen train --help` lists them)") from e
+    return recipe, settings.model_copy(update=recipe.offered())

@@ -23,7 +23,7 @@ from tests.support.extracted import extracted_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 # one packed batch of 256 tokens per rank and step; a draft vocabulary, so the mapping is built on every rank
-SETTINGS = DraftSettings(total_seq_len=256, train_ratio=0.75, ttt_steps=2, draft_vocab_size=64)
+SETTINGS = DraftSettings(total_seq_len=256, train_ratio=0.75, ttt_steps=2, draft_vocab_size=64, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_two_cpu_processes_train_one_draft_each_rank_reading_half_the_batches(di
          "train", str(dist_dataset), "--out", str(out), "--model", str(model), "--steps", str(len(two)),
          "--total-seq-len", str(SETTINGS.total_seq_len), "--train-ratio", str(SETTINGS.train_ratio),
          "--ttt-steps", str(SETTINGS.ttt_steps), "--draft-vocab-size", str(SETTINGS.draft_vocab_size),
-         "--device", "cpu"],
+         "--seed", str(SETTINGS.seed), "--device", "cpu"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
