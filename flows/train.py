@@ -45,7 +45,8 @@ def train(dataset: str, fingerprint: str, model: str | None = None, runner: Runn
           device: str | None = None) -> dict:
     """``dataset``: the announced dataset (a directory or s3:// URI); ``fingerprint``: its identity (the
     event's resource); ``model``: the target model directory (default: the one the manifest names);
-    ``settings``: ``datagen.training.settings.DraftSettings`` fields (default: its defaults);
+    ``settings``: ``datagen.training.settings.DraftSettings`` fields: speculators' options by their names
+    (unset: speculators' defaults for the installed release) and datagen's own (default: the pool's);
     ``acceptance``: ``agreement`` or ``vllm`` (also vLLM's speculative decoding, `datagen measure-draft`);
     ``device``: where the draft trains (default: the work pool's, ``cuda`` on a GPU pool, in the CUDA train
     image); ``feature_threshold``: the dataset's stored states further than this from the target's fail the run."""

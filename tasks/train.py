@@ -7,7 +7,8 @@ measured by ``tasks/measure_draft.py``.
 
 ``draft_report`` attaches the night's agreement (a table and a plot of the last nights, next to the
 layer report) and records this night's figures for the next; ``announce_draft`` emits
-``datagen.draft.ready``. ``check_drop`` fails the run, naming the dataset, when the acceptance
+``datagen.draft.ready`` with the recipe the draft was trained with (every speculators option as
+speculators resolved it, and which were given). ``check_drop`` fails the run, naming the dataset, when the acceptance
 length fell beyond the threshold against the night before.
 """
 
@@ -43,8 +44,10 @@ REPORT_NIGHTS = 8  # nights on the plot: this one and up to 7 before it
 # Work pools whose workers have GPUs: a flow run on one trains there, in the CUDA train image.
 GPU_POOLS = frozenset({"gpu"})
 # On the GPU, the shards are read by DataLoader workers (one process cannot feed the trainer at 8B width:
-# bench/gpu/results/train, docs/gpu.md).
-GPU_SETTINGS = {"loader_workers": 8}
+# bench/gpu/results/train, docs/gpu.md), and the loss is speculators' eager one: its default, the fused Triton
+# kernel, failed in its backward on the H200 image's torch 2.11 / Triton 3.6, in speculators' own script too
+# (docs/gpu.md). Everything else is speculators' default recipe (datagen.training.recipe).
+GPU_SETTINGS = {"loader_workers": 8, "loss_implementation": "eager"}
 
 
 class AcceptanceDropped(RuntimeError):
@@ -148,7 +151,9 @@ def announce_draft(trained: TrainResult, measured: MeasureResult, *, dataset: st
         payload={"draft": trained.draft, "dataset": dataset, "fingerprint": trained.dataset_fingerprint,
                  "steps": trained.steps_done, "acceptance_length": measured.acceptance_length,
                  "agreement": [p.agreement for p in measured.positions],
-                 "spec_decode_acceptance": measured.spec_decode.acceptance_length if measured.spec_decode else None},
+                 "spec_decode_acceptance": measured.spec_decode.acceptance_length if measured.spec_decode else None,
+                 "speculators_version": trained.speculators_version,
+                 "recipe": trained.settings.model_dump(mode="json"), "recipe_given": trained.given},
     )
     get_run_logger().info("announced %s: %s", EVENT_DRAFT_READY, trained.draft)
     return resource_id

@@ -70,6 +70,9 @@ def test_the_draft_is_announced_with_its_figures(nights):
     assert len(ready) == 2
     payload = ready[0]["payload"]
     assert payload["fingerprint"] == nights["fingerprint"] and payload["steps"] == SETTINGS["steps"]
+    # the recipe as speculators resolved it (its default optimizer and norms here), and what was given
+    assert set(payload["recipe_given"]) == {"total_seq_len", "ttt_steps"}
+    assert payload["recipe"]["ttt_steps"] == 2 and payload["recipe"]["optimizer"] is not None
     assert ready[0]["resource"]["prefect.resource.id"] == "datagen.draft." + nights["fingerprint"]
     assert payload["acceptance_length"] == nights["first"].result()["acceptance_length"]
 

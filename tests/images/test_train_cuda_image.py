@@ -84,7 +84,8 @@ def test_a_gpu_pools_run_trains_on_the_gpu_in_the_cuda_train_image(monkeypatch):
 
     monkeypatch.delenv("DATAGEN_TRAIN_DEVICE", raising=False)
     assert pool_device("gpu") == "cuda" and pool_device("cpu") == "cpu" and pool_device(None) == "cpu"
-    assert settings_for({"steps": 5}, device="cuda") == {"steps": 5, "device": "cuda", "loader_workers": 8}
+    assert settings_for({"steps": 5}, device="cuda") == {"steps": 5, "device": "cuda", "loader_workers": 8,
+                                                         "loss_implementation": "eager"}
     assert settings_for({"steps": 5}, device="cpu") == {"steps": 5, "device": "cpu"}
     assert settings_for({"device": "cpu"}, device="cuda") == {"device": "cpu"}  # what the caller gives wins
     plan = {n: plan_image(n).tag for n in (TRAIN, ImageName.TRAIN_CPU)}
