@@ -181,7 +181,7 @@ def prepare(path, *, vocab_size=VOCAB, max_seq_len=64, load_tokenizer=_no_tokeni
     (b'{"input_ids": [1]}\n{"input_ids": [1, 2\n', 2, "malformed JSON"),
     (b'{"input_ids": [1]}\n\xff\xfe{}\n', 2, r"not valid UTF-8 \(byte 0\)"),
     (b'[1, 2, 3]\n', 1, "a row must be a JSON object, got list"),
-    (b'{"text": "hello"}\n', 1, r"row has neither 'messages' nor 'input_ids' \(fields: \['text'\]\)"),
+    (b'{"text": "hello"}\n', 1, r"row has none of the fields messages, conversations, data, input_ids \(fields: \['text'\]\)"),
     (b'{"input_ids": [1, 2], "labels": [1, 2]}\n', 1, r"unknown fields \['labels'\] in a pre-tokenized row"),
     (b'{"input_ids": [1, 2.0]}\n', 1, "input_ids must be a list of integers"),
     (b'{"input_ids": [1, true]}\n', 1, "input_ids must be a list of integers"),
@@ -195,7 +195,7 @@ def prepare(path, *, vocab_size=VOCAB, max_seq_len=64, load_tokenizer=_no_tokeni
     (b'{"messages": [{"role": "narrator", "content": "x"}]}\n', 1, "message 0 has unknown role 'narrator'"),
     (b'{"messages": [{"role": "user", "content": ["x"]}]}\n', 1, "message 0 part 0 must be an object with type text or image_url"),
     (b'{"messages": [{"role": "user", "content": 3}]}\n', 1, "message 0 content must be a string, got int"),
-    (b'{"messages": [], "id": 3}\n', 1, r"unknown fields \['id'\] in a chat row"),
+    (b'{"messages": [], "labels": 3}\n', 1, r"unknown fields \['labels'\] in a messages row"),
 ])
 def test_a_bad_row_is_refused_with_its_line_and_a_hint(tmp_path, content, line, error):
     path = tmp_path / "rows.jsonl"
@@ -207,9 +207,9 @@ def test_a_bad_row_is_refused_with_its_line_and_a_hint(tmp_path, content, line, 
 
 
 def test_a_missing_empty_or_directory_dataset_is_refused(tmp_path):
-    with pytest.raises(DatasetError, match="dataset file does not exist"):
+    with pytest.raises(DatasetError, match="dataset does not exist"):
         prepare(tmp_path / "absent.jsonl")
-    with pytest.raises(DatasetError, match="dataset path is not a file"):
+    with pytest.raises(DatasetError, match="the folder holds no .jsonl, .json, .parquet or .arrow file"):
         prepare(tmp_path)
     (tmp_path / "empty.jsonl").write_bytes(b"")
     with pytest.raises(DatasetError, match="dataset is empty"):
@@ -236,13 +236,13 @@ def test_pre_tokenized_rows_are_kept_skipped_or_truncated_and_fingerprinted(tmp_
     assert [(s.row, s.reason) for s in ds.skipped] == [(1, "no_target"), (2, "empty"), (3, "no_target"), (5, "empty")]
     assert [(t.row, t.original_tokens, t.kept_tokens) for t in ds.truncated] == [(3, 10, 4), (4, 10, 4)]
     assert ds.tokens == 7 and ds.chat_template_hash is None and ds.tokenizer_hash is None
-    # the fingerprint is of the file's bytes; row hashes of each row without its line end
+    # the fingerprint is of the file's bytes; a row's identity is the sha256 of its canonical JSON
     assert ds.fingerprint == hashlib.sha256(path.read_bytes()).hexdigest() == file_fingerprint(path)
-    lines = path.read_bytes().split(b"\r\n")[:-1]
-    assert ds.line_hashes == [hashlib.sha256(raw).digest() for raw in lines]
+    canonical = [json.dumps(r, sort_keys=True, separators=(",", ":")).encode() for r in rows]
+    assert ds.line_hashes == [hashlib.sha256(c).digest() for c in canonical]
     h = hashlib.sha256()
-    for raw in lines[2:5]:
-        h.update(hashlib.sha256(raw).digest())
+    for c in canonical[2:5]:
+        h.update(hashlib.sha256(c).digest())
     assert ds.shard_rows_hash(2, 3) == h.hexdigest() != ds.shard_rows_hash(1, 3)
 
 

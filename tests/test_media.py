@@ -144,7 +144,8 @@ def test_malformed_parts_stop_planning_at_their_line(kimi, tokenizer, tmp_path, 
 def test_images_outside_a_user_message_are_refused(kimi, tokenizer, tmp_path):
     from datagen.errors import DatasetError
 
-    parts = [{"type": "text", "text": "look"}]
+    # (a list of text parts alone is the text, in any message: datagen.data.row_formats)
+    parts = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "a.png"}}]
     rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": parts}]}]
     with pytest.raises(DatasetError, match=r"message 1 \(assistant\).*only user messages"):
         _plan(kimi, tokenizer, write_jsonl(tmp_path / "d.jsonl", rows))

@@ -224,22 +224,26 @@ def test_a_file_edited_between_its_hash_and_its_workers_read_is_refused(fast_tok
 
 def test_a_rows_identity_is_its_one_function_called_in_the_workers(fast_tok, tmp_path, monkeypatch):
     """The row's identity (the shard keys, the reuse of a stored plan) comes from ``row_identity``
-    alone, called with the row's bytes and its parsed object in the worker that plans it."""
+    alone, called with the row's normal form in the worker that plans it."""
     import hashlib
 
     from datagen.data import planning_rows
+    from datagen.data.row_formats import normalise
 
-    path = write_jsonl(tmp_path / "rows.jsonl", varied_rows(50, seed=7))
+    rows = varied_rows(50, seed=7)
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
     seen = []
 
-    def identity(line, obj, *_):
-        seen.append(isinstance(obj, dict))
-        return hashlib.sha256(b"salt" + line).digest()
+    def identity(normal, *_):
+        seen.append(normal)
+        return hashlib.sha256(b"salt" + json.dumps(normal, sort_keys=True).encode()).digest()
 
     monkeypatch.setattr(planning_rows, "row_identity", identity)
     got = prepare_dataset(path, load_tokenizer=lambda: fast_tok, vocab_size=VOCAB, max_seq_len=100, workers=1)
-    lines = path.read_bytes().splitlines()
-    assert got.line_hashes == [hashlib.sha256(b"salt" + line).digest() for line in lines] and all(seen)
+    normals = [normalise(r, path="", line=0)[1] for r in rows]
+    assert seen == normals
+    assert got.line_hashes == [hashlib.sha256(b"salt" + json.dumps(n, sort_keys=True).encode()).digest()
+                               for n in normals]
 
 
 def test_the_one_read_cuts_at_line_ends_counts_rows_and_sees_the_chat_key_whatever_the_block_size(

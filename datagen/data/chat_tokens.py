@@ -109,7 +109,7 @@ class SplitTokens:
         return False
 
 
-def tokenize_chat(tokenizer, messages: list[dict], *, path: str = "", line: int = 0,
+def tokenize_chat(tokenizer, messages: list[dict], *, tools: list[dict] | None = None, path: str = "", line: int = 0,
                   boundaries: Boundaries = Boundaries.COMPARE_WHOLE,
                   split_tokens: SplitTokens | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Token ids and the assistant loss mask of one chat, with any tokenizer (slow or fast).
@@ -121,24 +121,26 @@ def tokenize_chat(tokenizer, messages: list[dict], *, path: str = "", line: int 
     by character offsets when it is a fast tokenizer (a token is a target when its first
     character is), and refused otherwise. With ``Boundaries.TRUST_SPECIAL_TOKENS`` and every cut
     next to one of ``split_tokens`` (``SplitTokens(tokenizer)``), the whole render is not
-    tokenized a second time: its tokens are the pieces'.
+    tokenized a second time: its tokens are the pieces'. ``tools`` are the row's tool declarations,
+    rendered by the template where it renders them (never a target).
     """
-    (got,) = tokenize_chats(tokenizer, [(messages, line)], path=path, boundaries=boundaries, split_tokens=split_tokens)
+    (got,) = tokenize_chats(tokenizer, [(messages, line, tools)], path=path, boundaries=boundaries,
+                            split_tokens=split_tokens)
     if isinstance(got, Exception):
         raise got
     return got
 
 
-def tokenize_chats(tokenizer, chats: list[tuple[list[dict], int]], *, path: str = "",
+def tokenize_chats(tokenizer, chats: list[tuple[list[dict], int, list[dict] | None]], *, path: str = "",
                    boundaries: Boundaries = Boundaries.COMPARE_WHOLE,
                    split_tokens: SplitTokens | None = None) -> list[tuple[np.ndarray, np.ndarray] | Exception]:
-    """``tokenize_chat`` of each (messages, line), the tokenizer called once for all of them (a
+    """``tokenize_chat`` of each (messages, line, tools), the tokenizer called once for all of them (a
     call per chat costs more than its tokens with a fast tokenizer). A chat that fails gives its
     exception in its place, and the list ends there."""
     rendered, texts, failed = [], [], None
-    for messages, line in chats:
+    for messages, line, tools in chats:
         try:
-            full, spans = target_spans(tokenizer, messages, path=path, line=line)
+            full, spans = target_spans(tokenizer, messages, tools=tools, path=path, line=line)
         except Exception as e:  # noqa: BLE001 - handed back in its chat's place
             failed = e
             break

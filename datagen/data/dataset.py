@@ -1,15 +1,17 @@
-"""A JSONL dataset read into token ids and loss masks: its records, its rows, its fingerprints.
+"""A dataset read into token ids and loss masks: its records, its rows, its fingerprints.
 
-A row is either a chat ``{"messages": [{"role", "content"}, ...]}``, tokenized
-with the model's chat template (``loss_mask`` = 1 on the tokens the assistant
-produced), or pre-tokenized ``{"input_ids": [...], "loss_mask": [...]}``. A user
-message's content may be a list of text and image parts (``datagen.data.media``).
+A row is a chat, tokenized with the model's chat template (``loss_mask`` = 1 on the tokens the
+assistant produced), or pre-tokenized ``{"input_ids": [...], "loss_mask": [...]}``. A chat may be
+written as OpenAI messages (with ``tools``), ShareGPT conversations or UltraChat turns
+(``datagen.data.row_formats``); the rows may be a JSONL or JSON file, a folder of them or a Hugging
+Face dataset on disk (``datagen.data.dataset_files``). A user message's content may be a list of
+text and image parts (``datagen.data.media``).
 
 Every row is read and checked before any model weight is loaded: a bad row
 stops the run with its line number and what to fix, before anything is written.
 
-This module holds what a dataset becomes (``Sample``, ``PreparedDataset``), the reading of its
-file into rows, and the fingerprints a plan records (the file's, the tokenizer's and its chat
+This module holds what a dataset becomes (``Sample``, ``PreparedDataset``), the reading of a JSONL
+file into rows, and the fingerprints a plan records (the dataset's, the tokenizer's and its chat
 template's). What a row may hold is checked in ``datagen.data.row_checks``; a chat is rendered with
 its template in ``datagen.data.chat_template`` and tokenized with its loss mask in
 ``datagen.data.chat_tokens``; ``datagen.data.planning`` plans a whole dataset on every core.
@@ -49,15 +51,18 @@ class PreparedDataset:
     samples: dict[int, Sample]  # row -> sample, rows not skipped
     skipped: list[SkippedRow]
     truncated: list[TruncatedRow]
-    line_hashes: list[bytes]  # sha256 digest of each row's raw bytes
+    line_hashes: list[bytes]  # each row's identity (planning_rows.row_identity), 32 bytes
     chat_template_hash: str | None  # sha256 of the chat template when chat rows exist
     tokenizer_hash: str | None  # tokenizer_fingerprint() when chat rows exist
     kinds: set[str] = field(default_factory=set)  # {"chat", "tokens"}
+    # how the rows were stored and written: "<container>/<row formats>", e.g. "jsonl/sharegpt",
+    # "hf-disk/messages" (datagen.data.dataset_files, datagen.data.row_formats); None when not read
+    format: str | None = None
     # the tokens of every sample, when ``samples`` holds only some rows (a stored plan's shards)
     total_tokens: int | None = None
 
     def shard_rows_hash(self, first: int, count: int) -> str:
-        """sha256 over the raw bytes' hashes of rows [first, first+count)."""
+        """sha256 over the identities of rows [first, first+count)."""
         h = hashlib.sha256()
         for d in self.line_hashes[first : first + count]:
             h.update(d)
@@ -156,7 +161,8 @@ def tokenizer_hashes(tokenizer) -> tuple[str, str]:
 
 
 def file_fingerprint(path: str | Path) -> str:
-    """sha256 of a dataset file as it is now (``PreparedDataset.fingerprint`` is this at read time)."""
-    from datagen.data.checksums import sha256_file
+    """sha256 of a dataset as it is now (``PreparedDataset.fingerprint`` is this at read time): a
+    file's bytes, or every file of a folder or a Hugging Face dataset (``dataset_files.fingerprint``)."""
+    from datagen.data import dataset_files
 
-    return sha256_file(path)
+    return dataset_files.fingerprint(dataset_files.parse_ref(path))

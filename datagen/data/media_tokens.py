@@ -38,15 +38,16 @@ def expand(ids: np.ndarray, mask: np.ndarray, pad_id: int, counts: list[int]) ->
 
 
 def plan_row(tokenizer, messages: list[dict], *, row: int, path: str, max_seq_len: int, tokenize_chat,
-             counter: ImageTokens | None = None):
+             counter: ImageTokens | None = None, line: int | None = None, tools: list[dict] | None = None):
     """One image row's outcome for planning: ("sample", ids, mask, None, items) or ("skipped", reason).
 
     The row's images are read, decoded and counted; the chat is tokenized as every chat is
     (``tokenize_chat``: datagen.data.chat_tokens's; datagen.data.row_checks checked the parts with
     datagen.data.media) and each
-    image's placeholder expanded. Raises DatasetError for what the row itself gets wrong.
+    image's placeholder expanded (``line``: the row's line in ``path``, default row + 1; ``tools``:
+    the row's tool declarations). Raises DatasetError for what the row itself gets wrong.
     """
-    line = row + 1
+    line = line or row + 1
     base = Path(path).parent
     counter = counter or counter_for(tokenizer)
     loaded = []
@@ -57,7 +58,7 @@ def plan_row(tokenizer, messages: list[dict], *, row: int, path: str, max_seq_le
     except MediaProblem as e:
         log.warning("%s line %d skipped: %s", path, line, e)
         return ("skipped", e.reason)
-    ids, mask = tokenize_chat(tokenizer, messages, path=path, line=line)
+    ids, mask = tokenize_chat(tokenizer, messages, tools=tools, path=path, line=line)
     try:
         ids, mask, offsets = expand(ids, mask, counter.pad_id, [n for *_, n in loaded])
     except ValueError as e:

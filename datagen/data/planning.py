@@ -33,9 +33,10 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from datagen.data import chat_tokens, planning_rows
+from datagen.data import chat_tokens, dataset_files, planning_rows
 from datagen.data import dataset as ds
 from datagen.data.contract import SkippedRow, TruncatedRow
+from datagen.data.planning_rows import TOKENIZE_BATCH as TOKENIZE_BATCH_ROWS
 from datagen.data.planning_rows import Reuse, _Batch, _Job, _Range, _plan_range, _raise_row_error
 from datagen.errors import DatasetError
 from datagen.data.tiktoken_ids import tiktoken_encoder
@@ -62,6 +63,8 @@ class _Scan:
     rows: int
     ranges: list[_Range]
     chats: bool  # CHAT_KEY occurs in it (else no row is a chat)
+    container: dataset_files.Container = dataset_files.Container.JSONL
+    records: dataset_files.Records | None = None  # the rows, when read whole (not a single JSONL file)
 
 
 def _scan(p: Path, target: int) -> _Scan:
@@ -101,6 +104,20 @@ def _range_bytes(size: int, workers: int) -> int:
     return max(MIN_RANGE, min(MAX_RANGE, -(-size // (workers * 8))))
 
 
+def _read(ref: dataset_files.DatasetRef, workers: int) -> _Scan:
+    """A single JSONL file scanned (its rows are read by the workers), or any other dataset read
+    whole into records, cut into ranges of rows."""
+    kind = dataset_files.container(ref)
+    if kind is dataset_files.Container.JSONL and ref.path.is_file() and not ref.has_options:
+        return _scan(ref.path, _range_bytes(ref.path.stat().st_size, workers))
+    records = dataset_files.read_records(ref)
+    n = len(records.rows)
+    step = max(64, min(TOKENIZE_BATCH_ROWS, -(-n // (workers * 8))))
+    ranges = [_Range(a, a, min(a + step, n), b"") for a in range(0, n, step)]
+    chats = any(not isinstance(r, dict) or "input_ids" not in r for r in records.rows)
+    return _Scan(records.fingerprint, n, ranges, chats, kind, records)
+
+
 def default_workers() -> int:
     """The planning processes: DATAGEN_PLANNING_WORKERS, else every core this process may use."""
     from datagen import settings
@@ -113,7 +130,8 @@ def prepare_dataset(path: str | Path, *, load_tokenizer: ds.TokenizerLoader, voc
     """Read, check and tokenize every row, on every core.
 
     Args:
-        path: the JSONL dataset.
+        path: the dataset (``datagen.data.dataset_files``: a JSONL or JSON file, a folder of them,
+            a Hugging Face dataset on disk; options after ``#``).
         load_tokenizer: loads the tokenizer (called once, only when a chat row may need it).
         vocab_size: the model's vocabulary (token ids must lie below it).
         max_seq_len: rows longer than this are truncated.
@@ -122,16 +140,16 @@ def prepare_dataset(path: str | Path, *, load_tokenizer: ds.TokenizerLoader, voc
         reuse: outcomes of unchanged rows from an earlier plan of the same tokenizer and settings.
 
     Raises:
-        DatasetError: the first bad row (in file order), no row with a target, or the file
-            changed while it was read.
+        DatasetError: the first bad row (in file order), no row with a target, the file changed
+            while it was read, or a dataset path that holds no dataset.
         ModelError: the tokenizer does not load, or produces an id outside the vocabulary.
     """
-    p = ds.check_file(path)
+    ref = dataset_files.parse_ref(path)
     asked = workers
     workers = workers or default_workers()
-    scan = _scan(p, _range_bytes(p.stat().st_size, workers))
+    scan = _read(ref, workers)
     if scan.rows == 0:
-        raise ds.empty_dataset(p)
+        raise ds.empty_dataset(ref.path)
     parallel = asked is not None or scan.rows >= PARALLEL_MIN_ROWS  # asked for, or worth it
     tokenizer, tried = None, False
     while True:
@@ -144,7 +162,8 @@ def prepare_dataset(path: str | Path, *, load_tokenizer: ds.TokenizerLoader, voc
         split = chat_tokens.SplitTokens(tokenizer) if tokenizer is not None else None
         if tokenizer is not None:
             tiktoken_encoder(tokenizer)  # checked once here, not in every worker
-        job = _Job(str(p), tokenizer, vocab_size, max_seq_len, split, reuse)
+        job = _Job(str(ref.path) if scan.records is None else ref.text, tokenizer, vocab_size, max_seq_len, split,
+                   reuse, scan.records, ref.format)
         batches, hashes = _plan(job, scan.ranges, workers if parallel else 1)
         if tried or not any(b.no_tokenizer for b in batches):
             break
@@ -214,6 +233,7 @@ def _assemble(job: _Job, scan: _Scan, batches: list[_Batch], load_tokenizer,
     truncated: list[TruncatedRow] = []
     line_hashes: list[bytes] = []
     kinds: set[str] = set()
+    formats: set[str] = set()
     for b in batches:
         for r, x, y in zip(b.rows.tolist(), b.offsets[:-1].tolist(), b.offsets[1:].tolist()):
             samples[r] = ds.Sample(row=r, input_ids=b.ids[x:y], loss_mask=b.mask[x:y], media=b.media.get(r, ()))
@@ -222,6 +242,7 @@ def _assemble(job: _Job, scan: _Scan, batches: list[_Batch], load_tokenizer,
         skipped += b.skipped
         truncated += b.truncated
         kinds |= b.kinds
+        formats |= b.row_formats
     reused = sum(b.reused for b in batches)
     if reused:
         log.info("plan: %d chat rows unchanged since the stored plan were not tokenized again", reused)
@@ -246,4 +267,5 @@ def _assemble(job: _Job, scan: _Scan, batches: list[_Batch], load_tokenizer,
         chat_template_hash=template_hash,
         tokenizer_hash=tok_hash,
         kinds=kinds,
+        format=f"{scan.container.value}/{'+'.join(sorted(formats))}",
     )

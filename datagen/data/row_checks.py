@@ -59,12 +59,8 @@ OPTIONAL_FIELDS = {
 
 
 def _check_messages(obj: dict, *, path: str, line: int) -> list[dict]:
-    unknown = set(obj) - {"messages"}
-    if unknown:
-        raise DatasetError(
-            f"unknown fields {sorted(unknown)} in a chat row", path=path, line=line,
-            hint='a chat row is {"messages": [{"role": ..., "content": ...}, ...]}',
-        )
+    """The messages of a chat row in its normal form (``datagen.data.row_formats.normalise``),
+    checked."""
     msgs = obj["messages"]
     if not isinstance(msgs, list):
         raise DatasetError("messages must be a list", path=path, line=line, hint="see README")
@@ -106,7 +102,33 @@ def _check_messages(obj: dict, *, path: str, line: int) -> list[dict]:
                 path=path, line=line,
                 hint='e.g. [{"id": "f:0", "type": "function", "function": {"name": "f", "arguments": "{}"}}]',
             )
+    _check_tool_turns(msgs, path=path, line=line)
     return msgs
+
+
+def _check_tool_turns(msgs: list[dict], *, path: str, line: int) -> None:
+    """Each tool turn answers a call: the turns before it, back to the first that is not a tool
+    turn, end at an assistant turn with tool calls, one of which it names when it names one."""
+    calls: list[str] | None = None  # the ids of the calls that tool turns now answer
+    for j, m in enumerate(msgs):
+        if m["role"] == "assistant":
+            calls = [c["id"] for c in m["tool_calls"]] if m.get("tool_calls") else None
+            continue
+        if m["role"] != "tool":
+            calls = None
+            continue
+        if calls is None:
+            raise DatasetError(
+                f"message {j} is a tool turn without its call (the turn before it is not an assistant turn "
+                "with tool_calls)", path=path, line=line,
+                hint="give the assistant turn that calls the tool its tool_calls, or drop the tool turn",
+            )
+        if "tool_call_id" in m and m["tool_call_id"] not in calls:
+            raise DatasetError(
+                f"message {j} tool_call_id {m['tool_call_id']!r} names no call of the assistant turn before it "
+                f"(its calls: {', '.join(calls)})", path=path, line=line,
+                hint="set tool_call_id to the id of the tool call this turn answers",
+            )
 
 
 def _valid_tool_calls(calls) -> bool:

@@ -72,6 +72,7 @@ class RowState:
 
     row: int  # the source dataset row (0-based line)
     steps: list[Step]
+    tools: list[dict] | None = None  # the source row's tool declarations: in every prompt, and kept in the output
     pos: int = 0  # the next step
     out: list[dict] = field(default_factory=list)  # the regenerated chat so far
     turns: list[dict] = field(default_factory=list)  # lineage of each generated turn

@@ -1,6 +1,7 @@
 """The regenerated dataset directory: chunk files while it runs, then the dataset and its manifest.
 
-    OUT/chats.jsonl     the regenerated chats, one ``{"messages": [...]}`` per line: what
+    OUT/chats.jsonl     the regenerated chats, one ``{"messages": [...]}`` per line (with the source
+                        row's ``tools``, when it had them): what
                         ``datagen extract --dataset OUT/chats.jsonl`` reads like any dataset
     OUT/lineage.jsonl   line i: where chat i came from (its source row) and each generated turn's
                         token ids, finish ("stop" or "length") and seed; the assistant turns kept
@@ -98,9 +99,10 @@ def _line(obj) -> bytes:
     return (json.dumps(obj, ensure_ascii=False, separators=(",", ":"), sort_keys=True) + "\n").encode()
 
 
-def chat_line(messages: list[dict]) -> bytes:
-    """One line of chats.jsonl (compact, keys sorted: the same chat gives the same bytes)."""
-    return _line({"messages": messages})
+def chat_line(chat: dict) -> bytes:
+    """One line of chats.jsonl, ``{"messages", "tools"?}`` (compact, keys sorted: the same chat gives
+    the same bytes)."""
+    return _line(chat)
 
 
 class OutputDir:
@@ -179,7 +181,7 @@ class OutputDir:
     def finish(self, chunks: list[ChunkRecord], manifest: dict) -> RegenerationManifest:
         """Write chats.jsonl, lineage.jsonl and turns.jsonl from the chunks, then the manifest, then drop
         the chunks."""
-        chats = b"".join(chat_line(c["messages"]) for rec in chunks for c in rec.chats)
+        chats = b"".join(chat_line(c) for rec in chunks for c in rec.chats)
         lineage = b"".join(_line({"row": i, **entry})
                            for i, entry in enumerate(e for rec in chunks for e in rec.lineage))
         rows = [e["source_row"] for rec in chunks for e in rec.lineage]

@@ -30,7 +30,8 @@ from datagen.regeneration.turns import turn_rows
 log = logging.getLogger(__name__)
 
 
-Rows = list[tuple[int, bytes, list[dict]]]  # (source row, raw line, messages), in source order
+# (source row, its identity's bytes, messages, tools or None), in source order
+Rows = list[tuple[int, bytes, list[dict], list[dict] | None]]
 
 
 @dataclass
@@ -54,15 +55,16 @@ class ChunkRunner:
         # one tokenizer, two threads (run_all): a fast tokenizer is not safe to call from both at once
         self._tok_lock = threading.Lock()
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The conversation so far with the generation prompt, as extraction tokenizes a render."""
-        return self.prompts_ids([messages])[0]
+        return self.prompts_ids([messages], tools=[tools])[0]
 
-    def prompts_ids(self, conversations: list[list[dict]], rows: list[int] | None = None) -> list[list[int]]:
+    def prompts_ids(self, conversations: list[list[dict]], rows: list[int] | None = None,
+                    tools: list[list[dict] | None] | None = None) -> list[list[int]]:
         """``prompt_ids`` of many conversations, tokenized in one call (a fast tokenizer batches it).
         ``rows``: each conversation's source row, named by the error of a template that cannot
         render it (an empty conversation, the prompt of a chat that opens with the assistant, is
-        rendered as extraction renders it: ``render_prompt``).
+        rendered as extraction renders it: ``render_prompt``); ``tools``: each one's tool declarations.
 
         Raises:
             DatasetError: the template cannot render a prompt, renders it as nothing, or the
@@ -71,8 +73,9 @@ class ChunkRunner:
         if not conversations:
             return []
         lines = [r + 1 for r in rows] if rows is not None else [None] * len(conversations)
+        tools = tools or [None] * len(conversations)
         with self._tok_lock:
-            texts = [self._render(m, line) for m, line in zip(conversations, lines)]
+            texts = [self._render(m, line, t) for m, line, t in zip(conversations, lines, tools)]
             try:
                 ids = [list(x) for x in self.tok(texts, add_special_tokens=False)["input_ids"]]
             except Exception as e:  # noqa: BLE001 - the tokenizer's own error, as the dataset's
@@ -86,9 +89,9 @@ class ChunkRunner:
                     hint="start the chat with a system or user message, or extract it as written")
         return ids
 
-    def _render(self, messages: list[dict], line: int | None) -> str:
+    def _render(self, messages: list[dict], line: int | None, tools: list[dict] | None = None) -> str:
         try:
-            return render_prompt(self.tok, messages)
+            return render_prompt(self.tok, messages, tools)
         except Exception as e:  # noqa: BLE001 - any template error is the row's error
             raise template_error(e, what=f"the prompt of assistant message {len(messages)}", path=self.source,
                                  line=line) from e
@@ -97,14 +100,17 @@ class ChunkRunner:
         """A chunk's scripts and its first round's prompts: host work only, no engine."""
         states: list[RowState] = []
         skipped: list[SkippedChat] = []
-        for row, _raw, messages in rows:
+        for row, _raw, messages, tools in rows:
             steps = script(messages, self.s.tool_rows)
             if isinstance(steps, str):
                 skipped.append(SkippedChat(row=row, reason=steps))
             else:
-                states.append(RowState(row=row, steps=steps))
+                states.append(RowState(row=row, steps=steps, tools=tools))
         going = [st for st in states if st.advance()]
-        return Prepared(states, skipped, going, self.prompts_ids([st.out for st in going], [st.row for st in going]))
+        return Prepared(states, skipped, going, self._prompts(going))
+
+    def _prompts(self, going: list[RowState]) -> list[list[int]]:
+        return self.prompts_ids([st.out for st in going], [st.row for st in going], [st.tools for st in going])
 
     def run(self, k: int, rows: Rows, *, fp: str, rows_sha256: str, prepared: Prepared | None = None) -> ChunkRecord:
         """Chunk ``k`` (``prepared``: ``prepare(rows)``, made beforehand)."""
@@ -133,7 +139,7 @@ class ChunkRunner:
                 st.add_turn(assistant_message(text, self.splitter), gen, seed=req.seed, on_length=self.s.on_length,
                             prompt_ids=req.prompt_ids)
             going = [st for st in states if st.advance()]
-            ids_of_round = self.prompts_ids([st.out for st in going], [st.row for st in going])
+            ids_of_round = self._prompts(going)
         log.debug("chunk %d: %d rounds", k, rounds)
         return _record(states, list(p.skipped), fp=fp, k=k, rows_sha256=rows_sha256)
 
@@ -167,7 +173,7 @@ def _record(states: list[RowState], skipped: list[SkippedChat], *, fp: str, k: i
             continue
         if st.cut_at is not None:
             cut.append({"row": st.row, "message": st.cut_at})
-        chats.append({"messages": st.out})
+        chats.append({"messages": st.out, **({"tools": st.tools} if st.tools else {})})
         lineage.append({"source_row": st.row, "turns": st.turns, "kept": st.kept})
         turns.extend({"source_row": st.row, **r} for r in turn_rows(st.prompts.__getitem__, st.turns))
     skipped.sort(key=lambda s: s.row)

@@ -86,27 +86,36 @@ def _window(settings: RegenerationSettings, info: ModelInfo) -> int:
     return settings.max_model_len
 
 
-def _read_chats(path: str) -> tuple[list[tuple[int, bytes, list[dict]]], str]:
-    """Every row's messages, checked as extraction checks them, and the file's sha256."""
-    import hashlib
+def _read_chats(path: str) -> tuple[list[tuple[int, bytes, list[dict], list[dict] | None]], str]:
+    """Every row's messages and tools, in the formats extraction reads (``datagen.data.row_formats``,
+    ``datagen.data.dataset_files``) and checked as extraction checks them, and the dataset's sha256.
+    A row's bytes are its normal form's canonical JSON (its chunk's key)."""
+    from datagen.data import dataset_files
+    from datagen.data.row_formats import RowFormat, canonical, normalise
 
-    if not Path(path).is_file():
-        raise DatasetError("no such file", path=path, hint="give the JSONL file of chat rows")
-    digest = hashlib.sha256()
-    rows = read_rows(path, digest=digest)
+    ref = dataset_files.parse_ref(path)
+    if dataset_files.container(ref) is dataset_files.Container.JSONL and not ref.has_options:
+        import hashlib
+
+        digest = hashlib.sha256()
+        rows = [(row, obj, (path, row + 1)) for row, _raw, obj in read_rows(ref.path, digest=digest)]
+        sha = digest.hexdigest()
+    else:
+        records = dataset_files.read_records(ref)
+        rows, sha = [(row, obj, records.where(row)) for row, obj in enumerate(records.rows)], records.fingerprint
     chats = []
-    for row, raw, obj in rows:
-        if "messages" not in obj:
-            raise DatasetError(f"row has no 'messages' (fields: {sorted(obj)}): only chat rows can be regenerated",
-                               path=path, line=row + 1,
+    for row, obj, (where, line) in rows:
+        fmt, normal = normalise(obj, path=where, line=line)
+        if fmt is RowFormat.TOKENS:
+            raise DatasetError("row is pre-tokenized: only chat rows can be regenerated", path=where, line=line,
                                hint="give chat rows; pre-tokenized rows go to `datagen extract` as they are")
-        messages = _check_messages(obj, path=path, line=row + 1)
+        messages = _check_messages(normal, path=where, line=line)
         if any(isinstance(m.get("content"), list) for m in messages):
             raise DatasetError("row has image parts: regeneration takes text chats only (the engine generates "
-                               "from token ids; no image reaches it)", path=path, line=row + 1,
+                               "from token ids; no image reaches it)", path=where, line=line,
                                hint="regenerate the text rows apart and extract the image rows as written")
-        chats.append((row, raw, messages))
-    return chats, digest.hexdigest()
+        chats.append((row, canonical(normal), messages, normal.get("tools")))
+    return chats, sha
 
 
 def _totals(chunks: list[ChunkRecord], source_rows: int) -> dict:
@@ -188,7 +197,7 @@ def regenerate(dataset: str, out: str, *, model: str, settings: RegenerationSett
 
     c = s.rows_per_chunk
     parts = [chats[i:i + c] for i in range(0, len(chats), c)]
-    keys = [sha256_hex(b"\n".join(raw for _, raw, _ in part)) for part in parts]
+    keys = [sha256_hex(b"\n".join(raw for _, raw, _, _ in part)) for part in parts]
     records: list[ChunkRecord | None] = [output.done_chunk(k, keys[k]) for k in range(len(parts))]
     reused = sum(r is not None for r in records)
     todo = [k for k, r in enumerate(records) if r is None]

@@ -1,6 +1,8 @@
 """Planning as it was before planning ran in worker processes: one process, every prefix rendered
 one call at a time, the whole render tokenized a second time for every row. Kept verbatim (only
-renamed) as the oracle that the planner's output is compared with, byte for byte."""
+renamed) as the oracle that the planner's output is compared with, byte for byte. Rows are brought
+to their normal form first (``datagen.data.row_formats``), and a row's identity is the planner's
+``row_identity`` of it (the one definition of it)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ from datagen.data.contract import SkippedRow, TruncatedRow
 from datagen.data.chat_template import TARGET_ROLE
 from datagen.data.chat_tokens import _tokenize_by_offsets
 from datagen.data.dataset import PreparedDataset, Sample, TokenizerLoader, read_rows, tokenizer_hashes
+from datagen.data.planning_rows import row_identity
 from datagen.data.row_checks import _check_messages, _check_tokens_row
+from datagen.data.row_formats import normalise
 from datagen.errors import DatasetError, ModelError
 
 
@@ -106,8 +110,11 @@ def reference_prepare_dataset(
     truncated: list[TruncatedRow] = []
     kinds: set[str] = set()
     tokenizer = None
+    normals = []
     for row, _raw, obj in rows:
         line = row + 1
+        obj = normalise(obj, path=str(p), line=line)[1]
+        normals.append(obj)
         if "messages" in obj:
             msgs = _check_messages(obj, path=str(p), line=line)
             kinds.add("chat")
@@ -157,7 +164,7 @@ def reference_prepare_dataset(
         samples=samples,
         skipped=skipped,
         truncated=truncated,
-        line_hashes=[hashlib.sha256(raw).digest() for _, raw, _ in rows],
+        line_hashes=[row_identity(n, p.parent) for n in normals],
         chat_template_hash=template_hash,
         tokenizer_hash=tok_hash,
         kinds=kinds,
