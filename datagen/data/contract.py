@@ -205,6 +205,10 @@ class ResolvedDataset(_Recorded):
     source: str | None = Field(None, description="The JSONL file (absolute; not in the extraction fingerprint).")
     sha256: str | None = Field(None, description="sha256 of its bytes.")
     rows: int | None = Field(None, description="Its rows (non-blank lines).")
+    format: str | None = Field(
+        None, description="How its rows were stored and written, recognised at plan time: '<container>/<row formats>', "
+                          "container jsonl, json, folder, hf-disk, parquet or arrow; row formats messages, sharegpt, "
+                          "ultrachat, tokens joined by '+' (e.g. 'jsonl/sharegpt'). None: not recorded.")
 
 
 class ResolvedEngine(_Recorded):

@@ -151,7 +151,8 @@ def plan_from(h: Header, data: PreparedDataset) -> Plan:
         "engine": {**engine_desc, **spec.engine.model_dump(mode="json", exclude={"dtype", "storage_dtype"})},
     }
     extraction_fp = sha256_hex(canonical_json(extraction))
-    dataset = {"source": str(Path(spec.dataset).resolve()), "sha256": data.fingerprint, "rows": data.rows}
+    dataset = {"source": str(Path(spec.dataset).resolve()), "sha256": data.fingerprint, "rows": data.rows,
+               "format": data.format}
     fingerprint = sha256_hex(canonical_json({"extraction": extraction_fp, "dataset": data.fingerprint}))
     resolved = ResolvedSpec.model_validate(
         {**extraction, "model": {**extraction["model"], "source": str(Path(spec.model).resolve())}, "dataset": dataset})
