@@ -27,7 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from datagen.data.spec import EngineSettings, ExtractSpec, LayerIds
+from datagen.data.spec import EngineSettings, ExtractSpec, LayerIds, SamplesPerShard, ShardBytes, check_shard_size
 from datagen.errors import SpecError, spec_error
 from datagen.validation.settings import ValidationSettings
 from datagen.regeneration.settings import RegenerationSettings
@@ -159,9 +159,8 @@ class PipelineSpec(BaseModel):
     validation: ValidationSettings = Field(
         default_factory=ValidationSettings, description="How the finished dataset is validated."
     )
-    samples_per_shard: int = Field(
-        256, ge=1, description="Dataset rows per shard: rows [k*S, (k+1)*S) form shard k."
-    )
+    shard_bytes: ShardBytes = None
+    samples_per_shard: SamplesPerShard = None
     shards_per_task: int = Field(
         8,
         ge=1,
@@ -296,6 +295,7 @@ class PipelineSpec(BaseModel):
             out=self.output,
             layer_ids=self.layer_ids,
             max_seq_len=self.preprocessing.max_seq_len,
+            shard_bytes=self.shard_bytes,
             samples_per_shard=self.samples_per_shard,
             engine=self.engine,
         )
@@ -326,6 +326,11 @@ class PipelineSpec(BaseModel):
     def fans_out(self) -> bool:
         """True when ranges run as flow runs of ``fan_out.deployment`` rather than in-process."""
         return self.ranges_in_flight > 1
+
+    @model_validator(mode="after")
+    def _one_shard_size(self) -> "PipelineSpec":
+        check_shard_size(self.shard_bytes, self.samples_per_shard)
+        return self
 
     @model_validator(mode="after")
     def _fan_out_writes_to_a_bucket(self) -> "PipelineSpec":

@@ -35,7 +35,7 @@ def tokenized(monkeypatch):
     real = chat_tokens.tokenize_chats
 
     def counting(tokenizer, chats, **kwargs):
-        calls.extend(line for _, line in chats)
+        calls.extend(chat[1] for chat in chats)  # (messages, line, tools)
         return real(tokenizer, chats, **kwargs)
 
     monkeypatch.setattr(chat_tokens, "tokenize_chats", counting)

@@ -55,6 +55,42 @@ StorageName = Literal["bfloat16", "float16", "float32", "fp8_e4m3"]
 # max_seq_len when the spec names none: this, or the model's positions less one when it has fewer.
 DEFAULT_MAX_SEQ_LEN = 4096
 
+# Bytes of stored states a shard closes at when the spec names no size (docs/decisions.md, "Shards
+# sized by bytes"): 1 GiB is a few seconds of GPU to redo and a few shard images per rank in memory.
+DEFAULT_SHARD_BYTES = 1 << 30
+
+
+class ShardSizing(str, enum.Enum):
+    """How a plan cuts the dataset's rows into shards (``ExtractSpec.shard_sizing``)."""
+
+    BYTES = "bytes"  # a shard closes once its states reach shard_bytes, at a row its content picks
+    ROWS = "rows"  # samples_per_shard rows per shard: rows [k*S, (k+1)*S) form shard k
+
+
+# The two ways to size shards, declared once for the extraction spec and the pipeline spec.
+ShardBytes = Annotated[int | None, Field(
+    ge=1, description="Target bytes of stored states per shard (len(layer_ids) x hidden_size x the storage "
+    "dtype's bytes per token, plus fp8's float32 scale per token and layer). A shard takes whole rows until its "
+    "states reach half the target, then closes after a row its content picks (about 1 row in target/2 bytes, "
+    "so shards average about the target), never exceeding twice the target unless one row does: an edited "
+    "row re-cuts only its shard and the next few. None: 1 GiB (1073741824), unless samples_per_shard is set.")]
+SamplesPerShard = Annotated[int | None, Field(
+    ge=1, description="Dataset rows per shard instead of a size in bytes: rows [k*S, (k+1)*S) form shard k. "
+    "None: shards are sized by shard_bytes.")]
+
+
+def check_shard_size(shard_bytes: int | None, samples_per_shard: int | None) -> None:
+    """A spec sizes its shards one way: by bytes or by rows, not both.
+
+    Raises:
+        ValueError: both are given.
+    """
+    if shard_bytes is not None and samples_per_shard is not None:
+        raise ValueError(
+            f"shard_bytes {shard_bytes} and samples_per_shard {samples_per_shard} are both given: name one "
+            "(shard_bytes: shards of that many bytes of states; samples_per_shard: that many rows per shard)"
+        )
+
 
 class MlaBackend(str, enum.Enum):
     """vLLM's attention backend for MLA models (DeepSeek-V3, Kimi) on the CPU engine.
@@ -86,11 +122,13 @@ class EngineSettings(BaseModel):
         "float8 e4m3 with a float32 scale per token and layer (hidden_states_scale; value = fp8 * scale), "
         "half the bytes of bfloat16. The manifest records it as spec.storage_dtype.",
     )
-    shard_group: int = Field(
-        1, ge=1, le=4096,
+    shard_group: int | None = Field(
+        None, ge=1, le=4096,
         description="Shards streamed through the engine without a drain between them: the next shard's "
         "rows fill the previous one's last steps. Groups are shards [g*G, (g+1)*G); a resume recomputes "
-        "a whole group, so shards stay byte-identical. 1: every shard's batches hold its rows alone.",
+        "a whole group, so shards stay byte-identical. 1: every shard's batches hold its rows alone. None: "
+        "resolved by the plan (shards sized by bytes: the fewest shards whose target holds 64 steps of "
+        "max_num_batched_tokens; rows per shard: 1), and recorded in the manifest's engine settings.",
     )
     trust_remote_code: bool = Field(
         False, description="Allow the model directory's own Python code to run."
@@ -166,15 +204,25 @@ class ExtractSpec(BaseModel):
         None, ge=2, description="Rows longer than this are truncated (tokens). None: 4096, or the "
         "model's positions less one when it has fewer (the manifest records the value used).",
     )
-    samples_per_shard: int = Field(
-        256, ge=1, description="Dataset rows per shard: rows [k*S, (k+1)*S) form shard k."
-    )
+    shard_bytes: ShardBytes = None
+    samples_per_shard: SamplesPerShard = None
     tokenizer: str | None = Field(
         None, description="Local tokenizer directory that tokenizes chat rows instead of the model's own (e.g. "
         "a fast tokenizer.json converted from the model's tiktoken ranks when its shipped tokenizer code cannot "
         "run). Its content, not its path, is in the fingerprint (tokenizer_sha256, chat_template_sha256).",
     )
     engine: EngineSettings = Field(default_factory=EngineSettings, description="Engine settings.")
+
+    @property
+    def shard_sizing(self) -> ShardSizing:
+        """How the plan cuts shards: by rows when the spec names samples_per_shard, else by bytes
+        (a spec naming both is refused by the plan, ``check_shard_size``)."""
+        return ShardSizing.ROWS if self.samples_per_shard is not None else ShardSizing.BYTES
+
+    @property
+    def resolved_shard_bytes(self) -> int:
+        """The target bytes of states per shard: ``shard_bytes``, else ``DEFAULT_SHARD_BYTES``."""
+        return self.shard_bytes if self.shard_bytes is not None else DEFAULT_SHARD_BYTES
 
     @classmethod
     def of_checked(cls, **fields: Any) -> Self:
@@ -183,8 +231,8 @@ class ExtractSpec(BaseModel):
         made without running the validators again: a spec is validated once, where it enters a
         process (the flow's parameter, a step's ``--spec`` file), and is passed whole below that
         (docs/architecture.md, "Three values from the user's spec to the shard header"). The
-        extraction spec adds no rule across its fields, so nothing is left unchecked. Fields left
-        out take their defaults.
+        extraction spec adds no rule across its fields, so nothing is left unchecked (shards sized
+        one way, ``check_shard_size``, is the plan's check). Fields left out take their defaults.
 
         Raises:
             TypeError: a name that is not a field of the spec.

@@ -5,6 +5,8 @@ spec is refused before a GPU is touched.
 
 from __future__ import annotations
 
+import bisect
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,8 +14,11 @@ from datagen.data.contract import LAYER_NUMBERING, ResolvedSpec
 from datagen.data.dataset import PreparedDataset
 from datagen.data.planning import prepare_dataset
 from datagen.storage import s3 as _s3_images  # noqa: F401 (registers the reader of s3:// image urls)
-from datagen.data.spec import DEFAULT_MAX_SEQ_LEN, EngineName, ExtractSpec, canonical_json, default_layer_ids, sha256_hex
+from datagen.data.spec import (
+    DEFAULT_MAX_SEQ_LEN, EngineName, ExtractSpec, ShardSizing, canonical_json, check_shard_size, default_layer_ids, sha256_hex,
+)
 from datagen.errors import SpecError
+from datagen.extraction.boundaries import ShardCut, byte_boundaries, byte_shard_group, row_boundaries, state_bytes
 from datagen.models.modelinfo import ModelInfo, check_layer_ids, inspect_model, model_content_hash
 
 
@@ -29,12 +34,31 @@ class Plan:
     resolved_spec: ResolvedSpec  # what the manifest records
     extraction_fingerprint: str
     fingerprint: str
-    num_shards: int
+    cut: ShardCut  # where shards start and their tokens (datagen.extraction.boundaries)
+    shard_group: int  # the engine's shard group: the spec's, else resolved (recorded in resolved_spec.engine)
+
+    @property
+    def boundaries(self) -> tuple[int, ...]:
+        """(0, b_1, ..., rows): shard k holds rows [b_k, b_k+1)."""
+        return self.cut.boundaries
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.boundaries) - 1
 
     def shard_range(self, k: int) -> tuple[int, int]:
-        s = self.spec.samples_per_shard
-        first = k * s
-        return first, min(s, self.data.rows - first)
+        """Shard k's first row and its rows (kept and skipped)."""
+        return self.boundaries[k], self.boundaries[k + 1] - self.boundaries[k]
+
+    def shard_of_row(self, row: int) -> int:
+        """The shard holding dataset row ``row``."""
+        return bisect.bisect_right(self.boundaries, row) - 1
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of stored states per token (``datagen.extraction.boundaries.state_bytes``)."""
+        return state_bytes(self.resolved_spec.storage_dtype, n_layers=len(self.layer_ids),
+                           hidden_size=self.info.hidden_size)
 
     @property
     def volume_dirs(self) -> tuple[Path, ...]:
@@ -51,7 +75,27 @@ class Plan:
 
     def shard_key(self, k: int) -> str:
         first, count = self.shard_range(k)
-        return sha256_hex(f"{self.extraction_fingerprint}:{k}:{first}:{count}:{self.data.shard_rows_hash(first, count)}")
+        return shard_key(self.extraction_fingerprint, k, first, count, self.data.shard_rows_hash(first, count))
+
+
+def shard_key(extraction_fingerprint: str, k: int, first: int, count: int, rows_hash: str) -> str:
+    """The cache key of shard k: the extraction fingerprint, the shard's place and its rows' hash."""
+    return sha256_hex(f"{extraction_fingerprint}:{k}:{first}:{count}:{rows_hash}")
+
+
+def shard_weights(p: Plan) -> dict[str, int]:
+    """What the plan's shards weigh in bytes of states: min, median and max."""
+    weights = [t * p.state_bytes for t in p.cut.tokens]
+    return {"min": min(weights), "median": int(statistics.median(weights)), "max": max(weights)}
+
+
+def describe_shards(p: Plan) -> str:
+    """One line on the plan's shards: how many, how they are sized, what they weigh, the group."""
+    w = shard_weights(p)
+    sizing = (f"{p.spec.samples_per_shard} rows each" if p.spec.shard_sizing is ShardSizing.ROWS
+              else f"target {p.spec.resolved_shard_bytes / 1e9:.3g} GB of states")
+    return (f"{p.num_shards} shards ({sizing}), states {w['min'] / 1e9:.3g} / {w['median'] / 1e9:.3g} / "
+            f"{w['max'] / 1e9:.3g} GB min / median / max, shard group {p.shard_group}")
 
 
 def describe_engine(spec: ExtractSpec, info: ModelInfo) -> dict:
@@ -111,7 +155,15 @@ class Header:
 
 def plan_header(spec: ExtractSpec) -> Header:
     """Everything of a plan that does not read the dataset (the model's config, the layers, the
-    engine): checked here, as ``plan`` checks it."""
+    engine): checked here, as ``plan`` checks it.
+
+    Raises:
+        SpecError: the spec sizes its shards both by bytes and by rows, or the model refuses it.
+    """
+    try:
+        check_shard_size(spec.shard_bytes, spec.samples_per_shard)
+    except ValueError as e:
+        raise SpecError(str(e), hint="drop --shard-bytes or --samples-per-shard") from None
     info = inspect_model(spec.model, trust_remote_code=spec.engine.trust_remote_code)
     # the one place the layer ids are resolved: the default filled in, checked against the model
     layer_ids = tuple(spec.layer_ids or default_layer_ids(info.num_hidden_layers))
@@ -133,22 +185,37 @@ def plan(spec: ExtractSpec) -> Plan:
     return plan_from(h, data)
 
 
-def plan_from(h: Header, data: PreparedDataset) -> Plan:
-    """The plan of a header and its dataset: fingerprints, shard count, the spec the manifest records.
-    The fingerprint covers everything that shapes the tokens (the dataset's bytes, the tokenizer and
-    its chat template, max_seq_len), the model, the layers, the engine and the shard size."""
+def plan_from(h: Header, data: PreparedDataset, *, cut: ShardCut | None = None) -> Plan:
+    """The plan of a header and its dataset: fingerprints, shard boundaries, the spec the manifest
+    records. The fingerprint covers everything that shapes the tokens (the dataset's bytes, the
+    tokenizer and its chat template, max_seq_len), the model, the layers, the engine and the shard size.
+
+    ``cut``: the shards' boundaries and tokens when ``data`` holds the samples of some shards only (a
+    stored plan's, which recorded them); else they are cut here from every row's token count."""
     spec, info, layer_ids, engine_desc = h.spec, h.info, h.layer_ids, h.engine_desc
     model_identity = spec.model_revision or f"content:{model_content_hash(info)}"
+    storage_dtype = spec.engine.resolved_storage_dtype
+    per_token = state_bytes(storage_dtype, n_layers=len(layer_ids), hidden_size=info.hidden_size)
+    # Rows per shard record what they always recorded (the fingerprints of datasets cut so stay as
+    # they were); a size in bytes records the target. The shard group is recorded as resolved.
+    if spec.shard_sizing is ShardSizing.ROWS:
+        sizing = {"samples_per_shard": spec.samples_per_shard}
+        group = spec.engine.shard_group or 1
+    else:
+        sizing = {"shard_bytes": spec.resolved_shard_bytes}
+        group = spec.engine.shard_group or byte_shard_group(spec.resolved_shard_bytes, bytes_per_token=per_token,
+                                                            step_tokens=spec.engine.max_num_batched_tokens)
     extraction = {
         "model": {"revision": model_identity, "architecture": info.architecture,
                   "num_hidden_layers": info.num_hidden_layers, "hidden_size": info.hidden_size},
         "layer_ids": list(layer_ids),
         "layer_numbering": LAYER_NUMBERING,
         "dtype": spec.engine.dtype,
-        "storage_dtype": spec.engine.resolved_storage_dtype,
+        "storage_dtype": storage_dtype,
         "preprocessing": {"max_seq_len": spec.max_seq_len, "chat_template_sha256": data.chat_template_hash,
-                          "tokenizer_sha256": data.tokenizer_hash, "samples_per_shard": spec.samples_per_shard},
-        "engine": {**engine_desc, **spec.engine.model_dump(mode="json", exclude={"dtype", "storage_dtype"})},
+                          "tokenizer_sha256": data.tokenizer_hash, **sizing},
+        "engine": {**engine_desc, **spec.engine.model_dump(mode="json", exclude={"dtype", "storage_dtype"}),
+                   "shard_group": group},
     }
     extraction_fp = sha256_hex(canonical_json(extraction))
     dataset = {"source": str(Path(spec.dataset).resolve()), "sha256": data.fingerprint, "rows": data.rows,
@@ -156,5 +223,17 @@ def plan_from(h: Header, data: PreparedDataset) -> Plan:
     fingerprint = sha256_hex(canonical_json({"extraction": extraction_fp, "dataset": data.fingerprint}))
     resolved = ResolvedSpec.model_validate(
         {**extraction, "model": {**extraction["model"], "source": str(Path(spec.model).resolve())}, "dataset": dataset})
-    num_shards = -(-data.rows // spec.samples_per_shard)
-    return Plan(spec, info, layer_ids, data, engine_desc, resolved, extraction_fp, fingerprint, num_shards)
+    if cut is None:
+        cut = cut_shards(spec, data, bytes_per_token=per_token)
+    return Plan(spec, info, layer_ids, data, engine_desc, resolved, extraction_fp, fingerprint, cut, group)
+
+
+def cut_shards(spec: ExtractSpec, data: PreparedDataset, *, bytes_per_token: int) -> ShardCut:
+    """``data``'s shards as ``spec`` sizes them (every sample of ``data`` loaded)."""
+    tokens = [len(data.samples[r].input_ids) if r in data.samples else 0 for r in range(data.rows)]
+    if spec.shard_sizing is ShardSizing.ROWS:
+        boundaries = row_boundaries(data.rows, spec.samples_per_shard)
+    else:
+        boundaries = byte_boundaries(tokens, data.line_hashes, bytes_per_token=bytes_per_token,
+                                     target=spec.resolved_shard_bytes)
+    return ShardCut.of_rows(boundaries, tokens)

@@ -39,7 +39,7 @@ from datagen.extraction.manifest import check_dataset_unchanged, existing_manife
 from datagen.extraction.output import (
     check_output, commit, completed_shards, missing_dirs, remove_empty_dirs, save_records,
 )
-from datagen.extraction.plan import Plan
+from datagen.extraction.plan import Plan, describe_shards
 
 if TYPE_CHECKING:
     from datagen.data.shards.format import ShardJob
@@ -210,11 +210,12 @@ def extract(spec: ExtractSpec, *, shards: tuple[int, int] | None = None) -> dict
     """
     t0 = time.monotonic()
     p, from_store = stored.plan_shards(spec, shards)
+    log.info("plan: %s", describe_shards(p))
     out = Path(spec.out)
     lo, hi = shards if shards is not None else (0, p.num_shards)
     if not (0 <= lo <= hi <= p.num_shards):
         raise SpecError(f"--shards {lo}:{hi} is outside 0:{p.num_shards}",
-                        hint=f"this dataset has {p.num_shards} shards of {spec.samples_per_shard} rows")
+                        hint=f"this dataset has {p.num_shards} shards (`datagen plan` lists them)")
     if shards is None and (m := existing_manifest(p)) is not None:
         log.info("dataset %s is complete (fingerprint %s): nothing to do", out, p.fingerprint[:12])
         return {**_result(p, m.totals["tokens"], extracted=[], cached=list(range(p.num_shards)),
@@ -261,7 +262,7 @@ def _run_locked(p: Plan, *, whole: bool, lo: int, hi: int, t0: float, store_plan
     check_output(p)  # refused before the engine starts; claimed (written) only once it has
     done = completed_shards(p)
     todo = [k for k in range(lo, hi) if k not in done]
-    G = p.spec.engine.shard_group
+    G = p.shard_group
     if G > 1 and todo:  # a group's batches depend on all its rows: recompute whole groups (in range)
         groups = {k // G for k in todo}
         todo = [k for k in range(lo, hi) if k // G in groups]

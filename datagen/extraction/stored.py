@@ -8,8 +8,9 @@ Layout, under ``<out>/.datagen/plan/<fingerprint>/``::
     shard-000000.safetensors     the samples of shard 0: sample_index int64 [S] (dataset rows),
                                  sample_offsets int64 [S+1], input_ids int32 [T], loss_mask uint8 [T]
     ...
-    index.json                   written last: what the plan was made of, skipped and truncated
-                                 rows, and the sha256 of every file above and of itself
+    index.json                   written last: what the plan was made of, the shards' boundaries,
+                                 skipped and truncated rows, and the sha256 of every file above
+                                 and of itself
 
 A stored plan is used only when the fingerprint this run computes without reading the dataset's
 rows (the model's config, the layers, the engine, max_seq_len, the shard size, the sha256 of the
@@ -29,6 +30,7 @@ row is; their tokens are read from the verified shard files of that plan.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import shutil
@@ -44,11 +46,12 @@ from datagen.data.planning import prepare_dataset
 from datagen.data.files import atomic_write_bytes
 from datagen.data.spec import ExtractSpec, canonical_json, sha256_hex
 from datagen.errors import DatagenError
+from datagen.extraction.boundaries import ShardCut, check_boundaries
 from datagen.extraction.plan import Header, Plan, plan_from, plan_header
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: the index records the shards' boundaries (shards sized by bytes)
 PLAN_DIR = f"{STATE_DIR}/plan"
 INDEX = "index.json"
 ROWS_FILE = "rows.safetensors"
@@ -130,13 +133,13 @@ def store_plan(p: Plan) -> Path | None:
         digests[name] = sha256_hex(b)
 
     try:
-        S = p.spec.samples_per_shard
         data = p.data
         line = np.frombuffer(b"".join(data.line_hashes), dtype=np.uint8).reshape(data.rows, 32)
         write(ROWS_FILE, save({"line_sha256": line}))
         shards = []
         for k in range(p.num_shards):
-            rows = [r for r in range(k * S, min((k + 1) * S, data.rows)) if r in data.samples]
+            first, count = p.shard_range(k)
+            rows = [r for r in range(first, first + count) if r in data.samples]
             lens = [len(data.samples[r].input_ids) for r in rows]
             tensors = {
                 "sample_index": np.asarray(rows, dtype=np.int64),
@@ -156,12 +159,13 @@ def store_plan(p: Plan) -> Path | None:
             "rows": data.rows,
             "tokens": data.tokens,
             "kinds": sorted(data.kinds),
+            "dataset_format": data.format,  # recorded in the manifest's dataset part
             "tokenizer": data.tokenizer_hash is not None,  # a chat row was tokenized
             # what decides a chat row's tokens besides its bytes: a later plan of an edited or
             # appended dataset with the same takes its unchanged rows from here
             "preprocessing": {"chat_template_sha256": data.chat_template_hash, "tokenizer_sha256": data.tokenizer_hash,
                               "max_seq_len": p.spec.max_seq_len},
-            "samples_per_shard": S,
+            "boundaries": list(p.boundaries),
             "skipped": [s.model_dump(mode="json") for s in data.skipped],
             "truncated": [t.model_dump(mode="json") for t in data.truncated],
             "shards": shards,
@@ -224,19 +228,27 @@ def _load_shard(d: Path, index: dict, k: int, first: int, stop: int) -> dict[int
             for r, a, b in zip(rows, off[:-1], off[1:])}
 
 
+def _boundaries(index: dict) -> tuple[int, ...]:
+    """The stored plan's shard boundaries, checked."""
+    b = tuple(int(x) for x in index["boundaries"])
+    try:
+        check_boundaries(b, index["rows"])
+    except ValueError as e:
+        raise StoredPlanError(str(e)) from None
+    return b
+
+
 def _stored_dataset(h: Header, d: Path, index: dict, dataset_sha256: str, shards: tuple[int, int]) -> PreparedDataset:
     """The dataset as the stored plan holds it, with the samples of ``shards`` only."""
     rows = index["rows"]
-    S = index["samples_per_shard"]
-    if S != h.spec.samples_per_shard:
-        raise StoredPlanError("stored for another samples_per_shard")
+    b = _boundaries(index)
     line = _read_verified(d, ROWS_FILE, index)["line_sha256"]
     if line.shape != (rows, 32) or line.dtype != np.uint8:
         raise StoredPlanError(f"{ROWS_FILE} does not hold {rows} row hashes")
     lo, hi = shards
     samples: dict[int, Sample] = {}
     for k in range(lo, hi):
-        samples.update(_load_shard(d, index, k, k * S, min((k + 1) * S, rows)))
+        samples.update(_load_shard(d, index, k, b[k], b[k + 1]))
     template_hash = tok_hash = None
     if index["tokenizer"]:
         template_hash, tok_hash = tokenizer_hashes(h.load_tokenizer())
@@ -244,13 +256,14 @@ def _stored_dataset(h: Header, d: Path, index: dict, dataset_sha256: str, shards
         path=str(Path(h.spec.dataset)),
         rows=rows,
         fingerprint=dataset_sha256,
-        samples=RangeSamples(samples, range(lo * S, min(hi * S, rows))),
+        samples=RangeSamples(samples, range(b[lo], b[hi])),
         skipped=[SkippedRow.model_validate(s) for s in index["skipped"]],
         truncated=[TruncatedRow.model_validate(t) for t in index["truncated"]],
         line_hashes=[bytes(x) for x in line],
         chat_template_hash=template_hash,
         tokenizer_hash=tok_hash,
         kinds=set(index["kinds"]),
+        format=index["dataset_format"],
         total_tokens=index["tokens"],
     )
 
@@ -276,7 +289,11 @@ def load_plan(spec: ExtractSpec, shards: tuple[int, int] | None) -> tuple[Plan |
         if index["dataset_sha256"] != dataset_sha256:
             continue
         try:
-            num_shards = -(-index["rows"] // max(index["samples_per_shard"], 1))
+            boundaries = _boundaries(index)
+            cut = ShardCut(boundaries, tuple(int(s["tokens"]) for s in index["shards"]))
+            if len(cut.tokens) != len(boundaries) - 1:
+                raise StoredPlanError(f"the index lists {len(cut.tokens)} shards for {len(boundaries) - 1} boundaries")
+            num_shards = len(boundaries) - 1
             lo, hi = shards if shards is not None else (0, num_shards)
             if not (0 <= lo <= hi <= num_shards):
                 return None, f"--shards {lo}:{hi} is outside the stored plan's 0:{num_shards}"
@@ -287,7 +304,7 @@ def load_plan(spec: ExtractSpec, shards: tuple[int, int] | None) -> tuple[Plan |
         except (KeyError, TypeError, ValueError) as e:
             why = f"{PLAN_DIR}/{d.name[:12]}: unreadable index ({e!r})"
             continue
-        p = plan_from(h, data)
+        p = plan_from(h, data, cut=cut)
         if p.fingerprint != d.name:  # the tokenizer, template or settings differ from the stored plan's
             continue
         return p, f"loaded from {PLAN_DIR}/{d.name[:12]} (shards {lo}:{hi})"
@@ -303,7 +320,7 @@ class StoredRows:
 
     def __init__(self, d: Path, index: dict, line_sha256: np.ndarray):
         self._d, self._index, self._line = d, index, line_sha256
-        self._per_shard = int(index["samples_per_shard"])
+        self._boundaries = _boundaries(index)
         self._skipped = {s["row"]: s["reason"] for s in index["skipped"]}
         self._truncated = {t["row"]: TruncatedRow.model_validate(t) for t in index["truncated"]}
         self.name = d.name[:12]
@@ -311,15 +328,19 @@ class StoredRows:
     def known(self, first: int, line_hashes: list[bytes]):
         from datagen.data.planning_rows import Known
 
-        n, S = len(self._line), self._per_shard
+        n, b = len(self._line), self._boundaries
         same = [first + i for i, h in enumerate(line_hashes) if first + i < n and self._line[first + i].tobytes() == h]
+
+        def shard_of(r: int) -> int:
+            return bisect.bisect_right(b, r) - 1
+
         out = {}
-        for k in sorted({r // S for r in same}):
+        for k in sorted({shard_of(r) for r in same}):
             try:
-                samples = _load_shard(self._d, self._index, k, k * S, min((k + 1) * S, n))
+                samples = _load_shard(self._d, self._index, k, b[k], b[k + 1])
             except (StoredPlanError, KeyError, OSError, ValueError):  # damaged: those rows are tokenized
                 continue
-            for r in (r for r in same if r // S == k):
+            for r in (r for r in same if shard_of(r) == k):
                 if r in samples:
                     out[r] = Known(samples[r], truncated=self._truncated.get(r))
                 elif r in self._skipped:
@@ -356,10 +377,10 @@ def earlier_rows(h: Header) -> tuple[StoredRows | None, object | None]:
             continue
         try:
             line = _read_verified(d, ROWS_FILE, index)["line_sha256"]
-        except (StoredPlanError, KeyError):
+            if line.dtype == np.uint8 and line.shape == (index["rows"], 32):
+                return StoredRows(d, index, line), tokenizer
+        except (StoredPlanError, KeyError, TypeError, ValueError):
             continue
-        if line.dtype == np.uint8 and line.shape == (index["rows"], 32):
-            return StoredRows(d, index, line), tokenizer
     return None, tokenizer
 
 

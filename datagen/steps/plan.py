@@ -13,15 +13,18 @@ orchestrator never reads the step's files itself.
 
 from __future__ import annotations
 
+import logging
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.data.contract import ResolvedSpec, ShardRecord, manifest_fingerprint, validated_manifest_sha256
 from datagen.extraction import stored
 from datagen.extraction.output import claimed_by, completed_shards
-from datagen.extraction.plan import Plan
+from datagen.extraction.plan import Plan, describe_shards, shard_weights
 from datagen.steps.extract import ExtractionSpec
 
 HELP = "Check a spec and print its fingerprints and each shard's cache key (loads no weights)."
+log = logging.getLogger(__name__)
 
 
 class Spec(ExtractionSpec):
@@ -42,6 +45,11 @@ class PlanResult(BaseModel):
     hidden_size: int = Field(description="The model's hidden size (H of a stored state).")
     num_hidden_layers: int = Field(description="The model's decoder layers.")
     shard_keys: list[str] = Field(description="Cache key of each shard, by index.")
+    shard_state_bytes: dict[str, int] = Field(
+        description="Bytes of stored states per shard (tokens x layers x hidden x the storage dtype's bytes, "
+                    "fp8's scales included): min, median and max over the plan's shards.")
+    shard_group: int = Field(description="Shards the engine streams without a drain between them (the spec's, "
+                                         "else resolved from the shard size and the step's token budget).")
     shards_complete: list[int] = Field(description="Shards already written for this spec.")
     spec: ResolvedSpec = Field(description="The resolved spec, as the manifest will record it.")
     manifest_fingerprint: str | None = Field(
@@ -72,6 +80,7 @@ def run(spec: Spec) -> PlanResult:
         stored.store_plan(p)
     done = completed_shards(p) if claimed else {}
     _check_output_space(p, done)
+    log.info("plan: %s", describe_shards(p))
     return PlanResult(
         fingerprint=p.fingerprint,
         extraction_fingerprint=p.extraction_fingerprint,
@@ -82,6 +91,8 @@ def run(spec: Spec) -> PlanResult:
         hidden_size=p.info.hidden_size,
         num_hidden_layers=p.info.num_hidden_layers,
         shard_keys=[p.shard_key(k) for k in range(p.num_shards)],
+        shard_state_bytes=shard_weights(p),
+        shard_group=p.shard_group,
         shards_complete=sorted(done),
         spec=p.resolved_spec,
         manifest_fingerprint=manifest_fingerprint(p.spec.out),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import math
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from datagen.data.contract import FORMAT_VERSION, MANIFEST_NAME, STORED_CODES, M
 from datagen.data.media import REASONS as MEDIA_SKIP_REASONS
 from datagen.data.shards.kernels import combine_stats, stats_from_sums
 from datagen.data.spec import canonical_json, sha256_hex
+from datagen.extraction.boundaries import state_bytes
 from datagen.validation.report import Findings, Problem, ProblemKind
 from datagen.validation.scan import SUMS_RTOL, Expected, ShardScan, compare_stats
 
@@ -28,7 +30,8 @@ class LoadedManifest:
     sha256: str  # of the manifest.json bytes that were parsed
     expected: Expected
     rows: int  # dataset rows
-    samples_per_shard: int
+    samples_per_shard: int | None  # rows per shard, when the spec sized shards by rows
+    shard_bytes: int | None  # target bytes of states per shard, when the spec sized shards by bytes
     num_hidden_layers: int
     compute_dtype: str = "bfloat16"  # the engine's dtype (expected.dtype is the storage dtype)
 
@@ -69,35 +72,34 @@ def load(root: Path, findings: Findings) -> LoadedManifest | None:
     layer_ids = spec.layer_ids
     hidden, n_layers = spec.model.hidden_size, spec.model.num_hidden_layers
     compute_dtype, dtype = spec.dtype, spec.storage_dtype
+    pre = spec.preprocessing
+    per_shard, target = (pre.samples_per_shard, pre.shard_bytes) if pre else (None, None)
     lacking = [name for name, value in (("dataset.rows", spec.dataset and spec.dataset.rows),
-                                        ("preprocessing.samples_per_shard",
-                                         spec.preprocessing and spec.preprocessing.samples_per_shard))
+                                        ("preprocessing.samples_per_shard or shard_bytes",
+                                         per_shard if per_shard is not None else target))
                if value is None]
     if lacking:
         findings.add(Problem(ProblemKind.SPEC_INVALID, f"the recorded spec lacks {', '.join(lacking)}"))
         return None
-    rows, per_shard = spec.dataset.rows, spec.preprocessing.samples_per_shard
-    if dtype not in STORED_CODES or not layer_ids or per_shard < 1 or rows < 0:
+    rows = spec.dataset.rows
+    sizing_ok = (per_shard is None) != (target is None) and (per_shard or target) >= 1
+    if dtype not in STORED_CODES or not layer_ids or not sizing_ok or rows < 0:
         findings.add(Problem(ProblemKind.SPEC_INVALID, f"the recorded spec is inconsistent: dtype {dtype!r}, "
-                             f"layer_ids {list(layer_ids)}, samples_per_shard {per_shard}, rows {rows}"))
+                             f"layer_ids {list(layer_ids)}, samples_per_shard {per_shard}, shard_bytes {target}, "
+                             f"rows {rows}"))
         return None
-    return LoadedManifest(m, sha, Expected(layer_ids, hidden, dtype), rows, per_shard, n_layers, compute_dtype)
+    return LoadedManifest(m, sha, Expected(layer_ids, hidden, dtype), rows, per_shard, target, n_layers,
+                          compute_dtype)
 
 
 def check(lm: LoadedManifest, findings: Findings) -> None:
     """Fingerprints, shard ranges, totals, skipped rows, and statistics that must add up."""
-    m, rows, S = lm.manifest, lm.rows, lm.samples_per_shard
+    m, rows = lm.manifest, lm.rows
     _check_fingerprints(m, findings)
-    want_shards = -(-rows // S)
-    if len(m.shards) != want_shards:
-        findings.add(Problem(ProblemKind.SHARD_RANGES, f"{len(m.shards)} shards listed; {rows} rows in shards of "
-                             f"{S} need {want_shards}"))
-    for k, rec in enumerate(m.shards):
-        want = (k, k * S, min(S, rows - k * S))
-        if (rec.index, rec.first_sample, rec.rows) != want:
-            findings.add(Problem(ProblemKind.SHARD_RANGES, f"record {k} says index {rec.index}, rows "
-                                 f"[{rec.first_sample}, {rec.first_sample + rec.rows}); expected index {k}, "
-                                 f"rows [{want[1]}, {want[1] + want[2]})", shard=k, path=rec.path))
+    if lm.samples_per_shard is not None:
+        _check_row_ranges(m, rows, lm.samples_per_shard, findings)
+    else:
+        _check_byte_ranges(lm, findings)
     _check_skipped(m, rows, findings)
     totals = {
         "rows": rows, "shards": len(m.shards), "samples": sum(r.samples for r in m.shards),
@@ -116,6 +118,41 @@ def check(lm: LoadedManifest, findings: Findings) -> None:
         for msg, lid in compare_stats(combined, m.layer_stats, rtol=SUMS_RTOL):
             findings.add(Problem(ProblemKind.STATS, "dataset statistics do not combine from the shard records: "
                                  + msg, layer_id=lid))
+
+
+def _check_row_ranges(m: Manifest, rows: int, S: int, findings: Findings) -> None:
+    """Shards sized by rows: shard k holds rows [k*S, (k+1)*S)."""
+    want_shards = -(-rows // S)
+    if len(m.shards) != want_shards:
+        findings.add(Problem(ProblemKind.SHARD_RANGES, f"{len(m.shards)} shards listed; {rows} rows in shards of "
+                             f"{S} need {want_shards}"))
+    for k, rec in enumerate(m.shards):
+        want = (k, k * S, min(S, rows - k * S))
+        if (rec.index, rec.first_sample, rec.rows) != want:
+            findings.add(Problem(ProblemKind.SHARD_RANGES, f"record {k} says index {rec.index}, rows "
+                                 f"[{rec.first_sample}, {rec.first_sample + rec.rows}); expected index {k}, "
+                                 f"rows [{want[1]}, {want[1] + want[2]})", shard=k, path=rec.path))
+
+
+def _check_byte_ranges(lm: LoadedManifest, findings: Findings) -> None:
+    """Shards sized by bytes: one after the other from row 0 to the last, none empty, none past twice
+    the target unless it is one row. Where each cut falls follows from the rows' tokens and content:
+    a fresh read of the source checks it (every shard key, ``datagen.validation.source``)."""
+    m, rows, target = lm.manifest, lm.rows, lm.shard_bytes
+    per_token = state_bytes(lm.expected.dtype, n_layers=len(lm.expected.layer_ids), hidden_size=lm.expected.hidden_size)
+    at = 0
+    for k, rec in enumerate(m.shards):
+        if rec.index != k or rec.first_sample != at or rec.rows < 1:
+            findings.add(Problem(ProblemKind.SHARD_RANGES, f"record {k} says index {rec.index}, rows "
+                                 f"[{rec.first_sample}, {rec.first_sample + rec.rows}); expected index {k}, at least "
+                                 f"one row from row {at}", shard=k, path=rec.path))
+        elif rec.rows > 1 and rec.tokens * per_token > 2 * target:
+            findings.add(Problem(ProblemKind.SHARD_RANGES, f"record {k} holds {rec.tokens * per_token} bytes of states "
+                                 f"in {rec.rows} rows, past twice the target {target}: a shard of several rows closes "
+                                 "before that", shard=k, path=rec.path))
+        at = rec.first_sample + rec.rows
+    if at != rows:
+        findings.add(Problem(ProblemKind.SHARD_RANGES, f"the shards' rows end at row {at}; the dataset has {rows} rows"))
 
 
 def _check_own_sums(m: Manifest, findings: Findings) -> None:
@@ -188,14 +225,13 @@ def check_coverage(lm: LoadedManifest, scans: list[ShardScan], findings: Finding
     for s in lm.manifest.skipped:
         if 0 <= s.row < rows:
             skipped[s.row] = True
-    shard_of = {}
-    for rec in lm.manifest.shards:
-        shard_of[rec.index] = rec
-    S = lm.samples_per_shard
+    recs = sorted(lm.manifest.shards, key=lambda rec: rec.first_sample)
+    firsts = [rec.first_sample for rec in recs]
 
     def where(r: int) -> dict:
-        rec = shard_of.get(r // S)
-        return {"shard": rec.index, "path": rec.path} if rec else {}
+        i = bisect.bisect_right(firsts, r) - 1
+        rec = recs[i] if i >= 0 else None
+        return {"shard": rec.index, "path": rec.path} if rec and r < rec.first_sample + rec.rows else {}
 
     for r in np.nonzero(checked & (stored == 0) & ~skipped)[0].tolist():
         findings.add(Problem(ProblemKind.ROW_MISSING, "in no shard and not listed as skipped", row=r, **where(r)))

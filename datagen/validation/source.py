@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from datagen.data.dataset import Sample
-from datagen.data.spec import sha256_hex
 from datagen.errors import DatagenError
 from datagen.validation.manifest import LoadedManifest
 from datagen.validation.report import Findings, Problem, ProblemKind
@@ -61,7 +60,7 @@ def read_fresh(lm: LoadedManifest, src: Sources, findings: Findings, *,
     ``trust_remote_code`` is the caller's permission (a tokenizer shipped as code, Kimi's).
     """
     from datagen.data.spec import parse_spec
-    from datagen.extraction.plan import plan
+    from datagen.extraction.plan import plan, shard_key
 
     spec = lm.manifest.spec
     revision = spec.model.revision
@@ -74,6 +73,7 @@ def read_fresh(lm: LoadedManifest, src: Sources, findings: Findings, *,
         "layer_ids": list(lm.expected.layer_ids),
         "max_seq_len": spec.preprocessing.max_seq_len,
         "samples_per_shard": lm.samples_per_shard,
+        "shard_bytes": lm.shard_bytes,
         "engine": {"name": "hf", "dtype": lm.compute_dtype, "storage_dtype": lm.expected.dtype,
                    # never taken from the manifest: a manifest is data, not permission to run code
                    "trust_remote_code": trust_remote_code},
@@ -106,7 +106,7 @@ def read_fresh(lm: LoadedManifest, src: Sources, findings: Findings, *,
     keys = {}
     for k in range(p.num_shards):
         first, count = p.shard_range(k)
-        keys[k] = sha256_hex(f"{efp}:{k}:{first}:{count}:{p.data.shard_rows_hash(first, count)}")
+        keys[k] = shard_key(efp, k, first, count, p.data.shard_rows_hash(first, count))
     return FreshRows(samples=p.data.samples, shard_keys=keys, model_matches=model_matches)
 
 
