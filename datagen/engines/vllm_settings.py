@@ -124,13 +124,14 @@ class VllmSettings:
 
     @classmethod
     def from_plan(cls, p) -> "VllmSettings":
-        """From an extraction plan (its spec's engine section and what the plan resolved)."""
+        """From an extraction plan (its spec's engine section and what the plan resolved: the storage
+        dtype, the shard group, the attention backend and the capture path)."""
         from datagen.data.media import media_samples
 
         e = p.spec.engine
         return cls(layer_ids=p.layer_ids, dtype=e.dtype, max_seq_len=p.spec.max_seq_len,
                    storage_dtype=p.resolved_spec.storage_dtype, tensor_parallel_size=e.tensor_parallel_size,
                    max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs,
-                   trust_remote_code=e.trust_remote_code, shard_group=e.shard_group,
+                   trust_remote_code=e.trust_remote_code, shard_group=p.shard_group,
                    attention_backend=p.engine_desc.get("attention_backend"),
                    media=bool(media_samples(p.data)), capture_path=p.engine_desc.get("capture_path") or INTERNAL)
