@@ -42,7 +42,7 @@ def _expect_refusal(capsys, tmp_path, model, data, *extra, message: str, code: i
         ('{"messages": [{"role": "user", "content": 5}]}', "content must be a string"),
         ('{"messages": [{"role": "user"}]}', "exactly 'role' and 'content'"),
         ('{"messages": "hello"}', "messages must be a list"),
-        ('{"text": "hello"}', "neither 'messages' nor 'input_ids'"),
+        ('{"text": "hello"}', "row has none of the fields messages, conversations, data, input_ids"),
         ('{"input_ids": [1, "2"]}', "list of integers"),
         ('{"input_ids": [1, 2], "loss_mask": [1]}', "loss_mask has 1 entries"),
         ('{"input_ids": [1, 2], "loss_mask": [1, 2]}', "0/1 integers"),

@@ -260,7 +260,8 @@ def test_an_output_path_that_is_a_file_is_refused(tiny_llama, rows, tmp_path, ca
 
 
 @pytest.mark.parametrize("name, argv, message", [
-    ("dataset path is a directory", lambda t, r: ("--dataset", t), "is not a file"),
+    ("dataset folder holds no data file", lambda t, r: ("--dataset", (t / "empty").mkdir() or t / "empty"),
+     "holds no .jsonl, .json, .parquet or .arrow file"),
     ("dataset file missing", lambda t, r: ("--dataset", t / "nope.jsonl"), "does not exist"),
     ("--shards beyond the dataset", lambda t, r: ("--dataset", r, "--shards", "5:99"), "outside 0:1"),
     ("--shards not A:B", lambda t, r: ("--dataset", r, "--shards", "3"), "is not A:B"),
