@@ -15,7 +15,9 @@ fetched over the network: ``datasets`` reads local files only.
 
 from __future__ import annotations
 
+import bisect
 import enum
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -128,9 +130,13 @@ class Records:
     origins: list[tuple[str, int]]  # (file, its first row) per file read, in row order
     lines: list[list[int]] | None = None  # per file: the 1-based line each row starts on (None: a table)
 
+    @functools.cached_property
+    def _firsts(self) -> list[int]:
+        return [first for _, first in self.origins]
+
     def where(self, row: int) -> tuple[str, int]:
         """(file, 1-based line) of a row; (dataset, 1-based row) for a table."""
-        k = max((i for i, (_, first) in enumerate(self.origins) if first <= row), default=0)
+        k = max(bisect.bisect_right(self._firsts, row) - 1, 0)
         path, first = self.origins[k]
         return path, (self.lines[k][row - first] if self.lines is not None else row - first + 1)
 
