@@ -34,12 +34,18 @@ def _under(p: str, d: str) -> bool:
 def sources(dataset: str | Path) -> MediaSources:
     """The ``MediaSources`` of a JSONL chat dataset: a scan that parses only the lines naming an
     ``image_url`` (a text-only dataset costs one read). Malformed rows are left to planning, which
-    stops at them with the line. Memoized on the file's size and mtime."""
+    stops at them with the line. Memoized on the file's size and mtime. A dataset that is not a
+    single file (a folder, a Hugging Face dataset) has none: image rows are read from JSONL files."""
+    from datagen.data.dataset_files import parse_ref
+
+    path = parse_ref(dataset).path
     try:
-        st = os.stat(dataset)
+        st = os.stat(path)
     except OSError:
         return MediaSources()
-    return _sources(os.path.abspath(dataset), st.st_size, st.st_mtime_ns)
+    if not path.is_file():
+        return MediaSources()
+    return _sources(os.path.abspath(path), st.st_size, st.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=16)
