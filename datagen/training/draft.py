@@ -28,6 +28,7 @@ import shutil
 import tempfile
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -297,9 +298,13 @@ def _make(dataset, out, *, verifier: Path, settings: DraftSettings, train: bool)
                                           layer_ids=reader.layer_ids, save_path=str(out))
         data = SpeculatorsDataset(reader, max_len=settings.total_seq_len, train_ratio=settings.train_ratio,
                                   split="train")
-        if train:  # the shards' content checked once, here, not again in every loader worker
-            reader.verify_samples(data.indices)
-        model = build_draft(reader, verifier, recipe, train=data.indices)
+        # the shards' content checked once, here, not again in every loader worker; beside the draft's
+        # build (the verifier's weights read), not before it: hashing lets go of the GIL
+        with ThreadPoolExecutor(1, thread_name_prefix="train-verify") as pool:
+            checked = pool.submit(reader.verify_samples, data.indices) if train else None
+            model = build_draft(reader, verifier, recipe, train=data.indices)
+            if checked is not None:
+                checked.result()
         run = _train(model, data, settings, recipe, topology) if train else UNTRAINED
         if topology.writes:
             lineage = DraftLineage(

@@ -1,0 +1,333 @@
+"""Where a training process spends its time before its first step and after its last: `datagen train`
+from the packed shards against speculators' own training script on `datagen export --format speculators`
+(the export timed too), the same recipe (speculators' default: Muon and AdamW, both norms), on the CPU.
+
+    python -m bench.train_startup                   # table + bench/results/train_startup.{json,md,png}
+    python -m bench.train_startup --repeats 1 --out /tmp/ts
+
+A verifier and a dataset of a small shape are made by ``bench.gpu.train`` (``make_verifier``,
+``make_dataset``: the project's shard writer, random bf16 states). Each run is a process of its own
+(``python -m bench.train_startup child``), so the interpreter's start and every import count. The child
+times the calls that make up a run by wrapping them (``SPANS``: the recipe, the reader, the hash of the
+shards, the draft, the loader, the trainer, the save, speculators' validation pass and checkpoint) and
+records the time of each training step (speculators' ``speculators.metrics`` records, logged after each
+optimizer step). The parent records when it started the process and when it ended. Phases are the
+intervals between those marks; what no span covers is "other". Runs alternate between the two (datagen
+first, then speculators), ``--repeats`` times; the table holds the medians.
+
+On the CPU speculators' ``Trainer`` needs two shims that `datagen train` carries itself
+(``datagen.training.draft``): the model is moved to "cpu", not to GPU 0, and
+``torch.accelerator.synchronize`` (its step timer) does nothing. ``bench/gpu/train.py`` installs the same
+spans in its training runs (``install``), so the GPU side by side records them too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# a shape large enough that loading, hashing and saving are not lost in the noise, small enough for the CPU
+SHAPE = dict(hidden=512, layers=8, vocab=8192, heads=8, kv_heads=8, intermediate=1024,
+             arch="LlamaForCausalLM", model_type="llama", layer_ids=(2, 4, 5, 8))
+# (module, attribute, phase): the calls timed; an attribute "Class.method" wraps the method on the class
+SPANS = (
+    ("datagen.training.draft", "resolve_settings", "recipe"),
+    ("datagen.training.layers", "as_reader", "reader opened"),
+    ("datagen.reader._dataset", "DatasetReader.verify_samples", "shards hashed"),
+    ("datagen.training.draft", "build_draft", "draft built"),
+    ("datagen.training.draft", "_loader", "loader"),
+    ("datagen.training.draft", "_write", "draft saved"),
+    ("speculators.train.config.schema", "TrainConfig.save", "run.yaml written"),
+    ("speculators.train.cli", "parse_vocab_mappings", "vocabulary"),
+    ("speculators.train.cli", "build_draft_model", "draft built"),
+    ("speculators.train.cli", "create_train_val_loaders", "loader"),
+    ("speculators.train.trainer", "Trainer.__init__", "trainer"),
+    ("speculators.train.trainer", "Trainer.val_epoch", "validation pass"),
+    ("speculators.train.trainer", "Trainer.maybe_save_checkpoint", "checkpoint"),
+    ("speculators.train.trainer", "Trainer.maybe_update_best", "checkpoint"),
+)
+# imported before the clock's "imports" mark: what either entry imports on its way (lazily or not)
+IMPORTS = ("datagen.cli", "datagen.steps.train", "datagen.training.draft", "datagen.reader.for_speculators",
+           "speculators.train.cli", "speculators.train.trainer")
+PIPELINES = ("datagen", "speculators")
+
+
+# --- the child: one training run, its marks written as JSON ------------------------------------------
+
+def install(marks: list) -> None:
+    """Wrap every call of ``SPANS`` (``marks`` gets ``[phase, start, end]`` in epoch seconds) and record
+    each training step's end (``["step", t, t]``) from speculators' metric records."""
+    import functools
+    import importlib
+    import logging
+
+    for module, attr, phase in SPANS:
+        owner = importlib.import_module(module)
+        *cls, name = attr.split(".")
+        if cls:
+            owner = getattr(owner, cls[0])
+        real = getattr(owner, name)
+
+        def timed(*a, _real=real, _phase=phase, **k):
+            t = time.time()
+            try:
+                return _real(*a, **k)
+            finally:
+                marks.append([_phase, t, time.time()])
+
+        setattr(owner, name, functools.wraps(real)(timed))
+
+    class Steps(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if isinstance(record.msg, dict) and isinstance(record.msg.get("train"), dict):
+                profile = {k: v for k, v in (record.msg.get("profile") or {}).items() if k.endswith("_ms")}
+                marks.append(["step", record.created, record.created, profile])
+
+    handler = Steps(logging.INFO)
+    metrics = logging.getLogger("speculators.metrics")
+
+    def attach() -> None:
+        if handler not in metrics.handlers:
+            metrics.addHandler(handler)
+        metrics.setLevel(logging.INFO)
+
+    import speculators.train.cli as spec_cli
+
+    setup = spec_cli.setup_metric_logger
+
+    def setup_and_attach(*a, **k):  # speculators' logging setup replaces the logger's handlers
+        r = setup(*a, **k)
+        attach()
+        return r
+
+    spec_cli.setup_metric_logger = setup_and_attach
+    attach()
+
+
+def _cpu_shims() -> None:
+    """speculators' Trainer on a machine without an accelerator (what `datagen train` does for itself)."""
+    import torch
+    from speculators.train.trainer import Trainer
+
+    if torch.accelerator.current_accelerator() is not None:
+        return
+    setup_model = Trainer.setup_model
+
+    def on_cpu(self):
+        self.local_rank, self.device_type = "cpu", "cpu"
+        setup_model(self)
+
+    Trainer.setup_model = on_cpu
+    torch.accelerator.synchronize = lambda *a, **k: None
+
+
+def child(entry: str, marks_path: Path, argv: list[str]) -> int:
+    import importlib
+
+    marks: list = [["started", time.time(), time.time()]]
+    for m in IMPORTS:
+        importlib.import_module(m)
+    marks.append(["imports", marks[0][1], time.time()])
+    install(marks)
+    rc = 0
+    try:
+        if entry == "speculators":
+            from speculators.train.cli import main
+            from speculators.train.config import TrainConfig
+
+            _cpu_shims()
+            t = time.time()
+            cfg = TrainConfig.resolve(argv)
+            marks.append(["recipe", t, time.time()])
+            main(cfg)
+        else:
+            from datagen.cli import main
+
+            rc = main(argv)
+    finally:
+        marks.append(["returned", time.time(), time.time()])
+        marks_path.write_text(json.dumps(marks))
+    return rc
+
+
+# --- the parent: the dataset, the runs, the phases --------------------------------------------------
+
+def _run(entry: str, argv: list[str], work: Path, k: int) -> dict:
+    marks_path = work / f"marks-{entry}-{k}.json"
+    marks_path.unlink(missing_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    spawned = time.time()
+    p = subprocess.run([sys.executable, "-m", "bench.train_startup", "child", entry, str(marks_path), "--", *argv],
+                       cwd=ROOT, env=env, capture_output=True, text=True)
+    ended = time.time()
+    if p.returncode:
+        raise SystemExit(f"{entry} run failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
+    return phases(json.loads(marks_path.read_text()), spawned=spawned, ended=ended)
+
+
+def phases(marks: list, *, spawned: float, ended: float) -> dict:
+    """Seconds per phase before the first step, of the steps, and after the last step."""
+    steps = sorted(m[1] for m in marks if m[0] == "step")
+    profiles = [m[3] for m in marks if m[0] == "step" and len(m) > 3 and m[3]]
+    first, last = steps[0], steps[-1]
+    at = {m[0]: (m[1], m[2]) for m in marks if m[0] in ("started", "imports", "returned")}
+    started, imports, returned = at["started"][0], at["imports"][1], at["returned"][0]
+    before: dict = {"interpreter start": started - spawned, "imports": imports - started}
+    after: dict = {}
+    spans = []  # the outermost spans only: a call timed inside another (speculators' build_draft_model inside
+    for s, e, name in sorted((m[1], m[2], m[0]) for m in marks if m[0] not in at and m[0] != "step"):  # datagen's)
+        if not spans or s >= spans[-1][1]:
+            spans.append((s, e, name))
+    for s, e, name in spans:
+        if e <= first:
+            before[name] = before.get(name, 0.0) + (e - s)
+        elif s >= last:
+            after[name] = after.get(name, 0.0) + (e - s)
+    # the first step's own time: from the last span that ended before it (the trainer made) to its record
+    made = max([e for s, e, _ in spans if e <= first] + [imports])
+    before["first step (compile, first batch)"] = first - made
+    before["other"] = (first - spawned) - sum(before.values())
+    after["process exit"] = ended - returned
+    after["other"] = (ended - last) - sum(after.values())
+    step_ms = {k: statistics.median(p[k] for p in profiles[1:] or profiles) for k in (profiles or [{}])[0]}
+    return {"before_first_step": before, "to_first_step": first - spawned, "steps": len(steps), "step_ms": step_ms,
+            "steps_s": last - first, "after_last_step": after, "after_last_s": ended - last, "wall_s": ended - spawned}
+
+
+def run(work: Path, *, steps: int, repeats: int, tokens: int, total_seq_len: int) -> dict:
+    from bench.gpu.train import _batches_per_epoch, make_dataset, make_verifier
+
+    verifier = make_verifier(work / "verifier", SHAPE, device="cpu")
+    dataset = make_dataset(work / "dataset", verifier, SHAPE, tokens=tokens, per_shard=32, device="cpu",
+                           lengths=(64, 512))
+    epochs = max(1, -(-steps // max(1, _batches_per_epoch(dataset, total_seq_len))))
+    layers = [str(x) for x in SHAPE["layer_ids"][:-1]]
+    rec: dict = {"shape": SHAPE, "steps": steps, "total_seq_len": total_seq_len, "repeats": repeats,
+                 "dataset": json.loads((dataset / "manifest.json").read_text())["totals"], "runs": {p: [] for p in PIPELINES},
+                 "export_s": []}
+    for k in range(repeats):
+        draft = work / f"draft-{k}"
+        subprocess.run(["rm", "-rf", str(draft)], check=True)
+        rec["runs"]["datagen"].append(_run("datagen", [
+            "train", str(dataset), "--out", str(draft), "--model", str(verifier), "--steps", str(steps),
+            "--total-seq-len", str(total_seq_len), "--train-ratio", "0.75", "--mask-token-id", "0"], work, k))
+        export = work / f"export-{k}"
+        subprocess.run(["rm", "-rf", str(export), str(work / f"save-{k}")], check=True)
+        t = time.time()
+        subprocess.run([sys.executable, "-m", "datagen", "export", "--format", "speculators", str(dataset), str(export)],
+                       cwd=ROOT, check=True, capture_output=True)
+        rec["export_s"].append(time.time() - t)
+        rec["runs"]["speculators"].append(_run("speculators", [
+            "--verifier-name-or-path", str(verifier), "--data-path", str(export), "--save-path", str(work / f"save-{k}"),
+            "--max-steps", str(steps), "--epochs", str(epochs), "--total-seq-len", str(total_seq_len),
+            "--train-data-ratio", "0.75", "--num-workers", "0", "--logger", "", "--log-dir", str(work / "logs"),
+            "--no-resume-from-checkpoint", "--mask-token-id", "0", "--draft-attn-impl", "sdpa",
+            "--loss-implementation", "eager", "--target-layer-ids", *layers], work, k))
+        print(f"run {k}: datagen {rec['runs']['datagen'][-1]['wall_s']:.1f} s, export {rec['export_s'][-1]:.1f} s, "
+              f"speculators {rec['runs']['speculators'][-1]['wall_s']:.1f} s", flush=True)
+    return rec
+
+
+def _median_phases(runs: list[dict], key: str) -> dict:
+    names = list(dict.fromkeys(n for r in runs for n in r[key]))
+    return {n: statistics.median(r[key].get(n, 0.0) for r in runs) for n in names}
+
+
+def table(rec: dict) -> str:
+    m = {p: rec["runs"][p] for p in PIPELINES}
+    med = lambda p, k: statistics.median(r[k] for r in m[p])  # noqa: E731
+    export = statistics.median(rec["export_s"])
+    lines = [f"CPU, hidden {rec['shape']['hidden']}, vocab {rec['shape']['vocab']}, {rec['dataset']['tokens']:,} tokens, "
+             f"{rec['steps']} steps of {rec['total_seq_len']} tokens; medians of {rec['repeats']} runs (seconds)", "",
+             "| | datagen train | speculators' script | + export |", "|---|---|---|---|"]
+    for label, key in (("to the first step", "to_first_step"), ("the steps", "steps_s"),
+                       ("after the last step", "after_last_s"), ("whole process", "wall_s")):
+        extra = f"{med('speculators', key) + export:.1f}" if key in ("to_first_step", "wall_s") else ""
+        lines.append(f"| {label} | {med('datagen', key):.1f} | {med('speculators', key):.1f} | {extra} |")
+    lines.append(f"| `datagen export --format speculators` | | | {export:.1f} |")
+    lines += ["", "| a step after the first (ms, speculators' profile) | datagen train | speculators' script |",
+              "|---|---|---|"]
+    for k in ("fetch_ms", "fwd_ms", "bwd_ms", "opt_ms", "step_ms"):
+        a, b = (statistics.median(r["step_ms"].get(k, 0.0) for r in m[p]) for p in PIPELINES)
+        lines.append(f"| {k.removesuffix('_ms')} | {a:.0f} | {b:.0f} |")
+    for key, title in (("before_first_step", "before the first step"), ("after_last_step", "after the last step")):
+        lines += ["", f"| {title} | datagen train | speculators' script |", "|---|---|---|"]
+        a, b = _median_phases(m["datagen"], key), _median_phases(m["speculators"], key)
+        for n in dict.fromkeys([*a, *b]):
+            lines.append(f"| {n} | {a[n]:.2f} |" if n not in b else
+                         f"| {n} | {a[n]:.2f} | {b[n]:.2f} |" if n in a else f"| {n} | | {b[n]:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(rec: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 3.6))
+    rows = [("datagen train", "datagen", 0.0), ("speculators' script (after the export)", "speculators",
+                                                 statistics.median(rec["export_s"]))]
+    colors: dict = {}
+    cmap = plt.get_cmap("tab20")
+    for y, (label, p, offset) in enumerate(rows):
+        runs = rec["runs"][p]
+        x = 0.0
+        if offset:
+            ax.barh(y, offset, left=x, color="lightgray", edgecolor="white", label=None if y == 0 else "export")
+            x += offset
+        parts = [*_median_phases(runs, "before_first_step").items(),
+                 ("steps", statistics.median(r["steps_s"] for r in runs)),
+                 *_median_phases(runs, "after_last_step").items()]
+        for name, s in parts:
+            if name not in colors:
+                colors[name] = cmap(len(colors) % 20)
+            ax.barh(y, s, left=x, color=colors[name], edgecolor="white")
+            if s > 0.04 * max(1.0, statistics.median(r["wall_s"] for r in runs)):
+                ax.text(x + s / 2, y, name, ha="center", va="center", fontsize=7, rotation=90 if s < 2 else 0)
+            x += s
+    ax.set_yticks(range(len(rows)), [r[0] for r in rows])
+    ax.set_xlabel("seconds from the process's start")
+    ax.set_title(f"Before the first step and after the last: {rec['steps']} steps, CPU (medians of "
+                 f"{rec['repeats']} runs)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "child":
+        _, _, entry, marks, *rest = sys.argv
+        raise SystemExit(child(entry, Path(marks), rest[1:] if rest[:1] == ["--"] else rest))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=24_000)
+    ap.add_argument("--total-seq-len", type=int, default=2048)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--work", default=str(ROOT / ".cache" / "bench" / "train_startup"))
+    args = ap.parse_args()
+    work, out = Path(args.work), Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    rec = run(work, steps=args.steps, repeats=args.repeats, tokens=args.tokens, total_seq_len=args.total_seq_len)
+    rec["machine"] = {"cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2)}
+    (out / "train_startup.json").write_text(json.dumps(rec, indent=1) + "\n")
+    text = table(rec)
+    (out / "train_startup.md").write_text(text + "\n")
+    plot(rec, out / "train_startup.png")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
