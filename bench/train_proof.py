@@ -117,12 +117,13 @@ def settings_for(mode: Mode, seed: int):
 
     return DraftSettings(steps=SIZES[mode]["steps"], seed=seed, total_seq_len=TOTAL_SEQ_LEN,
                          draft_vocab_size=DRAFT_VOCAB, ttt_steps=3, train_ratio=0.75, lr=LR,
-                         warmup_ratio=WARMUP)
+                         scheduler_warmup_ratio=WARMUP)
 
 
 def run(mode: Mode, results: Path) -> Record:
     from datagen.training.agreement import Features, TargetStates, measure_agreement
     from datagen.training.draft import LINEAGE_NAME, TrainedDraft, read_lineage, train_draft, untrained_draft
+    from datagen.training.settings import trained_with
 
     size = SIZES[mode]
     work = work_dir("train-proof")
@@ -147,7 +148,7 @@ def run(mode: Mode, results: Path) -> Record:
         dataset = data[case if case != "untrained" else "bf16"]
         out = drafts / f"{case}-{seed}"
         t0 = time.monotonic()
-        same = (out / LINEAGE_NAME).exists() and read_lineage(out).settings == settings_for(mode, seed) \
+        same = (out / LINEAGE_NAME).exists() and trained_with(read_lineage(out).settings, settings_for(mode, seed)) \
             and read_lineage(out).dataset == dataset.location
         if same:
             d, train_s = TrainedDraft(path=out, lineage=read_lineage(out)), None

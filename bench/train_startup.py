@@ -114,7 +114,7 @@ def install(marks: list) -> None:
     attach()
 
 
-def _cpu_shims() -> None:
+def cpu_shims() -> None:
     """speculators' Trainer on a machine without an accelerator (what `datagen train` does for itself)."""
     import torch
     from speculators.train.trainer import Trainer
@@ -145,7 +145,7 @@ def child(entry: str, marks_path: Path, argv: list[str]) -> int:
             from speculators.train.cli import main
             from speculators.train.config import TrainConfig
 
-            _cpu_shims()
+            cpu_shims()
             t = time.time()
             cfg = TrainConfig.resolve(argv)
             marks.append(["recipe", t, time.time()])

@@ -17,7 +17,7 @@ from datagen.errors import OutputConflictError, SpecError
 from datagen.training.agreement import measure_agreement
 from datagen.training.draft import LINEAGE_NAME, read_lineage, train_draft, untrained_draft
 from datagen.training.nightly import NightMeasurement, drop_of, markdown_table, plot
-from datagen.training.settings import DraftSettings
+from datagen.training.settings import DraftSettings, trained_with
 from tests.support.extracted import copy_dataset, extracted_dataset, fix_checksums, manifest, rewrite_shard
 from tests.support.synthetic_shards import make_synthetic_dataset
 
@@ -86,7 +86,7 @@ def test_a_draft_is_trained_from_the_shards_and_saved_in_speculators_format_with
     assert lineage.dataset_fingerprint == manifest["fingerprint"]
     assert lineage.steps_done == TINY.steps and len(lineage.losses) == TINY.steps
     # the settings given, and the rest as speculators resolved them (tests/test_train_recipe.py)
-    assert lineage.settings.model_copy(update=TINY.model_dump(exclude_unset=True)) == lineage.settings
+    assert trained_with(lineage.settings, TINY) and not trained_with(lineage.settings, TINY.model_copy(update={"lr": 1}))
     assert set(lineage.given) == {"total_seq_len", "ttt_steps"} and lineage.settings.optimizer is not None
     assert all(x > 0 for x in lineage.losses) and lineage.losses[-1] < lineage.losses[0]
     assert lineage.layer_ids == manifest["spec"]["layer_ids"]

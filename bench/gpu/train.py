@@ -6,6 +6,9 @@ results)::
 
     python3 bench/gpu/train.py width --shape kimi --work /tmp/gtrain --out $OUT    # hidden 7168, 4 layers
     python3 bench/gpu/train.py width --shape 8b   --work /tmp/gtrain --out $OUT    # hidden 4096
+    python3 bench/gpu/train.py width --shape kimi --recipe adamw ...               # AdamW, no norms, both
+    python3 bench/gpu/train.py width --smoke --work /tmp/st --out /tmp/st --steps 3 --seeds 0 --workers 0
+                                                                                   # the CPU: every path
     python3 bench/gpu/train.py proof --work /tmp/gproof --out $OUT                 # SmolLM2, 4 cases x 3 seeds
     python3 bench/gpu/train.py report --results bench/gpu/results/train            # tables + plots from the JSON
 
@@ -56,6 +59,12 @@ SHAPES = {
     "8b": dict(hidden=4096, layers=32, vocab=128256, heads=32, kv_heads=8, intermediate=14336,
                arch="LlamaForCausalLM", model_type="llama", layer_ids=(2, 16, 29, 32)),
 }
+# the recipes both pipelines can be given (speculators' flags, the same on both sides): speculators' default
+# (Muon for the 2D weights with AdamW for the rest, norm_before_fc and norm_output on for eagle3), and AdamW
+# without the two norms (what `datagen train` trained before it took speculators' recipe)
+RECIPES = {"default": [], "adamw": ["--optimizer", "adamw", "--no-norm-before-fc", "--no-norm-output"]}
+# the same as DraftSettings fields (the proof trains in-process)
+RECIPE_SETTINGS = {"default": {}, "adamw": {"optimizer": "adamw", "norm_before_fc": False, "norm_output": False}}
 SMOKE_SHAPE = dict(hidden=64, layers=4, vocab=512, heads=4, kv_heads=4, intermediate=128,
                    arch="LlamaForCausalLM", model_type="llama", layer_ids=(1, 2, 3, 4))
 
@@ -184,6 +193,18 @@ def child(args) -> int:
         metrics.setLevel(logging.INFO)
 
     attach()
+
+    class Marks(list):
+        """bench.train_startup's spans (the calls a run is made of), each written as it ends."""
+
+        def append(self, mark) -> None:
+            metrics_file.write(json.dumps({"mark": mark}, default=float) + "\n")
+            metrics_file.flush()
+
+    from bench.train_startup import cpu_shims, install
+
+    install(Marks())
+    cpu_shims()  # speculators' Trainer on a machine without a GPU (the smoke run); nothing on the GPU
     rest = args.rest[1:] if args.rest and args.rest[0] == "--" else args.rest
     t0 = time.monotonic()
     if args.entry == "speculators":
@@ -215,9 +236,19 @@ def child(args) -> int:
 
 
 def _metric_lines(metrics: Path) -> list[dict]:
+    """The run's step records and its end (its span marks left out: ``_marks``)."""
     if not metrics.exists():
         return []
-    return [json.loads(line) for line in metrics.read_text().splitlines() if line.endswith("}")]
+    return [d for line in metrics.read_text().splitlines() if line.endswith("}")
+            for d in [json.loads(line)] if "mark" not in d]
+
+
+def _marks(metrics: Path) -> list:
+    """The run's span marks: ``[phase, start, end]`` in epoch seconds (bench.train_startup.SPANS)."""
+    if not metrics.exists():
+        return []
+    return [d["mark"] for line in metrics.read_text().splitlines() if line.endswith("}")
+            for d in [json.loads(line)] if "mark" in d]
 
 
 def _run_child(entry: str, metrics: Path, argv: list[str], *, timeout: float, steps_wanted: int | None = None,
@@ -229,7 +260,7 @@ def _run_child(entry: str, metrics: Path, argv: list[str], *, timeout: float, st
     import tempfile
 
     cmd = [sys.executable, __file__, "child", "--entry", entry, "--metrics", str(metrics), "--", *argv]
-    t0 = time.monotonic()
+    t0, spawned = time.monotonic(), time.time()
     metrics.unlink(missing_ok=True)
     with tempfile.TemporaryFile("w+") as errf:
         p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=errf, text=True, cwd=REPO, start_new_session=True)
@@ -264,6 +295,7 @@ def _run_child(entry: str, metrics: Path, argv: list[str], *, timeout: float, st
     if not end and any(peak):
         end = {"max_memory_allocated": peak[0], "max_memory_reserved": peak[1]}
     out = {"rc": rc, "wall_s": round(time.monotonic() - t0, 1), "steps": steps, **end,
+           "spawned_at": spawned, "marks": _marks(metrics),  # where its start and its end went
            "log_tail": err[-4000:]}  # where the start-up's time went (its log lines are timestamped)
     if rc != 0:
         out["stderr_tail"] = err[-3000:]
@@ -277,7 +309,10 @@ def _summary(run: dict) -> dict:
     if not timed:
         return {"rc": run.get("rc"), "error": (run.get("stderr_tail") or "no steps")[-2500:]}
     med = lambda key: statistics.median(s[key] for s in timed if s.get(key) is not None)  # noqa: E731
+    first = min((m[1] for m in run.get("marks", []) if m[0] == "step"), default=None)
     return {"rc": run["rc"], "steps": len(steps), "tokens_per_s": med("tokens_per_s"), "step_ms": med("step_ms"),
+            "to_first_step_s": round(first - run["spawned_at"], 1) if first else None, "marks": run.get("marks", []),
+            "spawned_at": run.get("spawned_at"),
             "fetch_ms": med("fetch_ms"), "fwd_ms": med("fwd_ms"), "bwd_ms": med("bwd_ms"), "opt_ms": med("opt_ms"),
             "max_memory_gib": round(run.get("max_memory_allocated", 0) / 2**30, 2),
             "max_reserved_gib": round(run.get("max_memory_reserved", 0) / 2**30, 2),
@@ -524,11 +559,13 @@ def width(args) -> None:
     out = Path(args.out)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = SMOKE_SHAPE if args.smoke else SHAPES[args.shape]
-    name = "smoke" if args.smoke else args.shape
-    work = Path(args.work) / name
+    name = ("smoke" if args.smoke else args.shape) + ("" if args.recipe == "default" else f"-{args.recipe}")
+    work = Path(args.work) / ("smoke" if args.smoke else args.shape)
     rec: dict = {"shape": {k: v for k, v in shape.items()}, "device": torch.cuda.get_device_name() if device == "cuda"
                  else "cpu", "settings": {"steps": args.steps, "total_seq_len": args.total_seq_len, "lr": 3e-4,
-                                          "ttt_steps": 3, "num_layers": 1, "loader_workers": args.workers}}
+                                          "ttt_steps": 3, "num_layers": 1, "loader_workers": args.workers,
+                                          "recipe": args.recipe, "recipe_flags": RECIPES[args.recipe],
+                                          "loss_implementation": args.loss}}
     path = out / f"train-width-{name}.json"
     deadline = time.monotonic() + args.budget
     t = time.monotonic()
@@ -553,14 +590,15 @@ def width(args) -> None:
     per_epoch = _batches_per_epoch(dataset, args.total_seq_len)
 
     common = ["--steps", str(args.steps), "--total-seq-len", str(args.total_seq_len), "--lr", "3e-4",
-              "--ttt-steps", "3", "--num-layers", "1", "--train-ratio", "0.75"]
+              "--ttt-steps", "3", "--num-layers", "1", "--train-ratio", "0.75", "--mask-token-id", "0",
+              "--loss-implementation", args.loss, *RECIPES[args.recipe]]
     runs = rec.setdefault("runs", {})
     export = work / "export"
 
     def datagen_run(seed: int) -> None:
         draft = work / f"draft-datagen-{seed}"
         subprocess.run(["rm", "-rf", str(draft)])
-        argv = ["train", str(dataset), "--out", str(draft), "--model", str(verifier), "--device", device, "--loss", args.loss,
+        argv = ["train", str(dataset), "--out", str(draft), "--model", str(verifier), "--device", device,
                 "--loader-workers", str(args.workers), "--seed", str(seed), *common]
         r = _run_child("datagen", work / f"metrics-datagen-{seed}.jsonl", argv, timeout=args.run_timeout,
                        steps_wanted=args.steps)
@@ -589,7 +627,8 @@ def width(args) -> None:
                 "--checkpoint-freq", "1000",
                 "--logger", "", "--log-dir", str(work / "logs"), "--no-resume-from-checkpoint",
                 "--hidden-states-backend", "file", "--mask-token-id", "0",
-                "--target-layer-ids", *map(str, shape["layer_ids"][:-1])]
+                "--target-layer-ids", *map(str, shape["layer_ids"][:-1]), *RECIPES[args.recipe],
+                *(["--draft-attn-impl", "sdpa"] if device == "cpu" else [])]  # as `datagen train` on the CPU
         r = _run_child("speculators", work / f"metrics-speculators-{seed}.jsonl", argv, timeout=args.run_timeout,
                        steps_wanted=args.steps)
         runs[f"speculators seed {seed}"] = _summary(r)
@@ -671,7 +710,8 @@ def proof(args) -> None:
     out, work = Path(args.out), Path(args.work)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rec: dict = {"sizes": {"rows": args.rows, "new_tokens": args.new_tokens, "steps": args.steps, "seeds": args.seeds,
-                           "measured_rows": args.measured_rows, "total_seq_len": args.total_seq_len},
+                           "measured_rows": args.measured_rows, "total_seq_len": args.total_seq_len,
+                           "recipes": {r: RECIPES[r] for r in args.recipes}},
                  "timings": {}}
     path = out / "train-proof-gpu.json"
     t = time.monotonic()
@@ -696,11 +736,17 @@ def proof(args) -> None:
     _save(path, rec)
 
     # one process per group of drafts, all at once on the one GPU
-    jobs = [("untrained", 0, 0)]
-    for seed in range(args.seeds):
-        jobs += [("bf16", seed, args.steps), ("off-by-one", seed, args.steps), ("gross", seed, args.steps),
-                 ("fp8", seed, args.steps)]
-    jobs.append(("bf16-half", 0, args.steps // 2))
+    # a case of another recipe than speculators' default is named "<case>.<recipe>" (bf16.adamw)
+    jobs = []
+    for recipe in args.recipes:
+        tag = "" if recipe == "default" else f".{recipe}"
+        jobs.append((f"untrained{tag}", 0, 0))
+        for seed in range(args.seeds):
+            jobs += [(f"{case}{tag}", seed, args.steps) for case in ("bf16", "off-by-one", "gross")]
+            if recipe == "default":
+                jobs.append(("fp8", seed, args.steps))
+    if "default" in args.recipes:
+        jobs.append(("bf16-half", 0, args.steps // 2))
     groups: dict[int, list] = {}
     for i, j in enumerate(jobs):
         groups.setdefault(i % args.procs, []).append(j)
@@ -740,7 +786,7 @@ def proof_drafts(spec_path: str, out_path: str) -> None:
     from datagen.training.agreement import Features, TargetStates, measure_agreement
     from datagen.training.draft import LINEAGE_NAME, TrainedDraft, read_lineage, train_draft, untrained_draft
     from datagen.training.layers import LayerView
-    from datagen.training.settings import Device, DraftSettings
+    from datagen.training.settings import Device, DraftSettings, trained_with
 
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec.get("threads", 3))  # the processes share the machine's cores
@@ -752,17 +798,19 @@ def proof_drafts(spec_path: str, out_path: str) -> None:
             "gross": LayerView(union, tp.GROSS, labels=tp.RIGHT)}
     target = TargetStates(model, device=spec["device"])  # float32 on the GPU (TF32 off: torch's default)
     measured: dict[str, list] = {}
-    for case, seed, steps in spec["jobs"]:
+    for job, seed, steps in spec["jobs"]:
+        case, _, recipe = job.partition(".")
         if time.time() > spec["deadline"]:
             _log(f"{case} seed {seed}: skipped (past the deadline)")
             continue
         settings = DraftSettings(steps=max(1, steps), seed=seed, total_seq_len=spec["total_seq_len"],
                                  draft_vocab_size=tp.DRAFT_VOCAB, ttt_steps=3, train_ratio=0.75, lr=tp.LR,
-                                 warmup_ratio=tp.WARMUP, device=Device(spec["device"]),
-                                 loader_workers=spec["workers"])
-        draft = work / "drafts" / f"{case}-{seed}-{steps}"
+                                 scheduler_warmup_ratio=tp.WARMUP, device=Device(spec["device"]),
+                                 loader_workers=spec["workers"], loss_implementation="eager",
+                                 **RECIPE_SETTINGS[recipe or "default"])
+        draft = work / "drafts" / f"{job}-{seed}-{steps}"
         t0 = time.monotonic()
-        if (draft / LINEAGE_NAME).exists() and read_lineage(draft).settings == settings:  # trained by an earlier run
+        if (draft / LINEAGE_NAME).exists() and trained_with(read_lineage(draft).settings, settings):  # an earlier run's
             d = TrainedDraft(path=draft, lineage=read_lineage(draft))
         else:
             subprocess.run(["rm", "-rf", str(draft)])
@@ -778,16 +826,16 @@ def proof_drafts(spec_path: str, out_path: str) -> None:
                  "held_out_samples": r.held_out_samples, "measure_s": round(time.monotonic() - t1, 1),
                  "feature_error": {e.layer: round(e.median, 4) for e in r.feature_error},
                  "feature_error_p99": {e.layer: round(e.p99, 4) for e in r.feature_error if hasattr(e, "p99")}}
-        measured.setdefault(case, []).append(entry)
+        measured.setdefault(job, []).append(entry)
         if case in ("off-by-one", "gross"):
             own = measure_agreement(draft, data[case], features=Features.DATASET, max_samples=spec["measured_rows"],
                                     device=spec["device"])
-            measured.setdefault(f"{case} (own states)", []).append(
+            measured.setdefault(f"{job} (own states)", []).append(
                 {"seed": seed, "steps": steps, "agreement": [p.agreement for p in own.positions],
                  "conditional": [p.conditional for p in own.positions], "acceptance_length": own.acceptance_length,
                  "slots": [p.slots for p in own.positions], "losses": [], "held_out_samples": own.held_out_samples,
                  "feature_error": {}})
-        _log(f"{case} seed {seed} ({steps} steps): acceptance {r.acceptance_length:.3f}, "
+        _log(f"{job} seed {seed} ({steps} steps): acceptance {r.acceptance_length:.3f}, "
              f"agreement {[round(a, 3) for a in entry['agreement']]}, trained in {train_s:.0f} s")
         Path(out_path).write_text(json.dumps(measured))
 
@@ -815,7 +863,8 @@ def proof_spec(args) -> None:
 
     def order(d: Path):
         case, seed, _ = d.name.rsplit("-", 2)
-        return (int(seed), SPEC_ORDER.index(case) if case in SPEC_ORDER else 99)
+        base, _, recipe = case.partition(".")  # "<case>.<recipe>": another recipe's draft of the case
+        return (int(seed), recipe, SPEC_ORDER.index(base) if base in SPEC_ORDER else 99)
 
     todo = sorted((d for d in (work / "drafts").iterdir() if (d / "config.json").exists() and d.name not in done
                    and int(d.name.rsplit("-", 2)[1]) in args.seeds
@@ -961,7 +1010,11 @@ def main() -> None:
                    help="which training runs: datagen, speculators")
     p.add_argument("--budget", type=float, default=420.0, help="seconds; no new run starts past it")
     p.add_argument("--run-timeout", type=float, default=240.0, help="seconds one training run may take")
-    p.add_argument("--loss", choices=("eager", "fused"), default="eager", help="speculators' loss, both pipelines")
+    p.add_argument("--loss", choices=("eager", "fused"), default="eager",
+                   help="speculators' --loss-implementation, both pipelines")
+    p.add_argument("--recipe", choices=sorted(RECIPES), default="default",
+                   help="default: speculators' default recipe; adamw: AdamW without norm_before_fc/norm_output "
+                        "(both pipelines; the JSON is train-width-<shape>[-adamw].json)")
     p.add_argument("--smoke", action="store_true", help="a tiny shape (CPU)")
     p = sub.add_parser("reader", help="the loader alone: speculators' collate vs direct, per shape and workers")
     p.add_argument("--shapes", type=lambda s: s.split(","), default=["kimi", "8b"])
@@ -990,6 +1043,9 @@ def main() -> None:
     p.add_argument("--procs", type=int, default=5)
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--budget", type=float, default=400.0)
+    p.add_argument("--recipes", type=lambda s: s.split(","), default=["default"],
+                   help=f"comma-separated, of {', '.join(RECIPES)}: the drafts of each (another recipe's cases are "
+                        "named <case>.<recipe>)")
     p = sub.add_parser("proof-spec")
     p.add_argument("--work", required=True)
     p.add_argument("--out", required=True)

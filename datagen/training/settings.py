@@ -70,3 +70,9 @@ def resolve_settings(settings: DraftSettings, *, dataset: str, verifier: Path, l
         raise SpecError(f"speculators refuses the training options: {e}",
                         hint="fix the options named (`datagen train --help` lists them)") from e
     return recipe, settings.model_copy(update=recipe.offered())
+
+
+def trained_with(resolved: DraftSettings, settings: DraftSettings) -> bool:
+    """Whether a draft whose lineage holds ``resolved`` was trained with ``settings``: every field they set
+    has its value there (the unset ones were speculators' defaults of that run's release)."""
+    return resolved.model_copy(update=settings.model_dump(exclude_unset=True)) == resolved
