@@ -23,6 +23,7 @@ import logging
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -91,37 +92,106 @@ def make_engine(p: Plan) -> Engine:
 
 
 class Progress:
-    """A bar with tokens/s on a terminal, a log line every few seconds otherwise."""
+    """What a run has done and how fast: on a terminal a bar, else a log line every few seconds.
 
-    def __init__(self, total_tokens: int, done_tokens: int = 0):
-        self.total, self.done = total_tokens, done_tokens
-        self.t0 = time.monotonic()
-        self.new = 0
-        self.last_log = self.t0
+    Rates count from the moment the first token is handed to the engine (``begin``), never from
+    the process start (the engine's start is said once, in its own line): the rate since then, the
+    rate over the last minute, tokens done and left, the time left at the last minute's rate, and
+    the bytes of shards written per second. Each line starts ``progress DONE/TOTAL tokens`` (the
+    orchestration follows a range's progress by it, tasks/artifacts.py).
+    """
+
+    WINDOW_S = 60.0
+
+    def __init__(self, total_tokens: int, *, clock=time.monotonic, terminal: bool | None = None,
+                 interval_s: float | None = None):
+        self.total, self.done, self.written = total_tokens, 0, 0
+        self.clock = clock
+        self.interval_s = settings.progress_interval_s() if interval_s is None else interval_s
+        self.first: float | None = None  # when the first token was handed over
+        self.last_log: float | None = None
+        self._recent: deque[tuple[float, int, int]] = deque()  # (time, tokens done, bytes written)
+        self._lock = threading.Lock()
         self.bar = None
-        if sys.stderr.isatty():
+        if sys.stderr.isatty() if terminal is None else terminal:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_tokens, initial=done_tokens, unit="tok", unit_scale=True, desc="extract")
+            self.bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="extract")
+
+    def begin(self) -> None:
+        """The first token is handed to the engine now: the rates count from here."""
+        if self.first is None:
+            self.first = self.last_log = self.clock()
+            self._recent.append((self.first, 0, 0))
 
     def advance(self, tokens: int) -> None:
-        self.done += tokens
-        self.new += tokens
+        """``tokens`` more are done."""
+        self.begin()
+        with self._lock:
+            self.done += tokens
+            self._tick()
         if self.bar is not None:
             self.bar.update(tokens)
+            self.bar.set_postfix_str(self.postfix(), refresh=False)
             return
-        now = time.monotonic()
-        if now - self.last_log >= settings.progress_interval_s() or self.done >= self.total:
+        now = self.clock()
+        if now - self.last_log >= self.interval_s or self.done >= self.total:
             self.last_log = now
-            log.info("progress %d/%d tokens (%.0f%%), %.0f tokens/s", self.done, self.total,
-                     100.0 * self.done / max(self.total, 1), self.rate())
+            log.info("%s", self.line())
+
+    def wrote(self, nbytes: int) -> None:
+        """Shards of ``nbytes`` bytes were written (any thread)."""
+        self.begin()
+        with self._lock:
+            self.written += nbytes
+            self._tick()
+
+    def _tick(self) -> None:
+        now = self.clock()
+        self._recent.append((now, self.done, self.written))
+        while len(self._recent) > 2 and self._recent[1][0] <= now - self.WINDOW_S:
+            self._recent.popleft()  # keep one point at or before the window's start
 
     def rate(self) -> float:
-        return self.new / max(time.monotonic() - self.t0, 1e-9)
+        """Tokens per second since the first token was handed over."""
+        if self.first is None:
+            return 0.0
+        return self.done / max(self.clock() - self.first, 1e-9)
+
+    def recent(self) -> tuple[float, float]:
+        """Tokens per second and bytes written per second over the last minute."""
+        if not self._recent:
+            return 0.0, 0.0
+        now = self.clock()
+        t0, done0, written0 = self._recent[0]
+        dt = max(now - t0, 1e-9)
+        return (self.done - done0) / dt, (self.written - written0) / dt
+
+    def seconds_left(self) -> float | None:
+        """At the last minute's rate; None before any token is done."""
+        tokens_s, _ = self.recent()
+        return (self.total - self.done) / tokens_s if tokens_s > 0 else None
+
+    def postfix(self) -> str:
+        tokens_s, bytes_s = self.recent()
+        left = self.seconds_left()
+        return (f"{self.rate():,.0f} tokens/s since the first token, {tokens_s:,.0f} tokens/s last minute, "
+                f"{self.total - self.done:,} tokens left, {_duration(left)} left, {bytes_s / 1e9:.2f} GB/s written")
+
+    def line(self) -> str:
+        return (f"progress {self.done}/{self.total} tokens ({100.0 * self.done / max(self.total, 1):.0f}%), "
+                + self.postfix())
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "unknown time"
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
 def extract_shards(p: Plan, engine: Engine, shards: Iterable[int], *,
@@ -137,7 +207,9 @@ def extract_shards(p: Plan, engine: Engine, shards: Iterable[int], *,
     """
     records: dict[int, ShardRecord] = {}
     submitted = []
-    saver = _RecordSaver(p, engine, records)
+    saver = _RecordSaver(p, engine, records, progress)
+    if progress is not None:
+        progress.begin()
     try:
         for k in shards:
             job = build_job(p, k)
@@ -164,8 +236,8 @@ class _RecordSaver:
 
     INTERVAL_S = 0.05
 
-    def __init__(self, p: Plan, engine: Engine, records: dict[int, ShardRecord]):
-        self.p, self.engine, self.records = p, engine, records
+    def __init__(self, p: Plan, engine: Engine, records: dict[int, ShardRecord], progress: Progress | None = None):
+        self.p, self.engine, self.records, self.progress = p, engine, records, progress
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="datagen-records", daemon=True)
@@ -173,6 +245,8 @@ class _RecordSaver:
 
     def save(self, recs: list[ShardRecord]) -> None:
         save_records(self.p.spec.out, _placed(self.p, recs), self.records)
+        if recs and self.progress is not None:
+            self.progress.wrote(sum(r.bytes for r in recs))
 
     def _loop(self) -> None:
         try:
@@ -275,7 +349,9 @@ def _run_locked(p: Plan, *, whole: bool, lo: int, hi: int, t0: float, store_plan
     else:
         progress = Progress(tokens_todo)
         with make_engine(p) as engine:
+            t_start = time.monotonic()
             engine.start()
+            log.info("engine started in %.1f s", time.monotonic() - t_start)
             commit(p, done, store_plan=store_plan)
             records.update(extract_shards(p, engine, todo, progress=progress))
         progress.close()
