@@ -42,6 +42,14 @@ def test_the_extract_spec_carries_what_decides_the_dataset():
     assert x.engine.tensor_parallel_size == 8
 
 
+def test_shards_are_sized_by_bytes_unless_the_spec_names_rows():
+    x = spec().extract_spec(model_dir="/m", model_revision=None)
+    assert (x.shard_sizing.value, x.resolved_shard_bytes, x.samples_per_shard) == ("bytes", 1 << 30, None)
+    x = spec(shard_bytes=2 << 30).extract_spec(model_dir="/m", model_revision=None)
+    assert (x.shard_sizing.value, x.resolved_shard_bytes) == ("bytes", 2 << 30)
+    assert spec(samples_per_shard=8).extract_spec(model_dir="/m", model_revision=None).shard_sizing.value == "rows"
+
+
 def test_the_sources_spec_is_what_env_check_and_download_read():
     from datagen.storage.sources import parse_sources_spec
 
@@ -63,6 +71,8 @@ def test_only_cuda_specs_ask_for_gpus():
         ({"publish_to": "/local/dir"}, "publish_to"),
         ({"layer_ids": [30, 2]}, "layer_ids"),
         ({"shards_per_task": 0}, "shards_per_task"),
+        ({"shard_bytes": 0}, "shard_bytes"),
+        ({"shard_bytes": 1 << 30, "samples_per_shard": 8}, "name one"),
         ({"runner": "kubernetes"}, "runner"),
         ({"unknown": 1}, "unknown"),
     ],
