@@ -184,24 +184,44 @@ def phases(marks: list, *, spawned: float, ended: float) -> dict:
     started, imports, returned = at["started"][0], at["imports"][1], at["returned"][0]
     before: dict = {"interpreter start": started - spawned, "imports": imports - started}
     after: dict = {}
-    spans = []  # the outermost spans only: a call timed inside another (speculators' build_draft_model inside
-    for s, e, name in sorted((m[1], m[2], m[0]) for m in marks if m[0] not in at and m[0] != "step"):  # datagen's)
-        if not spans or s >= spans[-1][1]:
-            spans.append((s, e, name))
+    spans = _merged((m[1], m[2], m[0]) for m in marks if m[0] not in at and m[0] != "step")
     for s, e, name in spans:
         if e <= first:
             before[name] = before.get(name, 0.0) + (e - s)
         elif s >= last:
             after[name] = after.get(name, 0.0) + (e - s)
+    # calls that ran at once (the shards' hash beside the draft's build) count once in "other"
+    covered = {k: sum(e - s for s, e in _union((s, e) for s, e, _ in spans if where(s, e))) for k, where in
+               (("before", lambda s, e: e <= first), ("after", lambda s, e: s >= last))}
     # the first step's own time: from the last span that ended before it (the trainer made) to its record
     made = max([e for s, e, _ in spans if e <= first] + [imports])
     before["first step (compile, first batch)"] = first - made
-    before["other"] = (first - spawned) - sum(before.values())
+    before["other"] = (first - spawned) - (started - spawned) - (imports - started) \
+        - covered["before"] - before["first step (compile, first batch)"]
     after["process exit"] = ended - returned
-    after["other"] = (ended - last) - sum(after.values())
+    after["other"] = (ended - last) - covered["after"] - after["process exit"]
     step_ms = {k: statistics.median(p[k] for p in profiles[1:] or profiles) for k in (profiles or [{}])[0]}
     return {"before_first_step": before, "to_first_step": first - spawned, "steps": len(steps), "step_ms": step_ms,
             "steps_s": last - first, "after_last_step": after, "after_last_s": ended - last, "wall_s": ended - spawned}
+
+
+def _union(intervals) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def _merged(spans) -> list[tuple[float, float, str]]:
+    """Each phase's spans merged where they overlap (a call timed inside another of the same phase:
+    speculators' build_draft_model inside datagen's build_draft)."""
+    by: dict[str, list] = {}
+    for s, e, name in spans:
+        by.setdefault(name, []).append((s, e))
+    return sorted((s, e, name) for name, iv in by.items() for s, e in _union(iv))
 
 
 def run(work: Path, *, steps: int, repeats: int, tokens: int, total_seq_len: int) -> dict:
@@ -243,6 +263,10 @@ def _median_phases(runs: list[dict], key: str) -> dict:
     return {n: statistics.median(r[key].get(n, 0.0) for r in runs) for n in names}
 
 
+def _s(seconds: float | None) -> str:
+    return "" if seconds is None else f"{seconds:.2f}"
+
+
 def table(rec: dict) -> str:
     m = {p: rec["runs"][p] for p in PIPELINES}
     med = lambda p, k: statistics.median(r[k] for r in m[p])  # noqa: E731
@@ -264,8 +288,7 @@ def table(rec: dict) -> str:
         lines += ["", f"| {title} | datagen train | speculators' script |", "|---|---|---|"]
         a, b = _median_phases(m["datagen"], key), _median_phases(m["speculators"], key)
         for n in dict.fromkeys([*a, *b]):
-            lines.append(f"| {n} | {a[n]:.2f} |" if n not in b else
-                         f"| {n} | {a[n]:.2f} | {b[n]:.2f} |" if n in a else f"| {n} | | {b[n]:.2f} |")
+            lines.append(f"| {n} | {_s(a.get(n))} | {_s(b.get(n))} |")
     return "\n".join(lines)
 
 
