@@ -1,4 +1,4 @@
-"""`datagen plan`: the output-size check from the plan's own token count."""
+"""`datagen plan`: the output-size check from the plan's own token count, and shards sized by bytes."""
 
 from __future__ import annotations
 
@@ -72,3 +72,54 @@ def test_a_range_is_on_disk_only_when_every_shard_of_it_is_complete():
     assert planned.range_on_disk(ShardRange(first=2, stop=4))
     assert planned.range_on_disk(ShardRange(first=1, stop=2))
     assert not PlanResult.model_construct(shards_complete=[]).range_on_disk(ShardRange(first=2, stop=4))
+
+
+def _result(capsys, *argv) -> tuple[int, dict, str]:
+    import json
+
+    from datagen.cli import RESULT_PREFIX
+
+    code = datagen_main(list(argv))
+    out = capsys.readouterr()
+    lines = [x for x in out.out.splitlines() if x.startswith(RESULT_PREFIX)]
+    return code, json.loads(lines[-1][len(RESULT_PREFIX):]) if lines else {}, out.err
+
+
+def test_shards_sized_by_bytes_are_planned_weighed_and_resumed_byte_for_byte(capsys, caplog, tmp_path, tiny_llama):
+    """3 layers x 128 x 2 bytes = 768 bytes of states a token; a 40 kB target cuts 12 rows of 10-90
+    tokens into shards of whole rows. The plan says what they weigh; a range re-extracted from the
+    stored plan (its boundaries recorded) writes the same bytes."""
+    rows = write_jsonl(tmp_path / "rows.jsonl", token_rows([40, 60, 30, 80, 20, 50, 70, 10, 90, 30, 40, 60]))
+    out = tmp_path / "ds"
+    common = ["--model", str(tiny_llama), "--dataset", str(rows), "--out", str(out), "--engine", "hf",
+              "--shard-bytes", "40000"]
+    code, planned, err = _result(capsys, "plan", *common)
+    assert code == 0, err
+    w = planned["shard_state_bytes"]
+    assert planned["num_shards"] > 2 and 0 < w["min"] <= w["median"] <= w["max"] <= 80_000, planned
+    assert planned["spec"]["preprocessing"]["shard_bytes"] == 40_000
+    assert "samples_per_shard" not in planned["spec"]["preprocessing"]
+    assert planned["spec"]["engine"]["shard_group"] == planned["shard_group"] == 4096  # 52 tokens a shard
+    caplog.set_level("INFO", logger="datagen")
+    code, done, err = _result(capsys, "extract", *common)
+    assert code == 0, err
+    firsts = [s["first_sample"] for s in done["shards"]]
+    assert firsts[0] == 0 and firsts == sorted(firsts) and sum(s["rows"] for s in done["shards"]) == 12
+    assert all(s["tokens"] * 768 <= 80_000 or s["rows"] == 1 for s in done["shards"])
+    k = 1
+    shard = out / "shards" / f"shard-{k:06d}.safetensors"
+    before = shard.read_bytes()
+    shard.unlink()
+    code, again, err = _result(capsys, "extract", *common, "--shards", f"{k}:{k + 1}")
+    assert code == 0 and again["shards_extracted"] == [k], err
+    assert any(r.getMessage().startswith("plan: loaded from") for r in caplog.records)
+    assert shard.read_bytes() == before
+
+
+def test_a_spec_naming_both_shard_sizes_is_refused_before_anything_is_written(capsys, tmp_path, tiny_llama):
+    rows = write_jsonl(tmp_path / "rows.jsonl", token_rows([10, 10]))
+    code = datagen_main(["extract", "--model", str(tiny_llama), "--dataset", str(rows), "--out", str(tmp_path / "ds"),
+                         "--engine", "hf", "--shard-bytes", "1000", "--samples-per-shard", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "name one" in err and "--samples-per-shard" in err, err
+    assert not (tmp_path / "ds").exists()
