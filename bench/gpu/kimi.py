@@ -349,7 +349,7 @@ def wide_bench(args) -> None:
         if args.clean:
             shutil.rmtree(work / "runs", ignore_errors=True)
     # the disk bound: the volume's direct-write rate over the bytes a token costs in each storage dtype
-    from bench.gpu.storage import dd_direct
+    from bench.gpu.timing import dd_direct
 
     res["disk"] = dd_direct(work, 4096)
     rate = res["disk"].get("dd_bytes_per_s")

@@ -469,7 +469,7 @@ def bench(args) -> None:
     res["extract_over_plain_images_with_load"] = med["extract_images_tokens_per_s"] / with_load
     res["goal_0_95"] = res["extract_over_plain_images"] >= 0.95
     # the disk bound, as for text rows: the volume's direct-write rate over the bytes a token costs
-    from bench.gpu.storage import dd_direct
+    from bench.gpu.timing import dd_direct
 
     res["disk"] = dd_direct(work, 4096)
     bpt = statistics.median(res["extract_images_bytes_per_s"]) / med["extract_images_tokens_per_s"]

@@ -1,17 +1,42 @@
-"""The project's extraction on a CUDA GPU, against plain vLLM prefill and the roofline.
+"""The GPU bench drives the product: `datagen extract` as the README says it, the `extract/kimi`
+deployment's spec through the flow's extract step, plain vLLM prefill on the same engine settings,
+and the disk bound; one JSON per stage, one table and one plot.
 
-Runs on the GPU machine (bench/gpu/README.md says how vLLM gets there):
+Here (prefect installed), once, whenever prefect.yaml's `kimi` deployment changes:
 
-    python3 bench/gpu/run.py model  --dir /tmp/m8b             # random 8B Llama shape, built on the GPU
-    python3 bench/gpu/run.py bench  --model /tmp/m8b --out $OUT  # plain prefill vs datagen extract, 3 runs each
-    python3 bench/gpu/run.py parity --out $OUT                   # capture == transformers on CUDA
-    python3 bench/gpu/run.py v2     --out $OUT                   # Model Runner V2 without the pin
-    python3 bench/gpu/run.py disk   --out $OUT                   # plain sequential write speed
+    python bench/gpu/run.py spec            # bench/gpu/deploy-kimi.json: the extract step's spec of `kimi`
 
-Each writes a JSON file under --out; bench/gpu/report.py turns them into the table and plots.
-Extraction is timed around the shard loop of the real engine (``VllmEngine``: patches, capture,
-shard writer), with the engine started once and the loop repeated into fresh output
-directories; plain prefill is timed around ``LLM.generate`` of the same rows and settings.
+On the GPU machine (bench/gpu/README.md says how vLLM gets there), each in a call of its own:
+
+    python3 bench/gpu/run.py make --shape kimi --work /tmp/gb     # the checkpoint and the rows (no vLLM)
+    python3 bench/gpu/run.py run --shape kimi --work /tmp/gb --out $OUT --budget 540 \
+        --stages disk,cli-fp8,plain,cli-bf16,deploy
+    python3 bench/gpu/run.py report --results $OUT                # table.md, table.png, bench.json
+
+Anywhere, on the CPU engine: ``--shape tiny --rows 8 --row-len 64`` (the smoke).
+
+Stages (each in a process of its own, under a timeout; a failure is recorded with its log tail):
+
+  cli-bf16, cli-fp8  ``python -m datagen extract --model M --dataset D --out O`` and nothing else but
+                     ``--storage-dtype fp8_e4m3`` for fp8 and ``--tensor-parallel-size N`` when N > 1
+                     GPUs are visible: the README's command with every default
+  deploy             prefect.yaml's `kimi` spec as tasks/pipeline_spec.py turns it into the extract
+                     step's spec (bench/gpu/deploy-kimi.json, made here by ``spec``), with the model,
+                     dataset, output and tensor parallel size replaced, run as the flow's local runner
+                     runs it: ``datagen plan --spec``, ``datagen extract --spec`` of each range of
+                     ``shards_per_task`` shards (the range call's environment), then
+                     ``datagen extract --spec`` again to write the manifest; ``deploy-fp8`` the same
+                     with the spec's storage dtype fp8_e4m3
+  plain              plain vLLM prefill (``bench.gpu.timing.plain_prefill``) on the engine arguments
+                     the default command's plan gives (``VllmSettings.from_plan``) less the capture;
+                     also on the deployment's, where those differ
+  disk               ``dd if=/dev/zero bs=64M oflag=direct`` onto the output's volume
+
+Steady rate: the tokens over the time from the first token handed to the engine to the last shard
+written. Where the product's last progress line gives its rate since the first token, that figure;
+else the driver's: from the arrival of the first progress line (logged when the first shard is
+handed over, after the engine's start) to the newest shard file's modification time. Both are
+kept, with the command's wall time and the engine's start (the product's line where it says it).
 """
 
 from __future__ import annotations
@@ -19,231 +44,544 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROWS = int(os.environ.get("BENCH_ROWS", "256"))
-PER_SHARD = int(os.environ.get("BENCH_PER_SHARD", "64"))
-ROW_LEN, LAYERS_8B = 1024, (2, 16, 29, 32)
-ENGINE = dict(max_num_batched_tokens=16384, max_num_seqs=256)
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from bench.gpu.models import VOCAB, build, write_rows  # noqa: E402
+
+DEPLOY_SPEC = REPO / "bench" / "gpu" / "deploy-kimi.json"
+FP8 = "fp8_e4m3"
+# expected seconds of each stage (a compiled engine's start included), for --budget
+EXPECT = {"kimi": {"disk": 30, "cli-fp8": 240, "cli-bf16": 200, "deploy": 230, "deploy-fp8": 230, "plain": 230,
+                   "plain-deploy": 230},
+          "8b": {"disk": 30, "cli-fp8": 150, "cli-bf16": 170, "deploy": 170, "deploy-fp8": 150, "plain": 160,
+                   "plain-deploy": 160},
+          "tiny": {"disk": 5, "cli-fp8": 90, "cli-bf16": 90, "deploy": 150, "deploy-fp8": 150, "plain": 90,
+                   "plain-deploy": 90}}
 
 
-def _rows(n: int, length: int, vocab: int, seed: int = 0):
-    import numpy as np
+# --- here: the deployment's spec ----------------------------------------------------------------
 
-    rng = np.random.default_rng(seed)
-    return [rng.integers(10, vocab - 10, size=length).astype("int32") for _ in range(n)]
+def make_spec(args) -> None:
+    """prefect.yaml's `kimi` parameters -> PipelineSpec -> the extract step's spec (as the flow makes it),
+    with placeholders for the model, dataset, output and tensor parallel size the device fills in."""
+    import yaml
+
+    from tasks.extract import range_call
+    from tasks.pipeline_spec import ShardRange, parse_pipeline_spec
+
+    deployments = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
+    raw = next(d for d in deployments if d["name"] == args.deployment)["parameters"]["spec"]
+    changed = {"model": "/bench/model", "dataset": "/bench/rows.jsonl", "output": "/bench/out"}
+    raw = {**raw, **changed, "engine": {**raw.get("engine", {}), "tensor_parallel_size": 1}}
+    # the deployment's layers are Kimi-K2.5's 61-layer set; the bench's checkpoints have 8 or 32 layers:
+    # the same rule ([2, N//2, N-3, N], the spec's default) picks theirs
+    layers = raw.pop("layer_ids", None)
+    spec = parse_pipeline_spec(raw)
+    xspec = spec.extract_spec(model_dir=changed["model"], model_revision=None)
+    call = range_call(xspec, ShardRange(first=0, stop=1), gpus=spec.gpus)
+    doc = {"deployment": args.deployment, "deployment_parameters": raw | {"layer_ids": layers},
+           "changed": sorted([*changed, "engine.tensor_parallel_size", "layer_ids (the model's EAGLE-3 default)",
+                              "model_revision (None: no download step)"]),
+           "extract_spec": xspec.model_dump(mode="json"), "shards_per_task": spec.shards_per_task,
+           "range_env": dict(call.env), "placeholders": changed}
+    Path(args.path).write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {args.path}: {json.dumps(doc['extract_spec'], sort_keys=True)}")
 
 
-def make_model(args) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+# --- the device: checkpoints and rows -----------------------------------------------------------
 
+def _paths(work: Path, shape: str) -> tuple[Path, Path]:
+    return work / shape / "model", work / shape / "rows.jsonl"
+
+
+def make(args) -> None:
+    work = Path(args.work)
+    model, rows = _paths(work, args.shape)
+    model.parent.mkdir(parents=True, exist_ok=True)
+    rec = build(args.shape, model)
+    tokens = write_rows(rows, args.rows, args.row_len, VOCAB[args.shape])
+    print(json.dumps({**rec, "rows": args.rows, "row_len": args.row_len, "tokens": tokens}), flush=True)
+
+
+# --- a command, line by line, timed ---------------------------------------------------------------
+
+def _run_cmd(cmd: list[str], env: dict, log, timeout: float) -> dict:
+    """Run ``cmd`` (its own process group), each output line stamped with its arrival time."""
     t0 = time.time()
-    cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-                      rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="bfloat16")
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.02)
-    model.save_pretrained(args.dir, safe_serialization=True)
-    print(f"model written to {args.dir} in {time.time() - t0:.0f} s", flush=True)
+    lines: list[tuple[float, str]] = []
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            text=True, errors="replace", bufsize=1, start_new_session=True, cwd=REPO)
+    deadline = t0 + timeout
+    try:
+        for line in proc.stdout:
+            now = time.time()
+            lines.append((now - t0, line.rstrip("\n")))
+            log.write(f"{now - t0:8.2f} {line}")
+            if now > deadline:
+                raise TimeoutError
+        rc = proc.wait(timeout=max(1.0, deadline - time.time()))
+    except (TimeoutError, subprocess.TimeoutExpired):
+        rc = "timeout"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    log.flush()
+    result = next((json.loads(l[len("datagen-result: "):]) for _, l in reversed(lines)
+                   if l.startswith("datagen-result: ")), None)
+    return {"cmd": cmd, "rc": rc, "t0": t0, "wall_s": round(time.time() - t0, 2), "lines": lines, "result": result}
 
 
-def _spec(model: str, data: str, out: str, layers, dtype="bfloat16"):
+PROGRESS = re.compile(r"\bprogress\b", re.I)
+RATE = re.compile(r"([\d][\d,]*(?:\.\d+)?)\s*(k?)\s*tokens/s", re.I)
+ENGINE_START = re.compile(r"engine\b[^\n]*?\bstart\w*\b[^\n]*?\b(?:in\s+)?([\d.]+)\s*s\b", re.I)
+
+
+def _num(m: re.Match) -> float:
+    return float(m.group(1).replace(",", "")) * (1000.0 if m.group(2).lower() == "k" else 1.0)
+
+
+def _measure(runs: list[dict], out_dir: Path, tokens: int) -> dict:
+    """The steady rate and the rest, from a stage's commands (the last one wrote the manifest)."""
+    all_lines = [(r["t0"] + t, l) for r in runs for t, l in r["lines"]]
+    prog = [(t, l) for t, l in all_lines if PROGRESS.search(l) and " INFO " in l]
+    shards = list((out_dir / "shards").glob("*.safetensors")) if out_dir.exists() else []
+    rec: dict = {"wall_s": round(sum(r["wall_s"] for r in runs), 2), "rc": [r["rc"] for r in runs],
+                 "shards": len(shards), "tokens": tokens,
+                 "progress_lines": [l for _, l in prog][:3] + ([l for _, l in prog][-3:] if len(prog) > 3 else []),
+                 "engine_lines": [l for _, l in all_lines if ENGINE_START.search(l) and " INFO " in l][:4]}
+    res = next((r["result"] for r in reversed(runs) if r["result"]), None)
+    extracted = [r["result"] for r in runs if r["result"] and r["result"].get("tokens_extracted")]
+    if extracted:
+        rec["tokens"] = tokens = sum(r["tokens_extracted"] for r in extracted)
+        rec["result_tokens_per_s"] = [r.get("tokens_per_s") for r in extracted]
+        rec["step_seconds"] = [r.get("seconds") for r in extracted]
+    if res:
+        rec["bytes"] = res.get("bytes") or (res.get("totals") or {}).get("bytes")
+        rec["engine"] = res.get("engine")
+        rec["layer_ids"] = res.get("layer_ids")
+        rec["shards_total"] = res.get("shards_total")
+    if rec.get("bytes") and tokens:
+        rec["bytes_per_token"] = rec["bytes"] / tokens
+    # the first token handed over: the product's "engine started" line, else its first progress line
+    started = [t for t, l in all_lines if ENGINE_START.search(l) and " INFO " in l]
+    t_first = started[0] if started else prog[0][0] if prog else None
+    if shards and t_first is not None:
+        t_last = max(p.stat().st_mtime for p in shards)
+        rec["first_token_s"] = round(t_first - runs[0]["t0"], 2)
+        rec["last_shard_s"] = round(t_last - runs[0]["t0"], 2)
+        rec["steady_driver"] = tokens / max(t_last - t_first, 1e-6)
+        if rec.get("bytes"):
+            rec["bytes_per_s_driver"] = rec["bytes"] / max(t_last - t_first, 1e-6)
+    if prog:
+        last = prog[-1][1]
+        rates = list(RATE.finditer(last))
+        if rates and re.search(r"first token|since", last, re.I):
+            rec["steady_product"] = _num(rates[0])
+    for _, l in all_lines:
+        m = ENGINE_START.search(l)
+        if m and " INFO " in l:
+            rec["engine_start_s"] = float(m.group(1))
+            break
+    else:
+        if prog:  # no line says it: the time to the first progress line (planning included)
+            rec["engine_start_s_to_first_progress"] = rec.get("first_progress_s")
+    rec["steady_tokens_per_s"] = rec.get("steady_product") or rec.get("steady_driver")
+    rec["steady_source"] = "product" if rec.get("steady_product") else "driver" if rec.get("steady_driver") else None
+    return rec
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def _tp() -> int:
+    try:
+        import torch
+
+        return max(1, torch.cuda.device_count())
+    except Exception:  # noqa: BLE001
+        return 1
+
+
+# --- stages --------------------------------------------------------------------------------------
+
+def stage_cli(work: Path, shape: str, dtype: str, log, timeout: float) -> dict:
+    model, _ = _paths(work, shape)
+    rows = _rows_that_fit(work, shape, dtype)
+    out = work / "runs" / f"{shape}-cli-{dtype}"
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "datagen", "extract", "--model", str(model), "--dataset", str(rows), "--out", str(out)]
+    if dtype == "fp8":
+        cmd += ["--storage-dtype", FP8]
+    if _tp() > 1:
+        cmd += ["--tensor-parallel-size", str(_tp())]
+    r = _run_cmd(cmd, _env(), log, timeout)
+    rec = {"command": " ".join(["datagen", *cmd[3:]]), "rows_file": rows.name, **_measure([r], out, _row_tokens(rows))}
+    if r["rc"] != 0:
+        rec["error_tail"] = [l for _, l in r["lines"][-25:]]
+    shutil.rmtree(out, ignore_errors=True)
+    return rec
+
+
+def _rows_that_fit(work: Path, shape: str, dtype: str) -> Path:
+    """The rows file, or its first rows where the whole run's states would not fit the volume (Kimi's
+    width in bf16: 1,024 x 1,024 tokens are 60 GB; 8 GB are left free)."""
+    model, rows = _paths(work, shape)
+    cfg = json.loads((model / "config.json").read_text())
+    hidden = (cfg.get("text_config") or {}).get("hidden_size") or cfg["hidden_size"]
+    lines = [l for l in rows.read_text().splitlines() if l.strip()]
+    per_row = len(json.loads(lines[0])["input_ids"]) * 4 * hidden * (1 if dtype == "fp8" else 2)
+    (work / "runs").mkdir(parents=True, exist_ok=True)
+    fit = int((shutil.disk_usage(work / "runs").free - 8e9) // per_row)
+    if fit >= len(lines):
+        return rows
+    n = max(64, fit // 64 * 64)
+    part = rows.with_name(f"rows-{n}.jsonl")
+    part.write_text("\n".join(lines[:n]) + "\n")
+    return part
+
+
+def _row_tokens(rows: Path) -> int:
+    with rows.open() as f:
+        return sum(len(json.loads(l)["input_ids"]) for l in f if l.strip())
+
+
+def _deploy_spec(work: Path, shape: str, dtype: str) -> tuple[dict, dict, Path]:
+    doc = json.loads(DEPLOY_SPEC.read_text())
+    model, _ = _paths(work, shape)
+    rows = _rows_that_fit(work, shape, dtype)
+    out = work / "runs" / f"{shape}-deploy-{dtype}"
+    spec = dict(doc["extract_spec"], model=str(model), dataset=str(rows), out=str(out))
+    spec["engine"] = dict(spec["engine"], tensor_parallel_size=_tp())
+    if dtype == "fp8":
+        spec["engine"]["storage_dtype"] = FP8
+    doc = dict(doc, changed=list(doc["changed"]))
+    pos = _positions(model)
+    if spec.get("max_seq_len") and pos and spec["max_seq_len"] >= pos:  # refused as it is: the longest that fits
+        spec["max_seq_len"] = pos - 1
+        doc["changed"].append(f"max_seq_len {doc['extract_spec']['max_seq_len']} -> {pos - 1} (the model's positions)")
+    return doc, spec, out
+
+
+def _positions(model: Path) -> int | None:
+    cfg = json.loads((model / "config.json").read_text())
+    return (cfg.get("text_config") or {}).get("max_position_embeddings") or cfg.get("max_position_embeddings")
+
+
+def stage_deploy(work: Path, shape: str, dtype: str, log, timeout: float) -> dict:
+    doc, spec, out = _deploy_spec(work, shape, dtype)
+    shutil.rmtree(out, ignore_errors=True)
+    sdir = work / "runs" / "specs"
+    sdir.mkdir(parents=True, exist_ok=True)
+    whole = sdir / f"{shape}-{dtype}.json"
+    whole.write_text(json.dumps(spec))
+    t_end = time.time() + timeout
+    py = [sys.executable, "-m", "datagen"]
+    runs = [_run_cmd([*py, "plan", "--spec", str(whole)], _env(), log, timeout)]
+    n = (runs[0]["result"] or {}).get("num_shards")
+    rec: dict = {"spec": spec, "changed": doc["changed"], "num_shards": n, "rows_file": Path(spec["dataset"]).name}
+    print(json.dumps({"deploy spec": spec, "changed": doc["changed"]}), file=log, flush=True)
+    if not n:
+        return {**rec, "rc": [runs[0]["rc"]], "error_tail": [l for _, l in runs[0]["lines"][-25:]]}
+    step = doc["shards_per_task"]
+    ranges = [(a, min(a + step, n)) for a in range(0, n, step)]
+    for a, b in ranges:
+        rs = sdir / f"{shape}-{dtype}-{a}-{b}.json"
+        rs.write_text(json.dumps({**spec, "shards": [a, b]}))
+        runs.append(_run_cmd([*py, "extract", "--spec", str(rs)], {**_env(), **doc["range_env"]}, log,
+                             t_end - time.time()))
+    runs.append(_run_cmd([*py, "extract", "--spec", str(whole)], _env(), log, max(10.0, t_end - time.time())))
+    rec.update(commands=[" ".join(["datagen", *r["cmd"][3:]]) for r in runs], ranges=ranges,
+               range_env=doc["range_env"], **_measure(runs[1:], out, _row_tokens(Path(spec["dataset"]))))
+    rec["plan_wall_s"] = runs[0]["wall_s"]
+    rec["wall_s"] = round(sum(r["wall_s"] for r in runs), 2)
+    if any(r["rc"] != 0 for r in runs):
+        rec["error_tail"] = [l for r in runs if r["rc"] != 0 for _, l in r["lines"][-25:]]
+    shutil.rmtree(out, ignore_errors=True)
+    return rec
+
+
+def _engine(spec: dict):
     from datagen.data.spec import parse_spec
-
-    return parse_spec({"model": model, "dataset": data, "out": out, "layer_ids": list(layers),
-                       "max_seq_len": ROW_LEN + 8, "samples_per_shard": PER_SHARD,
-                       "engine": {"dtype": dtype, **ENGINE}})
-
-
-def _write_rows(path: Path, rows) -> None:
-    with path.open("w") as f:
-        for r in rows:
-            f.write(json.dumps({"input_ids": r.tolist()}) + "\n")
-
-
-def _matmul_tflops() -> float:
-    import torch
-
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    t0 = time.time()
-    n = 50
-    for _ in range(n):
-        a @ b
-    torch.cuda.synchronize()
-    return 2 * 8192**3 * n / (time.time() - t0) / 1e12
-
-
-def bench(args) -> None:
-    """Plain prefill, then datagen extraction, each 3 times on one started engine."""
     from datagen.engines.vllm_engine import VllmEngine
+    from datagen.engines.vllm_settings import VllmSettings
     from datagen.extraction.plan import plan
 
-    out = Path(args.out)
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    rows = _rows(ROWS, ROW_LEN, 128256)
-    data = work / "rows.jsonl"
-    _write_rows(data, rows)
-    tokens = ROWS * ROW_LEN
-    result = {"rows": ROWS, "per_shard": PER_SHARD, "row_len": ROW_LEN, "layers": list(LAYERS_8B), "engine": ENGINE}
-    result["matmul_tflops"] = _matmul_tflops()
-    params = sum(p.numel() for p in _param_shapes(args.model))
-    result["params"] = params
-    result["compute_floor_tokens_per_s"] = result["matmul_tflops"] * 1e12 / (2 * params)
+    p = plan(parse_spec(spec))
+    return VllmEngine(p.info, VllmSettings.from_plan(p))
 
-    # Plain prefill: the same engine settings, no capture.
+
+def stage_plain(work: Path, shape: str, args, which: str = "cli") -> dict:
+    """In this process: plain prefill on the default command's engine arguments (``which`` "cli") or
+    the deployment's ("deploy": nothing run where they equal the default command's)."""
     from vllm.inputs import TokensPrompt
 
-    from bench.gpu.timing import extraction, plain_prefill
+    from bench.gpu.timing import plain_prefill
 
-    p = plan(_spec(args.model, str(data), str(work / "ds0"), LAYERS_8B))
-    eng = VllmEngine(p.info, layer_ids=p.layer_ids, dtype="bfloat16", storage_dtype="bfloat16",
-                     max_seq_len=p.spec.max_seq_len, **ENGINE)
-    prompts = [TokensPrompt(prompt_token_ids=r.tolist()) for r in rows]
-    plain, _ = plain_prefill(eng, prompts, tokens=tokens, repeats=3, warmup=16)
-    result["plain_tokens_per_s"] = plain
-
-    # datagen extraction: the real engine and shard writer, shards to local disk.
-    eng = VllmEngine(p.info, layer_ids=p.layer_ids, dtype="bfloat16", storage_dtype="bfloat16",
-                     max_seq_len=p.spec.max_seq_len, **ENGINE)
-    eng.start()
-
-    def plans():
-        for i in range(3):
-            yield plan(_spec(args.model, str(data), str(work / f"ds{i}"), LAYERS_8B))
-            shutil.rmtree(work / f"ds{i}")  # after the pass, before the next plan
-
-    warm = plan(_spec(args.model, str(data), str(work / "warm"), LAYERS_8B))
-    extract, written = extraction(eng, warm, plans(), tokens=tokens)
-    eng.close()
-    result["extract_tokens_per_s"] = extract
-    result["extract_bytes_per_s"] = written
-    med_plain, med_ex = statistics.median(plain), statistics.median(extract)
-    result["overhead"] = med_plain / med_ex
-    (out / "bench.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: result[k] for k in ("plain_tokens_per_s", "extract_tokens_per_s", "overhead",
-                                             "extract_bytes_per_s", "compute_floor_tokens_per_s")}, indent=1))
+    model, rows = _paths(work, shape)
+    ids = [json.loads(l)["input_ids"] for l in rows.open() if l.strip()]
+    prompts = [TokensPrompt(prompt_token_ids=r) for r in ids]
+    tokens = sum(map(len, ids))
+    cli = {"model": str(model), "dataset": str(rows), "out": str(work / "runs" / "plain")}
+    if _tp() > 1:
+        cli["engine"] = {"tensor_parallel_size": _tp()}
+    engines = {"cli": _engine(cli)}
+    if DEPLOY_SPEC.exists():
+        engines["deploy"] = _engine(_deploy_spec(work, shape, "bf16")[1])
+    kw = {k: _plain_kwargs(e) for k, e in engines.items()}
+    rec: dict = {"engine_kwargs": kw, "settings": which}
+    if which == "deploy":
+        diff = {k: [kw["cli"].get(k), kw["deploy"].get(k)] for k in sorted(set(kw["cli"]) | set(kw["deploy"]))
+                if kw["cli"].get(k) != kw["deploy"].get(k)}
+        rec["differs_from_cli"] = diff
+        if not diff:
+            return {**rec, "same_as": "cli"}
+    rates, start = plain_prefill(engines[which], prompts, tokens=tokens, repeats=args.repeats,
+                                 warmup=min(64, len(prompts)), until="synced")
+    return {**rec, "tokens_per_s": rates, "median": statistics.median(rates), "engine_start_s": round(start, 1)}
 
 
-def _param_shapes(model_dir: str):
-    import torch
-    from safetensors import safe_open
-
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            for k in st.keys():
-                yield torch.empty(st.get_slice(k).get_shape(), device="meta")
+def _plain_kwargs(eng) -> dict:
+    """The LLM arguments plain prefill runs with (timing.plain_prefill drops the capture's two)."""
+    kw = _jsonable(eng.engine_kwargs())
+    kw.pop("worker_extension_cls", None)
+    kw.pop("additional_config", None)
+    return kw
 
 
-def parity(args) -> None:
-    """A random 6-layer Llama: the project's capture on CUDA against transformers on CUDA."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from datagen.engines.hf import HFReference
-    from datagen.models.tiny import TinyArch, make_model as make_tiny
-    from datagen.validation.compare import compare_states, states_match
-
-    work = Path(args.work) / "parity"
-    shutil.rmtree(work, ignore_errors=True)
-    model = make_tiny(work / "model", arch=TinyArch(args.arch), num_layers=6, hidden=256 if args.arch == "llama" else None,
-                      with_tokenizer=False)
-    lengths = [5, 700, 33, 1500, 64]
-    rows = [r[:n] for r, n in zip(_rows(len(lengths), 1500, 500, seed=3), lengths)]
-    data = work / "rows.jsonl"
-    _write_rows(data, rows)
-    out = work / "ds"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    dtype = "float32" if args.arch == "deepseek_v3" else "bfloat16"
-    cmd = [sys.executable, "-m", "datagen", "extract", "--model", str(model), "--dataset", str(data), "--out", str(out),
-           "--max-num-batched-tokens", "512", "--samples-per-shard", "5", "--dtype", dtype,
-           "--tensor-parallel-size", str(args.tp)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        print(proc.stderr[-6000:])
-        raise SystemExit(proc.returncode)
-    from safetensors.torch import load_file
-
-    shard = load_file(str(out / "shards" / "shard-000000.safetensors"))
-    layer_ids = [2, 3, 6]
-    ref = HFReference(str(model), layer_ids=tuple(range(7)), num_hidden_layers=6, dtype=dtype, device="cuda")
-    off = shard["sample_offsets"].tolist()
-    report = {"arch": args.arch, "tp": args.tp, "dtype": dtype, "samples": []}
-    for i in range(len(off) - 1):
-        ids = shard["input_ids"][off[i]:off[i + 1]]
-        got = shard["hidden_states"][off[i]:off[i + 1]]
-        want = ref.states(ids)
-        cmp = compare_states(got, want[:, layer_ids])
-        wrong = states_match(got, want[:, [3, 4, 5]])
-        report["samples"].append({"tokens": len(ids), "max_rel": [c.max_rel for c in cmp],
-                                  "median_rel": [c.median_rel for c in cmp], "off_by_one_matches": wrong})
-    report["ok"] = all(max(s["max_rel"]) < 0.06 and not s["off_by_one_matches"] for s in report["samples"])
-    report["shard_sha256"] = json.loads((out / "manifest.json").read_text())["shards"][0]["sha256"]
-    name = f"parity-{args.arch}-tp{args.tp}.json"
-    (Path(args.out) / name).write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, indent=1))
-    torch_save = Path(args.out) / f"states-{args.arch}-tp{args.tp}.safetensors"
-    shutil.copy(out / "shards" / "shard-000000.safetensors", torch_save)
+def _jsonable(d: dict) -> dict:
+    return json.loads(json.dumps(d, default=str))
 
 
-def v2(args) -> None:
-    """What happens when Model Runner V2 is asked for (the pin left out, or V2 forced)."""
-    work = Path(args.work) / "v2"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    from datagen.models.tiny import TinyArch, make_model as make_tiny
-
-    model = make_tiny(work / "model", arch=TinyArch.LLAMA, num_layers=6, with_tokenizer=False)
-    data = work / "rows.jsonl"
-    _write_rows(data, _rows(4, 64, 500))
-    report = {}
-    for label, value in (("unset", None), ("forced_v2", "1")):
-        env = {k: v for k, v in os.environ.items() if k != "VLLM_USE_V2_MODEL_RUNNER"}
-        if value is not None:
-            env["VLLM_USE_V2_MODEL_RUNNER"] = value
-        proc = subprocess.run([sys.executable, "-m", "datagen", "extract", "--model", str(model), "--dataset",
-                               str(data), "--out", str(work / label)], env=env, capture_output=True, text=True)
-        report[label] = {"exit": proc.returncode,
-                         "error": [l for l in proc.stderr.splitlines() if l.startswith(("error", "  ->"))][-3:],
-                         "runner": [l[-160:] for l in proc.stderr.splitlines() if "Model Runner" in l or "model runner" in l][:3]}
-    (Path(args.out) / "v2.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, indent=1))
-
-
-def disk(args) -> None:
-    target = Path(args.work) / "ddtest"
-    proc = subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=16M", "count=512", "oflag=direct"],
+def stage_disk(work: Path, shape: str, args) -> dict:
+    d = work / "runs"
+    d.mkdir(parents=True, exist_ok=True)
+    mb = args.disk_mib
+    count = max(1, mb // 64)
+    target = d / "dd.bin"
+    proc = subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=64M", f"count={count}", "oflag=direct"],
                           capture_output=True, text=True)
     target.unlink(missing_ok=True)
-    line = proc.stderr.strip().splitlines()[-1]
-    (Path(args.out) / "disk.json").write_text(json.dumps({"dd": line}))
-    print(line)
+    line = (proc.stderr.strip().splitlines() or [""])[-1]
+    m = re.search(r"^(\d+) bytes.*copied, ([\d.]+) s", line)
+    rate = int(m.group(1)) / float(m.group(2)) if m else None
+    free = shutil.disk_usage(d)
+    return {"dd": line, "bytes_per_s": rate, "bytes": count << 26, "volume_free_gb": round(free.free / 1e9, 1)}
+
+
+def stage(args) -> None:
+    """One stage in this process; its record to --record."""
+    work = Path(args.work)
+    with open(args.log, "a") as log:
+        name = args.name
+        t0 = time.time()
+        if name.startswith("cli-"):
+            rec = stage_cli(work, args.shape, name[4:], log, args.timeout)
+        elif name.startswith("deploy"):
+            rec = stage_deploy(work, args.shape, "fp8" if name.endswith("fp8") else "bf16", log, args.timeout)
+        elif name in ("plain", "plain-deploy"):
+            rec = stage_plain(work, args.shape, args, "cli" if name == "plain" else "deploy")
+        elif name == "disk":
+            rec = stage_disk(work, args.shape, args)
+        else:
+            raise SystemExit(f"unknown stage {name}")
+    rec.update(stage=name, shape=args.shape, seconds=round(time.time() - t0, 1))
+    Path(args.record).write_text(json.dumps(rec, indent=1, default=str))
+
+
+def _device() -> dict:
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=20).stdout.strip().splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        q = []
+    try:
+        import vllm
+
+        v = vllm.__version__
+    except Exception:  # noqa: BLE001
+        v = None
+    return {"gpus": q or ["cpu"], "vllm": v}
+
+
+def run_all(args) -> None:
+    work, out = Path(args.work), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    dev = _device()
+    for name in [s for s in args.stages.split(",") if s]:
+        need = EXPECT[args.shape].get(name, 120)
+        left = args.budget - (time.time() - t_start)
+        path = out / f"{args.shape}-{name}.json"
+        if left < need:
+            print(f"{name}: skipped ({left:.0f} s left of --budget, needs about {need} s)", flush=True)
+            path.write_text(json.dumps({"stage": name, "shape": args.shape, "skipped": f"{left:.0f} s left"}))
+            continue
+        log = out / f"{args.shape}-{name}.log"
+        cmd = [sys.executable, __file__, "stage", name, "--shape", args.shape, "--work", str(work), "--record", str(path),
+               "--log", str(log), "--timeout", str(max(30.0, left - 15)), "--repeats", str(args.repeats),
+               "--disk-mib", str(args.disk_mib)]
+        print(f"{name}: started ({left:.0f} s left)", flush=True)
+        t0 = time.time()
+        with log.open("a") as lf:
+            r = _run_cmd(cmd, _env(), lf, max(30.0, left - 5))
+        if not path.exists():
+            path.write_text(json.dumps({"stage": name, "shape": args.shape, "failed": r["rc"],
+                                        "error_tail": [l for _, l in r["lines"][-30:]]}, indent=1))
+        rec = json.loads(path.read_text())
+        rec["device"] = dev
+        path.write_text(json.dumps(rec, indent=1, default=str))
+        print(f"{name}: {time.time() - t0:.0f} s, " + json.dumps(_brief(rec)), flush=True)
+
+
+def _brief(rec: dict) -> dict:
+    keys = ("rc", "failed", "steady_tokens_per_s", "steady_source", "wall_s", "engine_start_s",
+            "engine_start_s_to_first_progress", "shards", "bytes_per_token", "bytes_per_s", "dd")
+    b = {k: rec[k] for k in keys if k in rec}
+    for k in ("median", "same_as", "differs_from_cli"):
+        if k in rec:
+            b[k] = rec[k]
+    return b
+
+
+# --- the table ------------------------------------------------------------------------------------
+
+def report(args) -> None:
+    res = Path(args.results)
+    recs = {}
+    for p in sorted(res.glob("*.json")):
+        try:
+            r = json.loads(p.read_text())
+        except json.JSONDecodeError:
+            continue
+        if "stage" in r and "shape" in r:
+            recs[(r["shape"], r["stage"])] = r
+    (res / "bench.json").write_text(json.dumps({f"{s}/{n}": r for (s, n), r in recs.items()}, indent=1, default=str))
+    lines = ["| shape | storage | default command tok/s | deployment spec tok/s | plain prefill tok/s | disk bound tok/s "
+             "| default / plain | default / disk | default / min | deployment / min | default: wall s, engine start s "
+             "| deployment: wall s |", "| --- " * 12 + "|"]
+    rows = []
+    for shape in ("kimi", "8b", "tiny"):
+        if not any(k[0] == shape for k in recs):
+            continue
+        plain = recs.get((shape, "plain"), {}).get("median")
+        pd = recs.get((shape, "plain-deploy"), {})
+        plain_dep = pd.get("median") or (plain if pd.get("same_as") else None)
+        disk = recs.get((shape, "disk")) or recs.get(("kimi", "disk")) or {}
+        for dtype in ("fp8", "bf16"):
+            cli = recs.get((shape, f"cli-{dtype}"), {})
+            dep = recs.get((shape, f"deploy-{dtype}") if dtype == "fp8" else (shape, "deploy"), {})
+            c, d = cli.get("steady_tokens_per_s"), dep.get("steady_tokens_per_s")
+            bpt = cli.get("bytes_per_token") or dep.get("bytes_per_token")
+            dbound = disk["bytes_per_s"] / bpt if disk.get("bytes_per_s") and bpt else None
+            mins = [x for x in (plain, dbound) if x]
+            mn = min(mins) if mins else None
+            dmins = [x for x in (plain_dep, dbound) if x]
+            rows.append({"shape": shape, "storage": dtype, "cli": c, "deploy": d, "plain": plain, "plain_deploy": plain_dep,
+                         "disk": dbound, "cli_wall_s": cli.get("wall_s"),
+                         "cli_engine_start_s": cli.get("engine_start_s", cli.get("engine_start_s_to_first_progress")),
+                         "deploy_wall_s": dep.get("wall_s"), "cli_vs_plain": _ratio(c, plain), "cli_vs_disk": _ratio(c, dbound),
+                         "cli_vs_min": _ratio(c, mn), "deploy_vs_min": _ratio(d, min(dmins) if dmins else None),
+                         "cli_failed": _failed(cli), "deploy_failed": _failed(dep)})
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['storage']} | {_fmt(r['cli'], r['cli_failed'])} | {_fmt(r['deploy'], r['deploy_failed'])} "
+                     f"| {_fmt(r['plain'])} | {_fmt(r['disk'])} | {_fr(r['cli_vs_plain'])} | {_fr(r['cli_vs_disk'])} "
+                     f"| {_fr(r['cli_vs_min'])} | {_fr(r['deploy_vs_min'])} | {_fmt(r['cli_wall_s'])}, {_fmt(r['cli_engine_start_s'])} "
+                     f"| {_fmt(r['deploy_wall_s'])} |")
+    dev = next((r.get("device") for r in recs.values() if r.get("device")), {})
+    lines += ["", f"device: {', '.join(dev.get('gpus', []))}; vLLM {dev.get('vllm')}"]
+    (res / "table.md").write_text("\n".join(lines) + "\n")
+    (res / "table.json").write_text(json.dumps(rows, indent=1))
+    print("\n".join(lines))
+    _plot(rows, res / "table.png")
+
+
+def _failed(r: dict) -> str | None:
+    if not r:
+        return "not run"
+    if r.get("skipped"):
+        return "skipped"
+    if r.get("failed") is not None or any(x != 0 for x in r.get("rc", [0])):
+        return "failed"
+    return None
+
+
+def _ratio(a, b):
+    return a / b if a and b else None
+
+
+def _fmt(x, why=None) -> str:
+    if x is None:
+        return why or "-"
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
+
+
+def _fr(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    labels = [f"{r['shape']} {r['storage']}" for r in rows]
+    series = [("cli", "datagen extract (defaults)"), ("deploy", "extract/kimi spec"), ("plain", "plain vLLM prefill"),
+              ("disk", "disk bound (dd direct)")]
+    w = 0.2
+    for i, (k, label) in enumerate(series):
+        ax.bar([j + (i - 1.5) * w for j in range(len(rows))], [r[k] or 0 for r in rows], w, label=label)
+    ax.set_xticks(range(len(rows)), labels)
+    ax.set_ylabel("steady tokens/s")
+    ax.legend(fontsize=8)
+    ax.set_title("issue 56: the product's commands against plain prefill and the disk")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["model", "bench", "parity", "v2", "disk"])
-    ap.add_argument("--dir", default="/tmp/m8b")
-    ap.add_argument("--model", default="/tmp/m8b")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--work", default="/tmp/gpuwork")
-    ap.add_argument("--arch", default="llama")
-    ap.add_argument("--tp", type=int, default=1)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="what", required=True)
+    s = sub.add_parser("spec")
+    s.add_argument("--deployment", default="kimi")
+    s.add_argument("--path", default=str(DEPLOY_SPEC))
+    for name in ("make", "run", "stage"):
+        p = sub.add_parser(name)
+        if name == "stage":
+            p.add_argument("name")
+            p.add_argument("--record", required=True)
+            p.add_argument("--log", required=True)
+            p.add_argument("--timeout", type=float, default=600)
+        p.add_argument("--shape", choices=list(VOCAB), default="kimi")
+        p.add_argument("--work", default="/tmp/gb")
+        p.add_argument("--rows", type=int, default=1024)
+        p.add_argument("--row-len", type=int, default=1024)
+        p.add_argument("--repeats", type=int, default=2, help="timed passes of plain prefill")
+        p.add_argument("--disk-mib", type=int, default=8192, help="MiB dd writes")
+        if name == "run":
+            p.add_argument("--out", default=os.environ.get("OUT", "."))
+            p.add_argument("--stages", default="disk,cli-fp8,plain,cli-bf16,deploy")
+            p.add_argument("--budget", type=float, default=540)
+    r = sub.add_parser("report")
+    r.add_argument("--results", required=True)
     args = ap.parse_args()
-    Path(args.work).mkdir(parents=True, exist_ok=True)
-    {"model": make_model, "bench": bench, "parity": parity, "v2": v2, "disk": disk}[args.what](args)
+    {"spec": make_spec, "make": make, "run": run_all, "stage": stage, "report": report}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The timing the GPU benches share (``run.py bench``, ``kimi.py wide-bench``; ``storage.py``'s plain
-stages): plain vLLM prefill and the project's extraction, each on one started engine, timed pass by
+"""The timing the GPU benches share (``run.py``'s plain stage, ``kimi.py wide-bench``, ``media.py``):
+plain vLLM prefill and the project's extraction, each on one started engine, timed pass by
 pass in tokens per second.
 
 Plain prefill is ``LLM.generate`` (one sampled token, nothing captured) on the extraction engine's
@@ -31,7 +31,7 @@ def plain_prefill(eng, prompts, *, tokens: int, repeats: int, warmup: int,
         tokens: the prompts' tokens, all together.
         repeats: timed passes over all the prompts, after one untimed pass over the first ``warmup``.
         until: when a pass's clock stops: when ``generate`` returns, or (``"synced"``, as
-            ``storage.py`` times it) after the device's queued work has finished too.
+            ``run.py`` times it) after the device's queued work has finished too.
 
     Returns:
         Tokens per second of each timed pass, and the seconds ``LLM(...)`` took to start.
@@ -89,3 +89,25 @@ def extraction(eng, warm, plans, *, tokens: int) -> tuple[list[float], list[floa
         rates.append(tokens / dt)
         written.append(sum(r.bytes for r in records.values()) / dt)
     return rates, written
+
+
+def dd_direct(work, mb: int) -> dict:
+    """``dd oflag=direct`` of ``mb`` MB into ``work``: its last line and the rate it names (the disk bound)."""
+    import subprocess
+    from pathlib import Path
+
+    target = Path(work) / "ddtest"
+    proc = subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=16M", f"count={max(1, mb // 16)}", "oflag=direct"],
+                          capture_output=True, text=True)
+    target.unlink(missing_ok=True)
+    line = (proc.stderr.strip().splitlines() or ["?"])[-1]
+    return {"dd": line, "dd_bytes_per_s": _dd_rate(line)}
+
+
+def _dd_rate(line: str) -> float | None:
+    # "... bytes (...) copied, 3.1 s, 1.4 GB/s"
+    try:
+        n, unit = line.rsplit(",", 1)[1].split()
+        return float(n) * {"kB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9, "TB/s": 1e12}[unit]
+    except (ValueError, KeyError, IndexError):
+        return None
