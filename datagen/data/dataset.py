@@ -27,7 +27,9 @@ from typing import Callable
 
 import numpy as np
 
+from datagen.data import dataset_files
 from datagen.data.contract import SkippedRow, TruncatedRow
+from datagen.data.dataset_files import empty_dataset, parse_row  # noqa: F401 - read here too
 from datagen.errors import DatasetError
 
 
@@ -90,40 +92,6 @@ def check_file(path: str | Path) -> Path:
     return p
 
 
-def parse_row(raw: bytes, *, path: str, line: int) -> dict:
-    """One line of a JSONL file (with its line end, as read) as a JSON object, or the error that
-    names what is wrong with it."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DatasetError(
-            f"not valid UTF-8 (byte {e.start})", path=path, line=line,
-            hint="re-encode the file as UTF-8",
-        ) from None
-    if not text.strip():
-        raise DatasetError(
-            "blank line", path=path, line=line,
-            hint="remove blank lines: every line must be one JSON object",
-        )
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DatasetError(
-            f"malformed JSON ({e.msg} at column {e.colno})", path=path, line=line,
-            hint="each line must be one complete JSON object",
-        ) from None
-    if not isinstance(obj, dict):
-        raise DatasetError(
-            f"a row must be a JSON object, got {type(obj).__name__}", path=path,
-            line=line, hint='write {"messages": [...]} or {"input_ids": [...]}',
-        )
-    return obj
-
-
-def empty_dataset(path: str | Path) -> DatasetError:
-    return DatasetError("dataset is empty", path=str(path), hint="give at least one row")
-
-
 def read_rows(path: str | Path, *, digest=None) -> list[tuple[int, bytes, dict]]:
     """Parse each line of a JSONL file. Returns (row, raw bytes, object) per line.
 
@@ -163,6 +131,4 @@ def tokenizer_hashes(tokenizer) -> tuple[str, str]:
 def file_fingerprint(path: str | Path) -> str:
     """sha256 of a dataset as it is now (``PreparedDataset.fingerprint`` is this at read time): a
     file's bytes, or every file of a folder or a Hugging Face dataset (``dataset_files.fingerprint``)."""
-    from datagen.data import dataset_files
-
     return dataset_files.fingerprint(dataset_files.parse_ref(path))

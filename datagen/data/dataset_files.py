@@ -218,8 +218,6 @@ def _read_json_files(ref: DatasetRef, c: Container) -> Records:
 
 def _nonempty(rec: Records, ref: DatasetRef) -> Records:
     if not rec.rows:
-        from datagen.data.dataset import empty_dataset
-
         raise empty_dataset(ref.path)
     return rec
 
@@ -234,8 +232,6 @@ def _named_column(ref: DatasetRef, obj: dict, where: tuple[str, int]) -> dict:
 
 
 def _jsonl(data: bytes, *, path: str) -> tuple[list[dict], list[int]]:
-    from datagen.data.dataset import parse_row
-
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
@@ -363,3 +359,37 @@ def _from_arrow(value):
     if isinstance(value, list):
         return [_from_arrow(v) for v in value]
     return value
+
+
+def parse_row(raw: bytes, *, path: str, line: int) -> dict:
+    """One line of a JSONL file (with its line end, as read) as a JSON object, or the error that
+    names what is wrong with it."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DatasetError(
+            f"not valid UTF-8 (byte {e.start})", path=path, line=line,
+            hint="re-encode the file as UTF-8",
+        ) from None
+    if not text.strip():
+        raise DatasetError(
+            "blank line", path=path, line=line,
+            hint="remove blank lines: every line must be one JSON object",
+        )
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DatasetError(
+            f"malformed JSON ({e.msg} at column {e.colno})", path=path, line=line,
+            hint="each line must be one complete JSON object",
+        ) from None
+    if not isinstance(obj, dict):
+        raise DatasetError(
+            f"a row must be a JSON object, got {type(obj).__name__}", path=path,
+            line=line, hint='write {"messages": [...]} or {"input_ids": [...]}',
+        )
+    return obj
+
+
+def empty_dataset(path: str | Path) -> DatasetError:
+    return DatasetError("dataset is empty", path=str(path), hint="give at least one row")

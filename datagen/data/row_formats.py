@@ -162,7 +162,7 @@ def _message(m) -> dict:
         return m
     if type(m.get("content")) is str and None not in m.values():
         return m  # (most messages: nothing to change)
-    out = {k: v for k, v in m.items() if v is not None}
+    out = {k: v for k, v in m.items() if v is not None or k == "role"}  # (a null role is refused by name)
     if "content" not in out and ("content" in m or out.get("tool_calls")):
         out["content"] = ""  # (OpenAI writes a turn that only calls tools with a null content, or none)
     content = out.get("content")
