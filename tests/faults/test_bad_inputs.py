@@ -783,15 +783,15 @@ def test_regeneration_renders_an_opening_assistant_turn_and_names_the_row_a_temp
     tok = make_tokenizer(tmp_path / "tok")
     runner = ChunkRunner(RegenerationSettings(), tok, None, None, window=4096, source="chats.jsonl")
     chat = [{"role": "assistant", "content": "welcome"}, {"role": "user", "content": "q"}]
-    prepared = runner.prepare([(6, b"", chat)])
+    prepared = runner.prepare([(6, b"", chat, None)])
     assert prepared.first_ids == [tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]]
 
     tok.chat_template = "{% if messages[0]['role'] == 'user' %}U{% endif %}{{ messages[-1]['content'] }}"
     with pytest.raises(DatasetError, match="chat template cannot render") as e:
-        runner.prepare([(6, b"", chat)])
+        runner.prepare([(6, b"", chat, None)])
     assert "chats.jsonl:7" in str(e.value) and e.value.hint and e.value.exit_code == EXIT_BAD_INPUT
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     with pytest.raises(DatasetError, match="renders nothing before assistant message 0"):
-        runner.prepare([(6, b"", chat)])
+        runner.prepare([(6, b"", chat, None)])
     _record(case, "regenerate", "a chat opening with the assistant; a template that cannot render its prompt",
             "generated from the render of nothing; else refused naming the row, exit 2")

@@ -67,11 +67,18 @@ def tokens_row_valid(row: dict) -> bool:
 
 
 def chat_row_valid(row: dict) -> bool:
+    from datagen.data.row_formats import METADATA_FIELDS
+
     msgs = row.get("messages")
-    if set(row) != {"messages"} or not isinstance(msgs, list):
+    if set(row) - METADATA_FIELDS != {"messages"} or not isinstance(msgs, list):
         return False
+    # a message as the rows are read (datagen.data.row_formats): null fields absent, a null content empty
+    msgs = [{**{k: v for k, v in m.items() if v is not None or k == "role"},
+             **({"content": ""} if "content" in m and m["content"] is None else {})} if isinstance(m, dict) else m
+            for m in msgs]
+    # (no generated assistant turn calls a tool, so a tool turn has no call to answer)
     return all(isinstance(m, dict) and set(m) == {"role", "content"} and isinstance(m["role"], str)
-               and m["role"] in ROLES and isinstance(m["content"], str) for m in msgs)
+               and m["role"] in ROLES and m["role"] != "tool" and isinstance(m["content"], str) for m in msgs)
 
 
 # --- strategies --------------------------------------------------------------------------------
