@@ -8,9 +8,9 @@ from the packed shards against speculators' own training script on `datagen expo
 A verifier and a dataset of a small shape are made by ``bench.gpu.train`` (``make_verifier``,
 ``make_dataset``: the project's shard writer, random bf16 states). Each run is a process of its own
 (``python -m bench.train_startup child``), so the interpreter's start and every import count. The child
-times the calls that make up a run by wrapping them (``SPANS``: the recipe, the reader, the hash of the
-shards, the draft, the loader, the trainer, the save, speculators' validation pass and checkpoint) and
-records the time of each training step (speculators' ``speculators.metrics`` records, logged after each
+times the calls that make up a run by wrapping them (``bench.train_spans.SPANS``: the recipe, the reader,
+the hash of the shards, the draft, the loader, the trainer, the save, speculators' validation pass and
+checkpoint) and records the time of each training step (speculators' ``speculators.metrics`` records, logged after each
 optimizer step). The parent records when it started the process and when it ended. Phases are the
 intervals between those marks; what no span covers is "other". Runs alternate between the two (datagen
 first, then speculators), ``--repeats`` times; the table holds the medians.
@@ -18,7 +18,7 @@ first, then speculators), ``--repeats`` times; the table holds the medians.
 On the CPU speculators' ``Trainer`` needs two shims that `datagen train` carries itself
 (``datagen.training.draft``): the model is moved to "cpu", not to GPU 0, and
 ``torch.accelerator.synchronize`` (its step timer) does nothing. ``bench/gpu/train.py`` installs the same
-spans in its training runs (``install``), so the GPU side by side records them too.
+spans in its training runs (``bench.train_spans.install``), so the GPU side by side records them too.
 """
 
 from __future__ import annotations
@@ -39,23 +39,6 @@ if str(ROOT) not in sys.path:
 # a shape large enough that loading, hashing and saving are not lost in the noise, small enough for the CPU
 SHAPE = dict(hidden=512, layers=8, vocab=8192, heads=8, kv_heads=8, intermediate=1024,
              arch="LlamaForCausalLM", model_type="llama", layer_ids=(2, 4, 5, 8))
-# (module, attribute, phase): the calls timed; an attribute "Class.method" wraps the method on the class
-SPANS = (
-    ("datagen.training.draft", "resolve_settings", "recipe"),
-    ("datagen.training.layers", "as_reader", "reader opened"),
-    ("datagen.reader._dataset", "DatasetReader.verify_samples", "shards hashed"),
-    ("datagen.training.draft", "build_draft", "draft built"),
-    ("datagen.training.draft", "_loader", "loader"),
-    ("datagen.training.draft", "_write", "draft saved"),
-    ("speculators.train.config.schema", "TrainConfig.save", "run.yaml written"),
-    ("speculators.train.cli", "parse_vocab_mappings", "vocabulary"),
-    ("speculators.train.cli", "build_draft_model", "draft built"),
-    ("speculators.train.cli", "create_train_val_loaders", "loader"),
-    ("speculators.train.trainer", "Trainer.__init__", "trainer"),
-    ("speculators.train.trainer", "Trainer.val_epoch", "validation pass"),
-    ("speculators.train.trainer", "Trainer.maybe_save_checkpoint", "checkpoint"),
-    ("speculators.train.trainer", "Trainer.maybe_update_best", "checkpoint"),
-)
 # imported before the clock's "imports" mark: what either entry imports on its way (lazily or not)
 IMPORTS = ("datagen.cli", "datagen.steps.train", "datagen.training.draft", "datagen.reader.for_speculators",
            "speculators.train.cli", "speculators.train.trainer")
@@ -64,73 +47,6 @@ PIPELINES = ("datagen", "speculators")
 
 # --- the child: one training run, its marks written as JSON ------------------------------------------
 
-def install(marks: list) -> None:
-    """Wrap every call of ``SPANS`` (``marks`` gets ``[phase, start, end]`` in epoch seconds) and record
-    each training step's end (``["step", t, t]``) from speculators' metric records."""
-    import functools
-    import importlib
-    import logging
-
-    for module, attr, phase in SPANS:
-        owner = importlib.import_module(module)
-        *cls, name = attr.split(".")
-        if cls:
-            owner = getattr(owner, cls[0])
-        real = getattr(owner, name)
-
-        def timed(*a, _real=real, _phase=phase, **k):
-            t = time.time()
-            try:
-                return _real(*a, **k)
-            finally:
-                marks.append([_phase, t, time.time()])
-
-        setattr(owner, name, functools.wraps(real)(timed))
-
-    class Steps(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if isinstance(record.msg, dict) and isinstance(record.msg.get("train"), dict):
-                profile = {k: v for k, v in (record.msg.get("profile") or {}).items() if k.endswith("_ms")}
-                marks.append(["step", record.created, record.created, profile])
-
-    handler = Steps(logging.INFO)
-    metrics = logging.getLogger("speculators.metrics")
-
-    def attach() -> None:
-        if handler not in metrics.handlers:
-            metrics.addHandler(handler)
-        metrics.setLevel(logging.INFO)
-
-    import speculators.train.cli as spec_cli
-
-    setup = spec_cli.setup_metric_logger
-
-    def setup_and_attach(*a, **k):  # speculators' logging setup replaces the logger's handlers
-        r = setup(*a, **k)
-        attach()
-        return r
-
-    spec_cli.setup_metric_logger = setup_and_attach
-    attach()
-
-
-def cpu_shims() -> None:
-    """speculators' Trainer on a machine without an accelerator (what `datagen train` does for itself)."""
-    import torch
-    from speculators.train.trainer import Trainer
-
-    if torch.accelerator.current_accelerator() is not None:
-        return
-    setup_model = Trainer.setup_model
-
-    def on_cpu(self):
-        self.local_rank, self.device_type = "cpu", "cpu"
-        setup_model(self)
-
-    Trainer.setup_model = on_cpu
-    torch.accelerator.synchronize = lambda *a, **k: None
-
-
 def child(entry: str, marks_path: Path, argv: list[str]) -> int:
     import importlib
 
@@ -138,6 +54,8 @@ def child(entry: str, marks_path: Path, argv: list[str]) -> int:
     for m in IMPORTS:
         importlib.import_module(m)
     marks.append(["imports", marks[0][1], time.time()])
+    from bench.train_spans import cpu_shims, install
+
     install(marks)
     rc = 0
     try:

@@ -195,13 +195,13 @@ def child(args) -> int:
     attach()
 
     class Marks(list):
-        """bench.train_startup's spans (the calls a run is made of), each written as it ends."""
+        """bench.train_spans' spans (the calls a run is made of), each written as it ends."""
 
         def append(self, mark) -> None:
             metrics_file.write(json.dumps({"mark": mark}, default=float) + "\n")
             metrics_file.flush()
 
-    from bench.train_startup import cpu_shims, install
+    from bench.train_spans import cpu_shims, install
 
     install(Marks())
     cpu_shims()  # speculators' Trainer on a machine without a GPU (the smoke run); nothing on the GPU
@@ -244,7 +244,7 @@ def _metric_lines(metrics: Path) -> list[dict]:
 
 
 def _marks(metrics: Path) -> list:
-    """The run's span marks: ``[phase, start, end]`` in epoch seconds (bench.train_startup.SPANS)."""
+    """The run's span marks: ``[phase, start, end]`` in epoch seconds (bench.train_spans.SPANS)."""
     if not metrics.exists():
         return []
     return [d["mark"] for line in metrics.read_text().splitlines() if line.endswith("}")
