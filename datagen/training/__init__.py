@@ -1,6 +1,9 @@
 """Training an EAGLE-3 draft on a finished dataset, and measuring it.
 
-    settings   DraftSettings: what a draft is trained with (steps, lr, TTT depth, the held-out split)
+    recipe     speculators' training recipe: every option of its script as a field (unset: its default),
+               resolved by speculators; its draft builder and TrainerConfig
+    settings   DraftSettings: what a draft is trained with (speculators' options, the steps, the
+               held-out split, the device)
     draft      train_draft: speculators' own Eagle3DraftModel, sampler, collate function and Trainer,
                fed from the packed shards through datagen.reader.for_speculators; the draft saved
                in speculators' format (what vLLM loads as an EAGLE-3 speculator) with its lineage
