@@ -41,6 +41,19 @@ class ShardCut:
         """The cut of ``boundaries`` over rows of ``row_tokens`` tokens (0 for a skipped row)."""
         return cls(boundaries, tuple(int(sum(row_tokens[a:b])) for a, b in zip(boundaries, boundaries[1:])))
 
+    @classmethod
+    def checked(cls, boundaries: Sequence[int], tokens: Sequence[int], rows: int) -> "ShardCut":
+        """A cut read back (a stored plan's): boundaries over ``rows`` and a token count per shard.
+
+        Raises:
+            ValueError: naming what is wrong.
+        """
+        cut = cls(tuple(int(x) for x in boundaries), tuple(int(t) for t in tokens))
+        check_boundaries(cut.boundaries, rows)
+        if len(cut.tokens) != len(cut.boundaries) - 1:
+            raise ValueError(f"{len(cut.tokens)} shards' tokens for {len(cut.boundaries) - 1} shards")
+        return cut
+
 
 def state_bytes(storage_dtype: str, *, n_layers: int, hidden_size: int) -> int:
     """Bytes of stored states per token: L x H x the storage dtype's bytes (fp8: and its float32

@@ -9,8 +9,7 @@ Layout, under ``<out>/.datagen/plan/<fingerprint>/``::
                                  sample_offsets int64 [S+1], input_ids int32 [T], loss_mask uint8 [T]
     ...
     index.json                   written last: what the plan was made of, the shards' boundaries,
-                                 skipped and truncated rows, and the sha256 of every file above
-                                 and of itself
+                                 skipped and truncated rows, the sha256 of every file and its own
 
 A stored plan is used only when the fingerprint this run computes without reading the dataset's
 rows (the model's config, the layers, the engine, max_seq_len, the shard size, the sha256 of the
@@ -46,7 +45,7 @@ from datagen.data.planning import prepare_dataset
 from datagen.data.files import atomic_write_bytes
 from datagen.data.spec import ExtractSpec, canonical_json, sha256_hex
 from datagen.errors import DatagenError
-from datagen.extraction.boundaries import ShardCut, check_boundaries
+from datagen.extraction.boundaries import ShardCut
 from datagen.extraction.plan import Header, Plan, plan_from, plan_header
 
 log = logging.getLogger(__name__)
@@ -138,8 +137,7 @@ def store_plan(p: Plan) -> Path | None:
         write(ROWS_FILE, save({"line_sha256": line}))
         shards = []
         for k in range(p.num_shards):
-            first, count = p.shard_range(k)
-            rows = [r for r in range(first, first + count) if r in data.samples]
+            rows = [r for r in range(p.boundaries[k], p.boundaries[k + 1]) if r in data.samples]
             lens = [len(data.samples[r].input_ids) for r in rows]
             tensors = {
                 "sample_index": np.asarray(rows, dtype=np.int64),
@@ -228,20 +226,17 @@ def _load_shard(d: Path, index: dict, k: int, first: int, stop: int) -> dict[int
             for r, a, b in zip(rows, off[:-1], off[1:])}
 
 
-def _boundaries(index: dict) -> tuple[int, ...]:
-    """The stored plan's shard boundaries, checked."""
-    b = tuple(int(x) for x in index["boundaries"])
+def _cut(index: dict) -> ShardCut:
+    """The stored plan's shards (boundaries and tokens), checked."""
     try:
-        check_boundaries(b, index["rows"])
+        return ShardCut.checked(index["boundaries"], [s["tokens"] for s in index["shards"]], index["rows"])
     except ValueError as e:
         raise StoredPlanError(str(e)) from None
-    return b
 
 
-def _stored_dataset(h: Header, d: Path, index: dict, dataset_sha256: str, shards: tuple[int, int]) -> PreparedDataset:
-    """The dataset as the stored plan holds it, with the samples of ``shards`` only."""
+def _stored_dataset(h: Header, d: Path, index: dict, dataset_sha256: str, shards: tuple[int, int], b) -> PreparedDataset:
+    """The dataset as the stored plan holds it (shard boundaries ``b``), with the samples of ``shards`` only."""
     rows = index["rows"]
-    b = _boundaries(index)
     line = _read_verified(d, ROWS_FILE, index)["line_sha256"]
     if line.shape != (rows, 32) or line.dtype != np.uint8:
         raise StoredPlanError(f"{ROWS_FILE} does not hold {rows} row hashes")
@@ -289,15 +284,11 @@ def load_plan(spec: ExtractSpec, shards: tuple[int, int] | None) -> tuple[Plan |
         if index["dataset_sha256"] != dataset_sha256:
             continue
         try:
-            boundaries = _boundaries(index)
-            cut = ShardCut(boundaries, tuple(int(s["tokens"]) for s in index["shards"]))
-            if len(cut.tokens) != len(boundaries) - 1:
-                raise StoredPlanError(f"the index lists {len(cut.tokens)} shards for {len(boundaries) - 1} boundaries")
-            num_shards = len(boundaries) - 1
-            lo, hi = shards if shards is not None else (0, num_shards)
-            if not (0 <= lo <= hi <= num_shards):
-                return None, f"--shards {lo}:{hi} is outside the stored plan's 0:{num_shards}"
-            data = _stored_dataset(h, d, index, dataset_sha256, (lo, hi))
+            cut = _cut(index)
+            lo, hi = shards if shards is not None else (0, len(cut.tokens))
+            if not (0 <= lo <= hi <= len(cut.tokens)):
+                return None, f"--shards {lo}:{hi} is outside the stored plan's 0:{len(cut.tokens)}"
+            data = _stored_dataset(h, d, index, dataset_sha256, (lo, hi), cut.boundaries)
         except StoredPlanError as e:
             why = f"{PLAN_DIR}/{d.name[:12]}: {e}"
             continue
@@ -320,7 +311,7 @@ class StoredRows:
 
     def __init__(self, d: Path, index: dict, line_sha256: np.ndarray):
         self._d, self._index, self._line = d, index, line_sha256
-        self._boundaries = _boundaries(index)
+        self._boundaries = _cut(index).boundaries
         self._skipped = {s["row"]: s["reason"] for s in index["skipped"]}
         self._truncated = {t["row"]: TruncatedRow.model_validate(t) for t in index["truncated"]}
         self.name = d.name[:12]
@@ -330,17 +321,14 @@ class StoredRows:
 
         n, b = len(self._line), self._boundaries
         same = [first + i for i, h in enumerate(line_hashes) if first + i < n and self._line[first + i].tobytes() == h]
-
-        def shard_of(r: int) -> int:
-            return bisect.bisect_right(b, r) - 1
-
+        shard_of = {r: bisect.bisect_right(b, r) - 1 for r in same}
         out = {}
-        for k in sorted({shard_of(r) for r in same}):
+        for k in sorted(set(shard_of.values())):
             try:
                 samples = _load_shard(self._d, self._index, k, b[k], b[k + 1])
             except (StoredPlanError, KeyError, OSError, ValueError):  # damaged: those rows are tokenized
                 continue
-            for r in (r for r in same if shard_of(r) == k):
+            for r in (r for r in same if shard_of[r] == k):
                 if r in samples:
                     out[r] = Known(samples[r], truncated=self._truncated.get(r))
                 elif r in self._skipped:
