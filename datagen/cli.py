@@ -205,7 +205,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             # A step whose optional dependency this environment lacks (the extract image has
             # no boto3): the others still work; this one says what is missing.
             p = sub.add_parser(name, help=f"(unavailable here: needs {e.name})")
-            p.add_argument("rest", nargs=argparse.REMAINDER)
+            # its options are unknown here: whatever was given, the error says what is missing
             p.set_defaults(_module=_Missing(name, e.name), _step=name)
             continue
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
@@ -218,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     step = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(only=step if step in STEPS else None)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not isinstance(getattr(args, "_module", None), _Missing):
+        parser.parse_args(argv)  # argparse's own error (exit 2) for what no step takes
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format=f"%(asctime)s {args._step} %(levelname)s %(message)s",

