@@ -447,6 +447,40 @@ def test_a_dataset_planned_with_a_spec_tokenizer_validates_against_that_tokenize
     assert named["ok"] and named["checks"]["tokenization"]["status"] == "passed", named["problems"]
 
 
+def test_a_dataset_read_from_a_folder_or_with_options_is_tokenized_again_where_the_manifest_says(tiny_llama,
+                                                                                                 tmp_path):
+    """The recorded source of a JSONL folder, or of a Hugging Face dataset with ``#split=..``, is found
+    (as the loader finds it: a file or a folder, the options after ``#`` not part of the path) and
+    its rows are tokenized again; a moved one is reported as not reachable."""
+    import datasets
+
+    from datagen.data.spec import parse_spec
+    from datagen.extraction.run import extract
+    from datagen.models.tiny import make_chat_dataset
+
+    rows = [json.loads(line) for line in make_chat_dataset(tmp_path / "chat.jsonl", rows=4, seed=3).read_text()
+            .splitlines()]
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "part-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    (folder / "part-1.json").write_text(json.dumps(rows[2:]))
+    hf = datasets.Dataset.from_list([{"messages": r["messages"]} for r in rows])
+    datasets.DatasetDict({"train": hf, "test": hf.select([0])}).save_to_disk(str(tmp_path / "hf"))
+    for name, data in (("folder", str(folder)), ("hf", f"{tmp_path / 'hf'}#split=train&format=messages")):
+        out = tmp_path / f"ds-{name}"
+        extract(parse_spec({"model": str(tiny_llama), "dataset": data, "out": str(out), "layer_ids": [1, 2],
+                            "engine": {"name": "hf"}}))
+        report = validate(out)
+        assert report["sources"]["dataset_found"], (name, report["sources"])
+        assert report["ok"] and report["checks"]["tokenization"]["status"] == "passed", (name, report["problems"])
+
+    m = manifest(out)
+    m["spec"]["dataset"]["source"] = f"{tmp_path / 'gone'}#split=train"  # not part of any fingerprint
+    write_manifest(out, m)
+    moved = validate(out)
+    assert not moved["sources"]["dataset_found"] and moved["checks"]["tokenization"]["status"] == "not_run"
+
+
 # --- the manifest checked whole --------------------------------------------------------------------
 
 # Fields validation cannot and need not bind: when the manifest was written, and where the sources

@@ -81,6 +81,12 @@ def parse_ref(dataset: str | Path) -> DatasetRef:
                       RowFormat(fmt) if fmt else None)
 
 
+def exists(ref: DatasetRef) -> bool:
+    """Whether the dataset's path is there to read: a file or a folder, as ``container`` takes it
+    (the options after ``#`` are no part of the path). What a folder holds is ``container``'s to say."""
+    return ref.path.is_file() or ref.path.is_dir()
+
+
 def container(ref: DatasetRef) -> Container:
     """How the rows are stored, from the path and its files (reads at most a file's first bytes).
 
@@ -92,10 +98,9 @@ def container(ref: DatasetRef) -> Container:
         if p.suffix in TABLE_FILES:
             return TABLE_FILES[p.suffix]
         return Container.JSON if p.suffix != ".jsonl" and _first_byte(p) == b"[" else Container.JSONL
-    if not p.exists():
-        raise DatasetError("dataset does not exist", path=str(p), hint=HINT)
-    if not p.is_dir():
-        raise DatasetError("dataset path is neither a file nor a folder", path=str(p), hint=HINT)
+    if not exists(ref):
+        said = "dataset path is neither a file nor a folder" if p.exists() else "dataset does not exist"
+        raise DatasetError(said, path=str(p), hint=HINT)
     if any((p / m).is_file() for m in HF_MARKERS):
         return Container.HF_DISK
     names = {f.suffix for f in _files(p)}

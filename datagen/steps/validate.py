@@ -38,7 +38,8 @@ class Spec(ValidationSettings, StepSpec):
     report: str | None = Field(None, description="also write the JSON report here (written whether or not it passes)")
     workers: int | None = Field(None, ge=1, description="shards scanned in parallel (default: CPUs, at most 8)")
     model: str | None = Field(None, description="source model directory, if not where the manifest says")
-    source: str | None = Field(None, description="source JSONL dataset, if not where the manifest says")
+    source: str | None = Field(
+        None, description="source dataset (a file or a folder, PATH#options as extracted), if not where the manifest says")
     tokenizer: str | None = Field(
         None, description="tokenizer directory the extraction's spec named instead of the model's (its `tokenizer`)")
 

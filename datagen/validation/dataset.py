@@ -73,8 +73,8 @@ def validate(dataset: str | Path, settings: ValidationSettings = ValidationSetti
             check's previous dataset and threshold), as a pipeline spec gives them.
         seed: seed of the golden rows' draw; a random one is drawn (and reported) if None.
         workers: shards scanned in parallel (default: the number of CPUs, at most 8).
-        model, source_rows: the source model directory and JSONL, when they are no longer
-            where the manifest's spec says.
+        model, source_rows: the source model directory and dataset (a file or a folder, with the
+            ``#options`` it was extracted with), when they are no longer where the manifest's spec says.
         tokenizer: the tokenizer directory the extraction's spec named instead of the model's own
             (its ``tokenizer``); None when it used the model's.
         trust_remote_code: the pipeline spec's permission to run the model's own code (its

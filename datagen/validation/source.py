@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from datagen.data import dataset_files
 from datagen.data.dataset import Sample
 from datagen.errors import DatagenError
 from datagen.validation.manifest import LoadedManifest
@@ -27,10 +28,15 @@ class Sources:
     """Where the model and the source rows are, and whether they exist here."""
 
     model: Path  # local model directory
-    dataset: Path  # source JSONL
+    dataset: str  # the rows as a spec names them: a path, optionally '#' and options (datagen.data.dataset_files)
     model_found: bool
-    dataset_found: bool
+    dataset_found: bool  # its path is a file or a folder, as the loader reads one (dataset_files.exists)
     tokenizer: Path | None = None  # the tokenizer the extraction named instead of the model's (spec `tokenizer`)
+
+    @property
+    def dataset_path(self) -> Path:
+        """The dataset's path, without its options."""
+        return dataset_files.parse_ref(self.dataset).path
 
 
 @dataclass(frozen=True)
@@ -45,12 +51,16 @@ class FreshRows:
 def locate(lm: LoadedManifest, *, model: str | None, dataset: str | None, tokenizer: str | None = None) -> Sources:
     """The source model and dataset: the overrides, else the paths recorded in the spec; and the
     tokenizer directory the extraction named instead of the model's, if it did (not recorded: only
-    its content is, in the fingerprint)."""
+    its content is, in the fingerprint).
+
+    Raises:
+        DatasetError: the dataset's options (after ``#``) are not ones the loader knows.
+    """
     spec = lm.manifest.spec
     mdir = Path(model or spec.model.source or "")
-    dfile = Path(dataset or (spec.dataset.source if spec.dataset else None) or "")
-    return Sources(mdir, dfile, mdir.is_dir() and str(mdir) != ".", dfile.is_file(),
-                   Path(tokenizer) if tokenizer else None)
+    data = dataset or (spec.dataset.source if spec.dataset else None) or ""
+    found = bool(data) and dataset_files.exists(dataset_files.parse_ref(data))
+    return Sources(mdir, data, mdir.is_dir() and str(mdir) != ".", found, Path(tokenizer) if tokenizer else None)
 
 
 def read_fresh(lm: LoadedManifest, src: Sources, findings: Findings, *,
@@ -67,8 +77,8 @@ def read_fresh(lm: LoadedManifest, src: Sources, findings: Findings, *,
     raw = {
         "model": str(src.model),
         "model_revision": None if str(revision or "").startswith("content:") else revision,
-        "dataset": str(src.dataset),
-        "out": str(src.dataset.parent / ".datagen-validate-unused"),  # plan() writes nothing
+        "dataset": src.dataset,
+        "out": str(src.dataset_path.parent / ".datagen-validate-unused"),  # plan() writes nothing
         "tokenizer": str(src.tokenizer) if src.tokenizer else None,
         "layer_ids": list(lm.expected.layer_ids),
         "max_seq_len": spec.preprocessing.max_seq_len,
