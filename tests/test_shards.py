@@ -90,7 +90,7 @@ def test_chunked_states_direct_and_buffered_writes_give_the_same_file(tmp_path, 
 def test_a_filesystem_without_direct_io_gets_buffered_writes(tmp_path, monkeypatch, refuses_at):
     import errno
 
-    from datagen.data.shards import writer
+    from datagen.data.shards import image as writer  # the file image and its write
 
     ref = write_shard(job(tmp_path / "a" / "s.safetensors", [33, 9], "bfloat16"), states([33, 9]))
     real_open, real_write, direct_fds = os.open, os.write, set()
@@ -177,7 +177,7 @@ def test_states_already_quantized_by_the_engine_are_stored_as_given(tmp_path):
 
 
 def test_the_hash_is_taken_piece_by_piece_while_writing_and_matches_the_file(tmp_path, monkeypatch):
-    from datagen.data.shards import writer
+    from datagen.data.shards import image as writer  # the file image and its write
 
     lengths = [300, 257]  # about 130 kB of bfloat16 states: 11 pieces of 12 kB, the last one short
     monkeypatch.setattr(writer, "WRITE_PIECE", 3 * writer.ALIGN)
@@ -227,7 +227,7 @@ def test_a_reused_file_image_leaves_no_bytes_of_the_previous_shard(tmp_path):
 def test_a_failed_write_leaves_neither_the_shard_nor_a_temporary(tmp_path, monkeypatch):
     import errno
 
-    from datagen.data.shards import writer
+    from datagen.data.shards import image as writer  # the file image and its write
 
     def full_disk(fd):
         raise OSError(errno.ENOSPC, "No space left on device")

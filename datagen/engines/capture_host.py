@@ -15,7 +15,7 @@ import torch
 
 class HostBlock:
     """One step's pinned host copy, shared by the requests it holds; its piece of the arena is
-    held until the last shard holding a piece of it is written."""
+    held until the packer has moved the last of those requests' pieces into its shard's image."""
 
     __slots__ = ("arena", "region", "refs", "lock")
 
@@ -40,11 +40,10 @@ class HostArena:
     once when the engine starts (pinning per step cost a run's first groups seconds of the
     worker's time, until PyTorch's pinned cache held enough blocks), handed out as a ring.
 
-    Steps take pieces in order and the writers free them in about that order (a piece is reused
-    once it and every older piece are free). A step waits (backpressure) while the ring is full
-    and a write that will free some is pending; when none is, the states held belong to shards
-    still waiting for later steps, and the step's copy goes outside the ring (PyTorch's pinned
-    allocator) so the run goes on over the budget rather than stalls."""
+    Steps take pieces in order and the packer frees them in that order (a piece is reused once it
+    and every older piece are free). A step waits (backpressure) while the ring is full and the
+    packer has pieces to free; when it has none, the step's copy goes outside the ring (PyTorch's
+    pinned allocator) so the run goes on over the budget rather than stalls."""
 
     ALIGN = 4096  # every piece starts on a page: views of any dtype stay aligned
 

@@ -38,6 +38,14 @@ def _host_budget_default() -> int:
     return int(float(raw) * (1 << 30)) if raw else 8 << 30
 
 
+def _image_budget_default() -> int:
+    """Host memory for the shards' file images a rank fills and writes at once: with 1 GiB shards,
+    the shards being filled and several being written. Exceeded, never waited on, when every
+    image belongs to a shard still being filled (a shard larger than the budget still runs)."""
+    raw = os.environ.get("DATAGEN_CAPTURE_IMAGE_GIB")
+    return int(float(raw) * (1 << 30)) if raw else 16 << 30
+
+
 @dataclass(frozen=True)
 class CaptureConfig:
     """What the capture in each worker needs; one object, sent once when the engine starts: the
@@ -51,6 +59,7 @@ class CaptureConfig:
     max_tokens: int  # the step's token budget: rows of the preallocated device buffers
     writers: int = 4  # shard writer threads per rank
     host_budget_bytes: int = 8 << 30  # pinned host memory a rank holds for captured states (one ring, CUDA)
+    image_budget_bytes: int = 16 << 30  # host memory for the shards' file images, filled and written
     # The run's capture path, the plan's (capture_paths.choose_path: DATAGEN_CAPTURE_PATH, else INTERNAL on a
     # verified release; recorded in the fingerprint). What the worker does with it: INTERNAL, the extension
     # hooks the model runner's execute_model and reads each step's aux states, on V1 (pinned on CUDA by patch
@@ -108,6 +117,7 @@ class VllmSettings:
     attention_backend: str | None = None  # asked for (choose_attention_backend); None: vLLM's pick
     writers: int | None = None  # shard writers per rank; None: DATAGEN_WRITERS or from the cores
     host_budget_bytes: int | None = None  # None: DATAGEN_CAPTURE_HOST_GIB or 8 GiB
+    image_budget_bytes: int | None = None  # None: DATAGEN_CAPTURE_IMAGE_GIB or 16 GiB
     media: bool = False  # some rows hold images: the engine loads the tokenizer and the image processor
     capture_path: str = INTERNAL  # INTERNAL or PUBLIC (datagen.engines.capture_paths resolves it)
 
@@ -120,7 +130,8 @@ class VllmSettings:
             layer_ids=tuple(self.layer_ids), dtype=self.dtype, storage_dtype=self.storage_dtype,
             max_tokens=self.step_tokens,
             writers=self.writers or _writers_default(self.tensor_parallel_size),
-            host_budget_bytes=self.host_budget_bytes or _host_budget_default(), path=self.capture_path)
+            host_budget_bytes=self.host_budget_bytes or _host_budget_default(),
+            image_budget_bytes=self.image_budget_bytes or _image_budget_default(), path=self.capture_path)
 
     @classmethod
     def from_plan(cls, p) -> "VllmSettings":
