@@ -145,6 +145,14 @@ def spec_file(content: dict[str, Any] | BaseModel, *, name: str = "spec.json") -
         yield path
 
 
+def dataset_path(dataset: str | Path) -> Path:
+    """Where the rows of ``dataset`` lie, to mount: its name without the options after ``#``
+    (``datagen.data.dataset_files.parse_ref``). The step is passed the whole name, options and all."""
+    from datagen.data.dataset_files import parse_ref
+
+    return parse_ref(dataset).path
+
+
 def mounts_for(*paths: str | Path, read_only: tuple[str | Path, ...] = ()) -> tuple[Mount, ...]:
     """Mounts of the given host paths (read-write) and ``read_only`` paths, absolute, deduplicated."""
     seen: dict[str, Mount] = {}

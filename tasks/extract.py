@@ -25,7 +25,7 @@ from datagen.data.spec import ExtractSpec
 from datagen.steps.extract import ExtractResult
 from datagen.steps.extract import Spec as ExtractStepSpec
 from datagen.steps.plan import PlanResult
-from tasks._common import AWS_CREDENTIAL_ENV, cache_key, mounts_for
+from tasks._common import AWS_CREDENTIAL_ENV, cache_key, dataset_path, mounts_for
 from tasks.pipeline_spec import ShardRange
 from tasks.runners import Mount
 from tasks.settings import s3_step_env
@@ -73,14 +73,15 @@ finalize = step_task("finalize", cache_policy=STEP_CACHE)
 
 def extract_mounts(spec: ExtractSpec) -> tuple[Mount, ...]:
     """What a step of this extraction spec reads and writes: its output's parent, its model and
-    rows, and the directories of the images its rows reference (``media_sources``)."""
+    rows (their path: the step gets the spec's dataset whole, ``#options`` and all), and the
+    directories of the images its rows reference (``media_sources``)."""
     out = Path(spec.out).absolute()
     # extract's lock file lives next to the output directory, so the parent is mounted; on a first
     # run it may not exist yet (a bind mount needs its source): its nearest existing ancestor then.
     parent = out.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
-    return mounts_for(parent, read_only=(spec.model, spec.dataset, *media_sources(spec.dataset).dirs))
+    return mounts_for(parent, read_only=(spec.model, dataset_path(spec.dataset), *media_sources(spec.dataset).dirs))
 
 
 def media_sources(dataset: str) -> MediaSources:

@@ -22,7 +22,7 @@ from prefect.artifacts import create_markdown_artifact
 from datagen.steps.validate import Spec as ValidateSpec
 from datagen.steps.validate import ValidateResult
 from datagen.validation.settings import ValidationSettings
-from tasks._common import StepFailed, cache_key, mounts_for, scratch_dir
+from tasks._common import StepFailed, cache_key, dataset_path, mounts_for, scratch_dir
 from tasks.extract import media_sources, media_step_env
 from tasks.pipeline_spec import Runner
 from tasks.step import STEP_CACHE, StepCall, step_task
@@ -51,6 +51,23 @@ def validate_cache_key(
 validate = step_task(STEP, cache_policy=STEP_CACHE)
 
 
+def validate_call(dataset: str, *, settings: ValidationSettings, report: Path, model: str, source: str,
+                  tokenizer: str | None = None, trust_remote_code: bool = False, gpus: int = 0) -> StepCall:
+    """`datagen validate DATASET` writing its report to ``report`` (in a folder of its own, mounted
+    read-write). ``source`` is passed whole (``#options`` and all); its path is mounted."""
+    step_spec = ValidateSpec(**settings.model_dump(mode="json"), dataset=dataset, report=str(report), model=model,
+                             source=source, tokenizer=tokenizer, trust_remote_code=trust_remote_code)
+    return StepCall(
+        step=STEP,
+        spec=step_spec.model_dump(mode="json"),
+        mounts=mounts_for(dataset, report.parent,
+                          read_only=(model, dataset_path(source), *filter(None, [tokenizer, settings.previous]),
+                                     *media_sources(source).dirs)),
+        gpus=gpus,
+        **media_step_env(source),  # golden image rows are re-extracted with their images
+    )
+
+
 def validate_dataset(
     dataset: str,
     *,
@@ -66,9 +83,9 @@ def validate_dataset(
 ) -> ValidateResult:
     """`datagen validate DATASET --report FILE`: every shard, every row, against the manifest.
 
-    ``model`` (directory), ``source`` (the dataset's JSONL) and ``tokenizer`` (the directory the
-    extraction spec named instead of the model's, if any) are read by the step: it
-    re-tokenizes rows and re-extracts golden samples from them, with the model's own code only
+    ``model`` (directory), ``source`` (the dataset the extraction read, as its spec names it) and
+    ``tokenizer`` (the directory the extraction spec named instead of the model's, if any) are read
+    by the step: it re-tokenizes rows and re-extracts golden samples from them, with the model's own code only
     when the pipeline spec allows it (``trust_remote_code``; Kimi's tokenizer is code). The step
     runs in the extract image with the spec's GPUs: where transformers cannot load the model, the
     golden reference is the engine itself (vLLM eager with layer hooks), on the host that holds it.
@@ -77,16 +94,8 @@ def validate_dataset(
     """
     with scratch_dir() as scratch:
         report = scratch / REPORT_NAME
-        step_spec = ValidateSpec(**settings.model_dump(mode="json"), dataset=dataset, report=str(report), model=model,
-                                 source=source, tokenizer=tokenizer, trust_remote_code=trust_remote_code)
-        call = StepCall(
-            step=STEP,
-            spec=step_spec.model_dump(mode="json"),
-            mounts=mounts_for(dataset, scratch, read_only=(model, source, *filter(None, [tokenizer, settings.previous]),
-                                                           *media_sources(source).dirs)),
-            gpus=gpus,
-            **media_step_env(source),  # golden image rows are re-extracted with their images
-        )
+        call = validate_call(dataset, settings=settings, report=report, model=model, source=source,
+                             tokenizer=tokenizer, trust_remote_code=trust_remote_code, gpus=gpus)
         try:
             result = validate.with_options(**(task_options or {}))(call, cache_key=cache_key, runner=runner)
         except StepFailed as e:

@@ -98,9 +98,10 @@ class ShardRecord(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    index: int = Field(description="Shard number k: it holds dataset rows [k*S, (k+1)*S).")
+    index: int = Field(description="Shard number k: it holds the dataset rows [first_sample, first_sample + rows), "
+                       "the plan's k-th cut (shards close by bytes, rows whole).")
     path: str = Field(description="Path relative to the dataset root.")
-    first_sample: int = Field(description="First dataset row of the shard's range (k*S).")
+    first_sample: int = Field(description="First dataset row of the shard's range (the plan's k-th boundary).")
     rows: int = Field(description="Dataset rows in the shard's range (kept + skipped).")
     samples: int = Field(description="Samples stored (rows not skipped).")
     tokens: int = Field(description="Tokens stored (T).")
