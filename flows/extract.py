@@ -26,8 +26,8 @@ from prefect.futures import PrefectFuture, as_completed
 from datagen.data.spec import ExtractSpec
 from datagen.storage.sources import LocalSource
 from tasks import artifacts
-from tasks._common import runner_identity
 from tasks.assemble import assemble, assemble_call
+from tasks.cache_keys import runner_identity
 from tasks.download import download, model_location
 from tasks.env_check import env_checked, start_env_check
 from tasks.extract import (

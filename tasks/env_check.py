@@ -15,9 +15,9 @@ from prefect.artifacts import create_table_artifact
 from prefect.futures import PrefectFuture
 
 from datagen.storage.sources import LocalSource
-from tasks._common import HUB_AND_AWS_CREDENTIAL_ENV, mounts_for
+from tasks.mounts import mounts_for
 from tasks.pipeline_spec import PipelineSpec
-from tasks.settings import s3_step_env
+from tasks.settings import HUB_AND_AWS_CREDENTIAL_ENV, s3_step_env
 from tasks.step import StepCall, step_task
 
 if TYPE_CHECKING:

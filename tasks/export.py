@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 from prefect import get_run_logger
 
-from tasks._common import cache_key, mounts_for
+from tasks.cache_keys import cache_key
+from tasks.mounts import mounts_for
 from tasks.pipeline_spec import Runner
 from tasks.step import STEP_CACHE, StepCall, step_task
 

@@ -25,10 +25,11 @@ from datagen.data.spec import ExtractSpec
 from datagen.steps.extract import ExtractResult
 from datagen.steps.extract import Spec as ExtractStepSpec
 from datagen.steps.plan import PlanResult
-from tasks._common import AWS_CREDENTIAL_ENV, cache_key, dataset_path, mounts_for
+from tasks.cache_keys import cache_key
+from tasks.mounts import dataset_path, mounts_for
 from tasks.pipeline_spec import ShardRange
 from tasks.runners import Mount
-from tasks.settings import s3_step_env
+from tasks.settings import AWS_CREDENTIAL_ENV, s3_step_env
 from tasks.step import STEP_CACHE, StepCall, step_task
 
 

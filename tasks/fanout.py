@@ -53,10 +53,10 @@ from datagen.steps.assemble import AssembleResult
 from datagen.steps.plan import PlanResult
 from datagen.storage import fleet, s3
 from tasks import artifacts
-from tasks._common import STEP_RETRY_POLICY
 from tasks.bucket import bucket_of, retrying
 from tasks.extract import RangeOutcome
 from tasks.pipeline_spec import PipelineSpec, ShardRange
+from tasks.retries import STEP_RETRY_POLICY
 from tasks.step import RESULT_SERIALIZER, STEP_CACHE
 
 WAITING_LOG_INTERVAL_S = 300.0  # how often "still waiting for a worker" is logged

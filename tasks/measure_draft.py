@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tasks._common import mounts_for
+from tasks.mounts import mounts_for
 from tasks.pipeline_spec import Runner
 from tasks.step import StepCall, step_task
 

@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 from prefect import get_run_logger, task
 from prefect.events import emit_event
 
-from tasks._common import AWS_CREDENTIAL_ENV, cache_key, mounts_for
+from tasks.cache_keys import cache_key
+from tasks.mounts import mounts_for
 from tasks.pipeline_spec import Runner
-from tasks.settings import s3_step_env
+from tasks.settings import AWS_CREDENTIAL_ENV, s3_step_env
 from tasks.step import STEP_CACHE, StepCall, step_task
 
 if TYPE_CHECKING:

@@ -28,7 +28,8 @@ from datagen.data.spec import DEFAULT_MAX_SEQ_LEN
 from datagen.regeneration.output import MANIFEST
 from datagen.regeneration.settings import RegenerationSettings
 from datagen.steps.regenerate import RegenerateResult, Spec
-from tasks._common import cache_key, dataset_path, mounts_for
+from tasks.cache_keys import cache_key
+from tasks.mounts import dataset_path, mounts_for
 from tasks.pipeline_spec import PipelineSpec
 from tasks.step import STEP_CACHE, StepCall, step_task
 

@@ -13,10 +13,11 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.runtime import deployment, flow_run
 
-from tasks._common import mounts_for, scratch_dir
 from tasks.artifacts import REPORT_RUNS, report_markdown, run_history, stats_key
+from tasks.mounts import mounts_for
 from tasks.pipeline_spec import Runner
 from tasks.step import StepCall, step_task
+from tasks.step_files import scratch_dir
 
 report_step = step_task("report")  # not cached: it reads the runs before this one
 

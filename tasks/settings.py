@@ -10,6 +10,10 @@ from pathlib import Path
 
 S3_SETTINGS_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION")
 
+# Credentials a step may need, passed to it by name only (their values are never logged).
+AWS_CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+HUB_AND_AWS_CREDENTIAL_ENV = ("HF_TOKEN", *AWS_CREDENTIAL_ENV)
+
 
 def s3_step_env() -> dict[str, str]:
     """The non-secret S3 settings set here (endpoint, region), passed on to the steps that use S3."""

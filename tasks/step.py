@@ -7,7 +7,7 @@ subprocess or a container, ``tasks/runners.py``), streams every output line into
 onto the run's progress bar), and returns the step's own result type (``datagen.steps.result_type``:
 ``PlanResult``, ``ExtractResult``, ...), parsed from its result line.
 
-Retries: transient faults only (``tasks/_common.py``). Caching: one policy, ``STEP_CACHE``: the
+Retries: transient faults only (``tasks/retries.py``). Caching: one policy, ``STEP_CACHE``: the
 cache key is the task's ``cache_key`` argument, which the flow computes from what decides the
 step's output (each ``*_cache_key`` function says what its key holds; docs/orchestration.md), with
 a digest of the result type's schema after it (a record of another shape is never read back). A
@@ -34,9 +34,13 @@ from pydantic import BaseModel, TypeAdapter
 
 from datagen.steps import result_type
 from tasks import artifacts
-from tasks._common import STEP_RETRY_POLICY, make_runner, mounts_for, parse_result, run_step, spec_file
+from tasks.mounts import mounts_for
 from tasks.pipeline_spec import Runner
+from tasks.results import parse_result, run_step
+from tasks.retries import STEP_RETRY_POLICY
+from tasks.runner_choice import make_runner
 from tasks.runners import Mount, StepInvocation
+from tasks.step_files import spec_file
 
 # Cache records are JSON: readable, and they survive code moves.
 RESULT_SERIALIZER = "json"
@@ -99,8 +103,8 @@ def _step(call: StepCall, *, runner: Runner, cache_key: str | None = None) -> Ba
     """`datagen <step>` through ``runner``; its result line as the step's ``Result``.
 
     Raises:
-        tasks._common.StepFailed: a non-zero exit (retried when transient).
-        tasks._common.StepResultMissing: exit 0 without a result line.
+        tasks.errors.StepFailed: a non-zero exit (retried when transient).
+        tasks.errors.StepResultMissing: exit 0 without a result line.
     """
     logger = get_run_logger()
     board = artifacts.board(call.progress)

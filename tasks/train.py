@@ -25,8 +25,9 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.events import emit_event
 
-from tasks._common import cache_key, mounts_for
 from tasks.artifacts import table_history
+from tasks.cache_keys import cache_key
+from tasks.mounts import mounts_for
 from tasks.pipeline_spec import Runner
 from tasks.step import STEP_CACHE, StepCall, step_task
 

@@ -22,10 +22,13 @@ from prefect.artifacts import create_markdown_artifact
 from datagen.steps.validate import Spec as ValidateSpec
 from datagen.steps.validate import ValidateResult
 from datagen.validation.settings import ValidationSettings
-from tasks._common import StepFailed, cache_key, dataset_path, mounts_for, scratch_dir
+from tasks.cache_keys import cache_key
+from tasks.errors import StepFailed
 from tasks.extract import media_sources, media_step_env
+from tasks.mounts import dataset_path, mounts_for
 from tasks.pipeline_spec import Runner
 from tasks.step import STEP_CACHE, StepCall, step_task
+from tasks.step_files import scratch_dir
 
 STEP = "validate"
 REPORT_NAME = "validation-report.json"

@@ -314,7 +314,7 @@ def test_a_plan_step_in_its_container_sees_every_image_and_an_output_inside_stay
     dataset directory the output directory is writable and nothing else is."""
     from datagen.data.spec import ExtractSpec
     from images.tags import ImageName
-    from tasks._common import spec_file
+    from tasks.step_files import spec_file
     from tasks.docker_runner import DockerRunner
     from tasks.extract import extract_mounts
     from tasks.plan import plan_call

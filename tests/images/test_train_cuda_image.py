@@ -79,7 +79,7 @@ def test_an_overlay_pin_change_changes_only_the_train_tag(tree):  # noqa: F811
 
 
 def test_a_gpu_pools_run_trains_on_the_gpu_in_the_cuda_train_image(monkeypatch):
-    from tasks._common import _step_images
+    from tasks.runner_choice import _step_images
     from tasks.train import pool_device, settings_for
 
     monkeypatch.delenv("DATAGEN_TRAIN_DEVICE", raising=False)

@@ -11,7 +11,7 @@ import pytest
 
 from datagen.data.spec import ExtractSpec
 from datagen.validation.settings import ValidationSettings
-from tasks._common import dataset_path
+from tasks.mounts import dataset_path
 
 
 def hf_folder(root: Path) -> Path:
@@ -66,7 +66,7 @@ def test_validate_mounts_the_sources_path_and_passes_the_options(tmp_path):
 
 def test_regenerates_cache_key_hashes_a_folder_with_options_as_the_loader_reads_it(tmp_path):
     from datagen.data.checksums import sha256_file
-    from tasks._common import cache_key
+    from tasks.cache_keys import cache_key
     from tasks.pipeline_spec import PipelineSpec
     from tasks.regenerate import STEP, regenerate_cache_key
 
@@ -97,7 +97,7 @@ def test_a_plan_step_in_its_container_reads_a_hugging_face_dataset_named_with_op
 
     from datagen.extraction.plan import plan
     from images.tags import ImageName
-    from tasks._common import spec_file
+    from tasks.step_files import spec_file
     from tasks.docker_runner import DockerRunner
     from tasks.plan import plan_call
     from tasks.runners import Mount, StepInvocation

@@ -6,7 +6,8 @@ import pytest
 from prefect import flow, task
 
 from datagen.errors import EXIT_BAD_INPUT, EXIT_CANNOT_RUN_HERE, EXIT_FAILED, EXIT_TRANSIENT, EXIT_VALIDATION
-from tasks._common import StepFailed, cache_key, retry_if_transient
+from tasks.errors import StepFailed
+from tasks.retries import retry_if_transient
 from tasks.runners import StepOutcome
 
 
@@ -29,13 +30,6 @@ def test_the_message_is_the_steps_error_and_hint():
     assert str(e).splitlines() == [
         "datagen plan: bad input (exit 2, not retried)", "error: row 3 is not JSON", "  -> fix row 3",
     ]
-
-
-def test_cache_keys_are_file_names_that_depend_on_every_part():
-    k = cache_key("extract-range", ["a", "b"], "local:1", "/out")
-    assert k.startswith("extract-range-") and "/" not in k
-    assert k == cache_key("extract-range", ["a", "b"], "local:1", "/out")
-    assert k != cache_key("extract-range", ["a", "c"], "local:1", "/out")
 
 
 @pytest.mark.prefect_server
