@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from datagen.data.spec import ExtractSpec
 from datagen.steps.assemble import Spec as AssembleSpec
-from tasks.extract import extract_mounts, media_step_env
+from tasks.media import media_step_env
+from tasks.mounts import extract_mounts
 from tasks.step import StepCall, step_task
 
 assemble = step_task("assemble")  # not cached: it is cheap, and what it writes is validated right after

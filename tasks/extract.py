@@ -20,16 +20,14 @@ from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from datagen.data.media_sources import MediaSources, sources
 from datagen.data.spec import ExtractSpec
 from datagen.steps.extract import ExtractResult
 from datagen.steps.extract import Spec as ExtractStepSpec
 from datagen.steps.plan import PlanResult
 from tasks.cache_keys import cache_key
-from tasks.mounts import dataset_path, mounts_for
+from tasks.media import media_step_env
+from tasks.mounts import extract_mounts
 from tasks.pipeline_spec import ShardRange
-from tasks.runners import Mount
-from tasks.settings import AWS_CREDENTIAL_ENV, s3_step_env
 from tasks.step import STEP_CACHE, StepCall, step_task
 
 
@@ -70,35 +68,6 @@ class RangeOutcome(BaseModel):
 
 extract_range = step_task("extract-range", cache_policy=STEP_CACHE, task_run_name="extract-range-{call.label}")
 finalize = step_task("finalize", cache_policy=STEP_CACHE)
-
-
-def extract_mounts(spec: ExtractSpec) -> tuple[Mount, ...]:
-    """What a step of this extraction spec reads and writes: its output's parent, its model and
-    rows (their path: the step gets the spec's dataset whole, ``#options`` and all), and the
-    directories of the images its rows reference (``media_sources``)."""
-    out = Path(spec.out).absolute()
-    # extract's lock file lives next to the output directory, so the parent is mounted; on a first
-    # run it may not exist yet (a bind mount needs its source): its nearest existing ancestor then.
-    parent = out.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    return mounts_for(parent, read_only=(spec.model, dataset_path(spec.dataset), *media_sources(spec.dataset).dirs))
-
-
-def media_sources(dataset: str) -> MediaSources:
-    """Where the images of the rows of ``dataset`` are (a cheap scan, see ``datagen.data.media_sources.sources``):
-    each directory is mounted read-only into the steps that read the rows. A read-write output
-    inside one of them stays writable (Docker mounts a parent before what lies inside it)."""
-    return sources(dataset)
-
-
-def media_step_env(dataset: str) -> dict:
-    """``StepCall`` fields for the images of ``dataset`` in a remote store (``s3://``): the S3
-    settings (endpoint, region) and the credentials by name, as the download step gets them;
-    nothing for a dataset without remote images."""
-    if not media_sources(dataset).remote:
-        return {}
-    return {"env": s3_step_env(), "secret_env_names": AWS_CREDENTIAL_ENV}
 
 
 def range_call(spec: ExtractSpec, shard_range: ShardRange, *, gpus: int = 0, progress: UUID | None = None) -> StepCall:

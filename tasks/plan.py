@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from datagen.data.spec import ExtractSpec
 from datagen.steps.plan import PlanResult
-from tasks.extract import extract_mounts, media_step_env
+from tasks.media import media_step_env
+from tasks.mounts import extract_mounts
 from tasks.step import StepCall, step_task
 
 __all__ = ["PlanResult", "plan", "plan_call"]

@@ -24,7 +24,7 @@ from datagen.steps.validate import ValidateResult
 from datagen.validation.settings import ValidationSettings
 from tasks.cache_keys import cache_key
 from tasks.errors import StepFailed
-from tasks.extract import media_sources, media_step_env
+from tasks.media import media_sources, media_step_env
 from tasks.mounts import dataset_path, mounts_for
 from tasks.pipeline_spec import Runner
 from tasks.step import STEP_CACHE, StepCall, step_task

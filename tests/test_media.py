@@ -266,7 +266,8 @@ def test_the_transformers_engine_refuses_image_rows_and_leaves_no_output(kimi, t
 def test_the_steps_mount_the_directories_of_the_images_the_rows_reference(tmp_path, monkeypatch):
     from datagen.data.media_sources import sources
     from datagen.data.spec import ExtractSpec
-    from tasks.extract import extract_mounts, range_call
+    from tasks.extract import range_call
+    from tasks.mounts import extract_mounts
     from tasks.plan import plan_call
     from tasks.pipeline_spec import ShardRange
 
@@ -316,7 +317,7 @@ def test_a_plan_step_in_its_container_sees_every_image_and_an_output_inside_stay
     from images.tags import ImageName
     from tasks.step_files import spec_file
     from tasks.docker_runner import DockerRunner
-    from tasks.extract import extract_mounts
+    from tasks.mounts import extract_mounts
     from tasks.plan import plan_call
     from tasks.runners import Mount, StepInvocation
     from tests.support.docker_engine import built_images

@@ -30,7 +30,8 @@ def test_the_path_of_a_dataset_is_its_name_without_the_options(tmp_path):
 
 
 def test_plan_and_extract_mount_the_datasets_path_and_pass_the_options(tmp_path):
-    from tasks.extract import extract_mounts, finalize_call, range_call
+    from tasks.extract import finalize_call, range_call
+    from tasks.mounts import extract_mounts
     from tasks.pipeline_spec import ShardRange
     from tasks.plan import plan_call
 
