@@ -10,9 +10,9 @@ expensive. Shard ranges are the unit of caching, retry and fan-out: with ``range
 they run one after the other in this process; with more, each runs as a flow run of the
 ``extract-shards`` deployment on a work pool (``flows/extract_shards.py``), so every GPU host's
 worker takes the next range, and the dataset is written straight to its bucket (``publish_to``):
-ranges upload their shards (``tasks/range_worker.py``); this flow checks every shard object,
+ranges upload their shards (``tasks/fanout/child.py``); this flow checks every shard object,
 copies them into its own output, assembles the manifest there, validates that dataset like any
-other and writes the manifest to the bucket last (``tasks/fanout.py``). Nothing is published or
+other and writes the manifest to the bucket last (``tasks/fanout/parent.py``). Nothing is published or
 announced before it is validated.
 """
 
@@ -33,7 +33,7 @@ from tasks.env_check import env_checked, start_env_check
 from tasks.extract import (
     RangeOutcome, extract_range, finalize, finalize_call, finalize_cache_key, range_cache_key, range_call,
 )
-from tasks.fanout import bucket_dataset, bucket_state, dispatch_range, fetch_shards, publish_manifest
+from tasks.fanout.parent import bucket_dataset, bucket_state, dispatch_range, fetch_shards, publish_manifest
 from tasks.pipeline_spec import PipelineSpec, ShardRange
 from tasks.plan import PlanResult, plan, plan_call
 from tasks.publish import announce, publish_cache_key, publish_dataset

@@ -1,7 +1,7 @@
 """The `extract-shards` flow: one shard range of a spec, on whichever worker of the pool takes it.
 
     deployment extract-shards/gpu (prefect.yaml); submitted by the `extract` flow when the spec
-    has ranges_in_flight > 1 (tasks/fanout.py; what it runs: tasks/range_worker.py)
+    has ranges_in_flight > 1 (tasks/fanout/parent.py; what it runs: tasks/fanout/child.py)
 
 It holds the range's lease on Prefect's server (a global concurrency slot, renewed while it runs)
 from its first step to its last, so no other run writes the range meanwhile and a lost host's
@@ -20,9 +20,8 @@ from datagen.errors import SpecError
 from datagen.storage.sources import LocalSource
 from tasks.download import download, model_location
 from tasks.extract import RangeOutcome
-from tasks.fanout import gpu_slots, range_lease
+from tasks.fanout.child import extract_to_bucket, gpu_slots, range_lease, spool_dir, write_receipt
 from tasks.pipeline_spec import PipelineSpec, ShardRange
-from tasks.range_worker import extract_to_bucket, spool_dir, write_receipt
 
 
 @flow(name="extract-shards", description="Extract one shard range of a spec into its bucket (no manifest).")

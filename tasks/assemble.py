@@ -1,5 +1,5 @@
 """The assemble task: `datagen assemble`, the step task (``tasks/step.py``) under the step's name. Used
-by a fanned-out run (``tasks/fanout.py``) instead of finalize: the manifest of the bucket's shards,
+by a fanned-out run (``tasks/fanout/parent.py``) instead of finalize: the manifest of the bucket's shards,
 from the records ``fetch_shards`` checked, written into the local dataset directory. Its result is
 the step's own, ``AssembleResult``."""
 

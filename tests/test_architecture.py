@@ -110,9 +110,10 @@ def test_the_orchestration_declares_no_result_of_its_own():
 
     results = {result_type(step) for step in STEPS}
     own, wrappers = [], []
+    picture = _picture()
     for package in ("tasks", "flows"):
-        for path in sorted((ROOT / package).glob("*.py")):
-            module = importlib.import_module(f"{package}.{path.stem}")
+        for path in sorted((ROOT / package).rglob("*.py")):
+            module = importlib.import_module(picture.module_name(path))
             for name, cls in vars(module).items():
                 if not (isinstance(cls, type) and issubclass(cls, BaseModel) and cls.__module__ == module.__name__
                         and name.endswith(RESULT_WORDS)):

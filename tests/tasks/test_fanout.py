@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tasks.fanout import gpu_slots, gpu_slots_name
+from tasks.fanout.child import gpu_slots, gpu_slots_name
 
 pytestmark = [pytest.mark.prefect_server, pytest.mark.usefixtures("prefect_harness")]
 
@@ -98,7 +98,8 @@ def test_a_range_lease_is_held_by_one_run_at_a_time_and_given_back():
 
     from prefect import get_client
 
-    from tasks.fanout import range_lease, range_limit_name
+    from tasks.fanout.child import range_lease
+    from tasks.fanout.range_limit import range_limit_name
     from tasks.pipeline_spec import PipelineSpec, ShardRange
 
     spec = PipelineSpec.model_validate({"model": "m", "dataset": "d.jsonl", "output": "o", "ranges_in_flight": 2,

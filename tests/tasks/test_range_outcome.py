@@ -10,7 +10,7 @@ from datagen.steps.assemble import AssembleResult
 from datagen.steps.extract import ExtractResult
 from tasks.artifacts import summary_markdown
 from tasks.extract import RangeOutcome
-from tasks.fanout import _outcome
+from tasks.fanout.parent import _outcome
 from tasks.pipeline_spec import ShardRange
 from tests.support.synthetic_shards import make_synthetic_dataset, manifest_of
 

@@ -1,8 +1,14 @@
-"""The range worker: what one flow run of the `extract-shards` deployment does with its range
-(``flows/extract_shards.py``), under the range's lease (``tasks.fanout.range_lease``).
+"""Fan-out, the child: what one flow run of the `extract-shards` deployment (``flows/extract_shards.py``)
+does with its range, and what it holds meanwhile.
 
-* ``extract_to_bucket``: extract the shards the bucket lacks into this host's spool, upload each as
-  soon as it is written (publish path, checksums), remove it from the spool.
+* ``range_lease``: the range's slot, a server-side lease of ``fan_out.lease_s`` renewed by the
+  holder (``tasks/fanout/range_limit.py``). A second run of the range waits for it; a holder that
+  stops renewing (its host died) loses it when it expires and the server's repossessor frees the
+  slot; a holder whose renewal fails stops its own execution, so two runs never write one range.
+* ``gpu_slots``: this host's share of its GPU limit (a global concurrency limit too) while the
+  engine runs.
+* ``extract_to_bucket``: under the lease, extract the shards the bucket lacks into this host's
+  spool, upload each as soon as it is written (publish path, checksums), remove it from the spool.
 * ``write_receipt``: the range's outcome in the bucket, which the parent's ``dispatch_range`` reads.
 """
 
@@ -10,7 +16,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from uuid import UUID
 
 from datagen import settings
 from datagen.data.contract import ShardRecord
@@ -20,10 +29,62 @@ from datagen.steps.extract import ExtractResult
 from datagen.storage import fleet
 from tasks.bucket import bucket_of, retrying
 from tasks.extract import RangeOutcome, extract_range, range_call
+from tasks.fanout.range_limit import ensure_limit, range_limit_name
 from tasks.pipeline_spec import PipelineSpec, ShardRange
 
 UPLOAD_POLL_S = 1.0  # how often a range looks for newly written shards to upload
 
+
+@contextmanager
+def range_lease(spec: PipelineSpec, shard_range: ShardRange, fingerprint: str, *, log) -> Iterator[None]:
+    """Hold the range's slot (a lease of ``fan_out.lease_s`` on Prefect's server) while the block
+    runs; wait while another run holds it. A renewal that fails stops this run."""
+    from prefect.client.schemas.objects import ConcurrencyLeaseHolder
+    from prefect.concurrency.sync import concurrency
+    from prefect.runtime import flow_run
+
+    name = range_limit_name(fingerprint, shard_range)
+    ensure_limit(name)  # the parent made it; a run started by hand makes it too
+    run_id = flow_run.get_id()
+    holder = ConcurrencyLeaseHolder(type="flow_run", id=UUID(str(run_id))) if run_id else None
+    t0 = time.monotonic()
+    log.info("range %s: taking its lease (%s, %.0f s)", shard_range, name, spec.fan_out.lease_s)
+    with concurrency(name, occupy=1, lease_duration=spec.fan_out.lease_s, strict=True, holder=holder,
+                     raise_on_lease_renewal_failure=True):
+        log.info("range %s: lease held (waited %.1f s)", shard_range, time.monotonic() - t0)
+        yield
+
+
+# --- per-host GPU limits ------------------------------------------------------------------------
+
+def gpu_slots_name(host: str | None = None) -> str:
+    """The global concurrency limit of one GPU host: its limit is the host's GPU count."""
+    import socket
+
+    return f"gpu-host-{host or socket.gethostname()}"
+
+
+@contextmanager
+def gpu_slots(gpus: int, *, log=None) -> Iterator[None]:
+    """Hold ``gpus`` slots of this host's GPU limit while the block runs (nothing when 0).
+
+    A host's limit is created once per host (``prefect gcl create gpu-host-<hostname> --limit
+    <GPUs>``, docs/scale-out.md); without it there is nothing to hold and the worker's ``--limit``
+    alone bounds the host.
+    """
+    if gpus <= 0:
+        yield
+        return
+    from prefect.concurrency.sync import concurrency
+
+    name = gpu_slots_name()
+    if log is not None:
+        log.info("taking %d slots of %s", gpus, name)
+    with concurrency(name, occupy=gpus, strict=False):
+        yield
+
+
+# --- the range's work under its lease -------------------------------------------------------------
 
 def spool_dir(spec: PipelineSpec) -> Path:
     """This host's local directory for the range's shards before upload: ``$DATAGEN_SPOOL/<name of

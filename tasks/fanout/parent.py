@@ -1,43 +1,26 @@
 """Fan-out, the parent: shard ranges as flow runs of the `extract-shards` deployment, the dataset in a
-bucket; the range worker those runs execute is ``tasks/range_worker.py``.
-
-Nothing here is a scheduler or a lock of ours: exclusivity, lost hosts and placement are Prefect's,
-and the only store hosts share is the dataset's bucket (``datagen.storage.fleet``).
-
-Parent side (the `extract` flow with ``ranges_in_flight > 1``):
+bucket (the `extract` flow with ``ranges_in_flight > 1``); what those runs do is ``tasks/fanout/child.py``.
 
 * ``bucket_state``: what the bucket holds (complete shards, a manifest of this dataset or of
   another, which is refused). A range whose shards are all there is never submitted.
-* ``dispatch_range``: one range. It creates the range's global concurrency limit (limit 1), submits
-  the range with ``run_deployment`` (a subflow of the parent: the UI shows the tree) and watches the
-  child. Completed: the range is done (its receipt in the bucket says what it did). Crashed: its
-  process or host died -- the worker reports a dead process; a dead host is marked Crashed by the
-  lost-host automation when its heartbeats stop (``flows/automations.py``) -- and the range is
-  submitted again (up to ``fan_out.max_resubmits``). Failed or Cancelled: permanent, the parent
-  fails. Same cache key as ``extract_range``: a second run submits nothing.
+* ``dispatch_range``: one range. It creates the range's global concurrency limit (limit 1,
+  ``tasks/fanout/range_limit.py``), submits the range with ``run_deployment`` (a subflow of the
+  parent: the UI shows the tree) and watches the child. Completed: the range is done (its receipt
+  in the bucket says what it did). Crashed: its process or host died -- the worker reports a dead
+  process; a dead host is marked Crashed by the lost-host automation when its heartbeats stop
+  (``flows/automations.py``) -- and the range is submitted again (up to ``fan_out.max_resubmits``).
+  Failed or Cancelled: permanent, the parent fails. Same cache key as ``extract_range``: a second
+  run submits nothing.
 * ``fetch_shards`` then the ``assemble`` step (``tasks/assemble.py``): every shard object checked
   and copied into the local dataset directory, the manifest written there; the flow validates that
   dataset (the bucket's bytes), and only then ``publish_manifest`` writes the manifest to the
   bucket, last.
-
-Child side (``flows/extract_shards.py``):
-
-* ``range_lease``: the range's slot, a server-side lease of ``fan_out.lease_s`` renewed by the
-  holder. A second run of the range waits for it; a holder that stops renewing (its host died) loses
-  it when it expires and the server's repossessor frees the slot; a holder whose renewal fails stops
-  its own execution, so two runs never write one range.
-* the range's work under that lease, extracting into the bucket and writing the range's receipt:
-  ``tasks/range_worker.py``.
-
-Per-host GPU limits are global concurrency limits too (``gpu_slots``).
 """
 
 from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from uuid import UUID
 
@@ -55,24 +38,17 @@ from datagen.storage import fleet, s3
 from tasks import artifacts
 from tasks.bucket import bucket_of, retrying
 from tasks.extract import RangeOutcome
+from tasks.fanout.range_limit import delete_limit, ensure_limit, range_limit_name
 from tasks.pipeline_spec import PipelineSpec, ShardRange
 from tasks.retries import STEP_RETRY_POLICY
 from tasks.step import RESULT_SERIALIZER, STEP_CACHE
 
 WAITING_LOG_INTERVAL_S = 300.0  # how often "still waiting for a worker" is logged
-RANGE_LIMIT_PREFIX = "datagen-range"
 
 
 class RangeRunFailed(RuntimeError):
     """The flow run of a range failed for a reason a re-run would not fix."""
 
-
-def range_limit_name(fingerprint: str, shard_range: ShardRange) -> str:
-    """The global concurrency limit (limit 1) whose one slot is the lease on a range."""
-    return f"{RANGE_LIMIT_PREFIX}-{fingerprint[:16]}-{shard_range.first}-{shard_range.stop}"
-
-
-# --- parent side --------------------------------------------------------------------------------
 
 @task(name="bucket-state", **STEP_RETRY_POLICY)
 def bucket_state(spec: PipelineSpec, planned: PlanResult) -> PlanResult:
@@ -120,7 +96,7 @@ def dispatch_range(
         receipt = retrying(lambda: fleet.read_receipt(client, dest, cache_key), "reading the range's receipt", logger)
         return _outcome(shard_range, receipt).served_from_cache()
     limit = range_limit_name(fingerprint, shard_range)
-    _ensure_limit(limit)
+    ensure_limit(limit)
     for attempt in range(fan.max_resubmits + 1):
         child = run_deployment(
             fan.deployment,
@@ -137,7 +113,7 @@ def dispatch_range(
             done = _outcome(shard_range, receipt)
             if board is not None:
                 board.set(shard_range.arg, 1.0, force=True)
-            _delete_limit(limit)
+            delete_limit(limit)
             return done
         logger.warning("range %s: flow run %s was lost (%s); submitting the range again", shard_range, child.name, outcome)
     raise RangeRunFailed(
@@ -156,28 +132,6 @@ def _outcome(shard_range: ShardRange, receipt: dict | None) -> RangeOutcome:
     if outcome is None or outcome.range != shard_range:
         return RangeOutcome(range=shard_range, result=None)
     return outcome
-
-
-def _ensure_limit(name: str) -> None:
-    """Create the range's limit (one slot) unless it exists; two runs may try at once."""
-    from prefect.exceptions import ObjectAlreadyExists, PrefectHTTPStatusError
-
-    with get_client(sync_client=True) as api:
-        try:
-            api.upsert_global_concurrency_limit_by_name(name, 1)
-        except ObjectAlreadyExists:
-            pass
-        except PrefectHTTPStatusError as e:
-            if e.response.status_code != 409:  # 409: created by the other run meanwhile
-                raise
-
-
-def _delete_limit(name: str) -> None:
-    try:
-        with get_client(sync_client=True) as api:
-            api.delete_global_concurrency_limit_by_name(name)
-    except Exception:  # already gone, or the API is briefly unreachable: a leftover limit is harmless
-        pass
 
 
 def _watch(run_id: UUID, shard_range: ShardRange, spec: PipelineSpec, logger) -> str:
@@ -256,54 +210,3 @@ def publish_manifest(spec: PipelineSpec, assembled: AssembleResult) -> AssembleR
     fleet.put_manifest(client, dest, raw)
     logger.info("manifest written: %s/%s", dest.uri, MANIFEST_NAME)
     return assembled.model_copy(update={"dataset": dest.uri})
-
-
-# --- the range's lease, held by the child --------------------------------------------------------
-
-@contextmanager
-def range_lease(spec: PipelineSpec, shard_range: ShardRange, fingerprint: str, *, log) -> Iterator[None]:
-    """Hold the range's slot (a lease of ``fan_out.lease_s`` on Prefect's server) while the block
-    runs; wait while another run holds it. A renewal that fails stops this run."""
-    from prefect.client.schemas.objects import ConcurrencyLeaseHolder
-    from prefect.concurrency.sync import concurrency
-    from prefect.runtime import flow_run
-
-    name = range_limit_name(fingerprint, shard_range)
-    _ensure_limit(name)  # the parent made it; a run started by hand makes it too
-    run_id = flow_run.get_id()
-    holder = ConcurrencyLeaseHolder(type="flow_run", id=UUID(str(run_id))) if run_id else None
-    t0 = time.monotonic()
-    log.info("range %s: taking its lease (%s, %.0f s)", shard_range, name, spec.fan_out.lease_s)
-    with concurrency(name, occupy=1, lease_duration=spec.fan_out.lease_s, strict=True, holder=holder,
-                     raise_on_lease_renewal_failure=True):
-        log.info("range %s: lease held (waited %.1f s)", shard_range, time.monotonic() - t0)
-        yield
-
-
-# --- per-host GPU limits ------------------------------------------------------------------------
-
-def gpu_slots_name(host: str | None = None) -> str:
-    """The global concurrency limit of one GPU host: its limit is the host's GPU count."""
-    import socket
-
-    return f"gpu-host-{host or socket.gethostname()}"
-
-
-@contextmanager
-def gpu_slots(gpus: int, *, log=None) -> Iterator[None]:
-    """Hold ``gpus`` slots of this host's GPU limit while the block runs (nothing when 0).
-
-    A host's limit is created once per host (``prefect gcl create gpu-host-<hostname> --limit
-    <GPUs>``, docs/scale-out.md); without it there is nothing to hold and the worker's ``--limit``
-    alone bounds the host.
-    """
-    if gpus <= 0:
-        yield
-        return
-    from prefect.concurrency.sync import concurrency
-
-    name = gpu_slots_name()
-    if log is not None:
-        log.info("taking %d slots of %s", gpus, name)
-    with concurrency(name, occupy=gpus, strict=False):
-        yield
