@@ -86,7 +86,7 @@ def extract(spec: PipelineSpec) -> dict:
         fingerprint=dataset.fingerprint, dataset=dataset.dataset, uri=uri, changed=changed,
         tokens=dataset.totals.get("tokens", 0), shards=dataset.totals.get("shards", 0),
     )
-    artifacts.report(
+    artifacts.run_summary(
         spec=spec.model_dump(mode="json"),
         dataset=dataset.model_dump(mode="json"),
         ranges=[r.record() | {"task_cached": cached} for r, cached in ranges],

@@ -136,8 +136,8 @@ def _json(obj) -> str:
     return json.dumps(obj, indent=2, sort_keys=True, default=str)
 
 
-@task(name="report")
-def report(
+@task(name="run-summary")  # not "report": that is the `datagen report` step's task (tasks/report.py)
+def run_summary(
     *, spec: dict, dataset: dict, ranges: list[dict], published_to: str | None, validation: str
 ) -> None:
     """Publish the run's summary and shard table as artifacts."""

@@ -33,8 +33,23 @@ def bucket_of(spec: PipelineSpec) -> Bucket:
 
 
 def retrying(call: Callable[[], T], what: str, log) -> T:
-    """``call()``, again after STEP_RETRY_DELAYS_S when the bucket fails transiently (a range run
-    is a flow, not a task: nothing else would retry it, and a failed range fails the parent)."""
+    """``call()``, again after STEP_RETRY_DELAYS_S when the bucket fails transiently.
+
+    Why not Prefect's retries: each call site is a bucket call made where a Prefect retry would
+    redo much more than the call, or nothing at all.
+
+    * The range's child (``tasks/fanout/child.py``: the bucket listings of ``extract_to_bucket``,
+      the uploader's last pass, ``write_receipt``) runs in the `extract-shards` flow, not in a
+      task: no task retry covers it, and a retry of that flow run would take the lease again and
+      start another engine for a listing hiccup; a range run that fails is permanent to the parent
+      (``dispatch_range`` fails the whole run on it).
+    * The parent's ``dispatch_range`` (reading the range's receipt) is a task without retries on
+      purpose: retrying it would submit the range as a new flow run although the range completed.
+
+    Making each call a task of its own would add a task run per shard listing and receipt without
+    changing what is retried (docs/decisions.md, "The bucket-call retry of a range run stays a
+    loop of its own").
+    """
     for delay in [*STEP_RETRY_DELAYS_S, None]:
         try:
             return call()

@@ -124,6 +124,24 @@ def test_the_orchestration_declares_no_result_of_its_own():
     assert "tasks.extract.RangeOutcome" in wrappers  # the check sees the models it is about
 
 
+def test_every_prefect_task_has_a_name_of_its_own():
+    """A task's name is what the UI, the logs and the container labels tell it by: no two share one."""
+    from prefect import Task
+
+    found: dict[str, dict[int, str]] = {}  # name -> the distinct task objects under it (imported ones are the same)
+    picture = _picture()
+    for package in ("tasks", "flows"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            module = importlib.import_module(picture.module_name(path))
+            for attr, value in vars(module).items():
+                if isinstance(value, Task):
+                    found.setdefault(value.name, {}).setdefault(id(value), f"{module.__name__}.{attr}")
+    shared = {name: sorted(tasks.values()) for name, tasks in found.items() if len(tasks) > 1}
+    assert shared == {}
+    names = set(found)
+    assert {"extract-range", "report", "run-summary", "dispatch-range"} <= names  # the check sees them
+
+
 # Steps whose library code is still inside the step module (issue 38): bench/ may import only these.
 STEPS_STILL_LIBRARIES: set[str] = set()
 
