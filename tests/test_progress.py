@@ -78,3 +78,41 @@ def test_a_log_line_every_interval_and_at_the_end_says_done_left_and_time_left(c
 def test_before_any_token_the_time_left_is_unknown():
     p, _ = progress()
     assert p.rate() == 0.0 and p.seconds_left() is None and "unknown time left" in p.line()
+
+
+def test_the_run_loop_counts_tokens_when_their_shard_is_written_not_when_handed_over(monkeypatch):
+    """The engine holds every shard until ``finish`` (a stub engine: the loop's contract, not a model's):
+    the tokens handed over are not done; the progress reaches 100% only with the records written."""
+    from types import SimpleNamespace
+
+    from datagen.extraction import run
+
+    class HoldingEngine:  # a stand-in: submit keeps the job, finish hands every shard's record out
+        def __init__(self):
+            self.jobs = []
+
+        def submit(self, job):
+            self.jobs.append(job)
+
+        def completed(self):
+            return []
+
+        def finish(self):
+            return [SimpleNamespace(index=j.index, tokens=j.tokens, bytes=10 * j.tokens) for j in self.jobs]
+
+    saved = {}
+    monkeypatch.setattr(run, "build_job", lambda p, k: SimpleNamespace(index=k, tokens=100 * (k + 1)))
+    monkeypatch.setattr(run, "_placed", lambda p, recs: recs)
+    monkeypatch.setattr(run, "save_records", lambda out, recs, records: records.update({r.index: r for r in recs}))
+    plan = SimpleNamespace(spec=SimpleNamespace(out="unused"))
+    p, clock = progress(total=600)
+    engine = HoldingEngine()
+    original_finish = engine.finish
+
+    def finish():
+        assert p.done == 0, "tokens handed to the engine are not done until their shard is written"
+        return original_finish()
+
+    engine.finish = finish
+    records = run.extract_shards(plan, engine, [0, 1, 2], progress=p)
+    assert sorted(records) == [0, 1, 2] and p.done == 600 and p.written == 6_000

@@ -97,7 +97,8 @@ class Progress:
     Rates count from the moment the first token is handed to the engine (``begin``), never from
     the process start (the engine's start is said once, in its own line): the rate since then, the
     rate over the last minute, tokens done and left, the time left at the last minute's rate, and
-    the bytes of shards written per second. Each line starts ``progress DONE/TOTAL tokens`` (the
+    the bytes of shards written per second. A token is done when the shard holding its states is
+    written, so the rate since the first token is the run's end-to-end rate. Each line starts ``progress DONE/TOTAL tokens`` (the
     orchestration follows a range's progress by it, tasks/artifacts.py).
     """
 
@@ -125,7 +126,8 @@ class Progress:
             self._recent.append((self.first, 0, 0))
 
     def advance(self, tokens: int) -> None:
-        """``tokens`` more are done."""
+        """``tokens`` more are done: their states are in a shard written (the run loop calls it as it
+        keeps a shard's record, never when it hands the rows to the engine, which may hold many)."""
         self.begin()
         with self._lock:
             self.done += tokens
@@ -215,8 +217,6 @@ def extract_shards(p: Plan, engine: Engine, shards: Iterable[int], *,
             job = build_job(p, k)
             engine.submit(job)
             submitted.append(k)
-            if progress is not None:
-                progress.advance(job.tokens)
         finished = engine.finish()
     except BaseException:
         saver.close(raise_error=False)  # what the engine handed out is kept, on a failure too
@@ -245,8 +245,9 @@ class _RecordSaver:
 
     def save(self, recs: list[ShardRecord]) -> None:
         save_records(self.p.spec.out, _placed(self.p, recs), self.records)
-        if recs and self.progress is not None:
+        if recs and self.progress is not None:  # tokens are done when their shard is written, not when handed over
             self.progress.wrote(sum(r.bytes for r in recs))
+            self.progress.advance(sum(r.tokens for r in recs))
 
     def _loop(self) -> None:
         try:
