@@ -139,8 +139,8 @@ def engine_env() -> None:
 # --- models and rows ---------------------------------------------------------------------------
 
 def tiny_llama(root: Path) -> Path:
-    """datagen.models.tiny's random Llama: 6 layers, hidden 128, vocab 512 (about 1.4M parameters)."""
-    from datagen.models.tiny import TinyArch, make_model
+    """datagen.testmodels.tiny's random Llama: 6 layers, hidden 128, vocab 512 (about 1.4M parameters)."""
+    from datagen.testmodels.tiny import TinyArch, make_model
 
     d = root / "tiny-llama"
     if not (d / "config.json").exists():

@@ -31,7 +31,7 @@ LAYERS = "0,1,2"
 
 
 def model(work: Path) -> Path:
-    from datagen.models.tiny import TinyArch, make_model
+    from datagen.testmodels.tiny import TinyArch, make_model
 
     d = work / "llama-h1024"
     if not (d / "config.json").exists():

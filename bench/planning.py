@@ -7,7 +7,7 @@ the real ``tiktoken.model`` and Kimi-K2-Instruct's ``tokenizer_config.json`` and
 tokenizers over them: the project's slow tokenizer code (``tokenization_kimi.py``, as a model
 directory ships it) and the fast ``tokenizer.json`` converted from the same ranks
 (``datagen.models.kimi_tokenizer``, checked id for id against the slow one). One chat dataset
-(``datagen.models.tiny.make_chat_dataset``: 5,000 rows, a system prompt in 30%, 1-3 user/assistant
+(``datagen.testmodels.tiny.make_chat_dataset``: 5,000 rows, a system prompt in 30%, 1-3 user/assistant
 turns).
 
 - before: the former code path (``tests/support/planning_reference``): one process, the file read and
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = Mode(args.mode)
     from datagen.data.dataset import tokenizer_hashes
     from datagen.data.planning import default_workers, prepare_dataset
-    from datagen.models.tiny import make_chat_dataset
+    from datagen.testmodels.tiny import make_chat_dataset
     from tests.support.planning_reference import reference_prepare_dataset
 
     rec = Record(8, "planning", "Planning chat rows with Kimi's real tokenizer (K2-Instruct template)", mode)

@@ -3,7 +3,7 @@
     python -m bench.planning_commits --before a3cbcf0^ [--mode smoke|full] [--workers N] [--results DIR]
 
 ``datagen.data.planning.prepare_dataset`` of each side plans one chat dataset
-(``datagen.models.tiny.make_chat_dataset``, 5,000 rows; smoke 600) with the slow and the fast Kimi
+(``datagen.testmodels.tiny.make_chat_dataset``, 5,000 rows; smoke 600) with the slow and the fast Kimi
 tokenizer over Moonshot's real files (``DATAGEN_REAL_KIMI``), both written once by ``bench.planning``.
 The earlier commit is checked out as a detached git worktree under the work directory (removed at
 the end); every run is a process of its own (the same interpreter, the tree first on its import
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     mode = Mode(args.mode)
     from bench.planning import _tokenizers
-    from datagen.models.tiny import make_chat_dataset
+    from datagen.testmodels.tiny import make_chat_dataset
 
     work = work_dir("planning_commits")
     _tokenizers(work)  # writes work/kimi-slow and work/kimi-fast once

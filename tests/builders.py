@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from datagen.models.tiny import TinyArch, make_chat_dataset, make_model
+from datagen.testmodels.tiny import TinyArch, make_chat_dataset, make_model
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -15,8 +15,8 @@ from datagen.data.dataset import file_fingerprint, read_rows, tokenizer_fingerpr
 from datagen.data.planning import prepare_dataset
 from datagen.errors import DatasetError, ModelError
 from datagen.models.modelinfo import has_tokenizer_files
-from datagen.models.tiny import make_chat_dataset, make_tokenizer
-from datagen.models.tiny_tiktoken import SPECIAL_OFFSETS, write_kimi_tokenizer
+from datagen.testmodels.tiny import make_chat_dataset, make_tokenizer
+from datagen.testmodels.tiny_tiktoken import SPECIAL_OFFSETS, write_kimi_tokenizer
 
 VOCAB = 1024
 

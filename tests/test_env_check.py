@@ -14,7 +14,7 @@ import pytest
 
 from datagen.engines.accelerators import Accelerators, Device, ProbeSource, probe
 from datagen.errors import EXIT_CANNOT_RUN_HERE, EXIT_OK, EXIT_TRANSIENT, CannotRunHereError, TransientError
-from datagen.models.tiny import TinyArch, make_model
+from datagen.testmodels.tiny import TinyArch, make_model
 from datagen.envcheck import run as envcheck
 from datagen.envcheck.engine import check_tensor_parallel
 from datagen.envcheck.report import Status

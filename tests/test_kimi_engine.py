@@ -160,7 +160,7 @@ def test_tiny_kimi_checkpoint_has_kimi_names_config_and_int4_layout(tmp_path):
 
     from datagen.models.modelinfo import inspect_model
     from datagen.models.kimi_config import IGNORE
-    from datagen.models.tiny_kimi import make_tiny_kimi
+    from datagen.testmodels.tiny_kimi import make_tiny_kimi
 
     p = make_tiny_kimi(tmp_path / "kimi", quantization="int4", vocab_size=512, num_layers=3, n_routed_experts=4)
     cfg = json.loads((p.model / "config.json").read_text())
@@ -216,7 +216,7 @@ def test_plan_refuses_a_layer_the_engine_cannot_capture(tmp_path):
     """Through datagen's main in this process (tests/faults/_refusal.py), where making an engine
     fails the test: plan refuses before any engine, and a `datagen` program's exit code reaching
     its caller is tests/tasks/test_local_runner.py's."""
-    from datagen.models.tiny_kimi import make_tiny_kimi
+    from datagen.testmodels.tiny_kimi import make_tiny_kimi
     from tasks.runners import parse_result_line
     from tests.builders import token_rows, write_jsonl
     from tests.faults._refusal import run_cli
@@ -256,7 +256,7 @@ def _kimi_extract(model: Path, data: Path, out: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def kimi_cpu(tmp_path_factory):
-    from datagen.models.tiny_kimi import make_tiny_kimi
+    from datagen.testmodels.tiny_kimi import make_tiny_kimi
     from tests.builders import token_rows, write_jsonl
 
     root = tmp_path_factory.mktemp("kimi")

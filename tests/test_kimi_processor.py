@@ -55,7 +55,7 @@ def _chunk(im) -> dict:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     """The generated tiny Kimi-K2.5 (smallest sizes: only its processor files matter here)."""
-    from datagen.models.tiny_kimi import make_tiny_kimi
+    from datagen.testmodels.tiny_kimi import make_tiny_kimi
 
     p = make_tiny_kimi(tmp_path_factory.mktemp("kimi-proc") / "kimi", quantization="none", vocab_size=512,
                        num_layers=1, hidden_size=64, num_attention_heads=1, q_lora_rank=32, kv_lora_rank=32,
@@ -317,7 +317,7 @@ def test_planning_counts_with_the_shipped_processor_where_vllm_has_none(checkpoi
     import subprocess
     import sys
 
-    from datagen.models.tiny_tiktoken import write_kimi_tokenizer
+    from datagen.testmodels.tiny_tiktoken import write_kimi_tokenizer
     from tests.builders import REPO, write_jsonl
 
     model = _copy(checkpoint, tmp_path / "kimi")

@@ -60,7 +60,7 @@ def thinking(instruct):
 @pytest.fixture(scope="module")
 def fast_dir(tmp_path_factory, instruct):
     """The fast tokenizer converted from the real ranks, checked against the slow one."""
-    from datagen.models.tiny import _corpus
+    from datagen.testmodels.tiny import _corpus
 
     out, n = kimi_tokenizer.convert_and_check(REAL, tmp_path_factory.mktemp("kimi-fast"), corpus=_corpus(300, seed=1),
                                               slow=instruct)

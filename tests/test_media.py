@@ -36,8 +36,8 @@ TEXT_ROW = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"
 
 @pytest.fixture(scope="module")
 def kimi(tmp_path_factory):
-    from datagen.models.tiny_kimi import make_tiny_kimi
-    from datagen.models.tiny_tiktoken import write_kimi_tokenizer
+    from datagen.testmodels.tiny_kimi import make_tiny_kimi
+    from datagen.testmodels.tiny_tiktoken import write_kimi_tokenizer
 
     root = tmp_path_factory.mktemp("media")
     p = make_tiny_kimi(root / "kimi", quantization="none", vocab_size=VOCAB, num_layers=2, write_twin=False)

@@ -13,7 +13,7 @@ import pytest
 from datagen.data.chat_tokens import SplitTokens
 from datagen.data.planning import prepare_dataset
 from datagen.errors import DatasetError, ModelError
-from datagen.models.tiny_tiktoken import write_kimi_tokenizer
+from datagen.testmodels.tiny_tiktoken import write_kimi_tokenizer
 from tests.builders import write_jsonl
 from tests.test_dataset import VOCAB, fast_tok, kimi_tok  # noqa: F401 - the same tokenizers, as fixtures
 from tests.support.planning_reference import reference_prepare_dataset
@@ -131,7 +131,7 @@ def test_a_tokenizer_that_does_not_load_fails_at_the_first_chat_row_as_before(tm
 def test_a_tokenizer_named_in_the_spec_tokenizes_the_chats_and_is_in_the_fingerprint(tiny_llama, tmp_path):
     from datagen.data.spec import parse_spec
     from datagen.extraction.plan import plan
-    from datagen.models.tiny import make_chat_dataset
+    from datagen.testmodels.tiny import make_chat_dataset
 
     data = make_chat_dataset(tmp_path / "chat.jsonl", rows=6, seed=1)
     (tmp_path / "tok").mkdir()
@@ -286,7 +286,7 @@ def test_chats_that_open_with_the_assistant_plan_in_workers_as_in_one_process(fa
 
 
 def test_a_template_that_raises_in_a_worker_is_the_rows_error_not_a_traceback(tmp_path, small_ranges):
-    from datagen.models.tiny import make_tokenizer
+    from datagen.testmodels.tiny import make_tokenizer
 
     tok = make_tokenizer(tmp_path / "tok")
     tok.chat_template = "{% if messages[0]['role'] == 'user' %}U{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"

@@ -343,7 +343,7 @@ def test_a_thinking_models_reasoning_goes_to_reasoning_content(tmp_path):
 
     from datagen.data.row_checks import _check_messages
     from datagen.errors import SpecError
-    from datagen.models.tiny_tiktoken import write_kimi_tokenizer
+    from datagen.testmodels.tiny_tiktoken import write_kimi_tokenizer
     from datagen.regeneration.reasoning import ReasoningSplitter, assistant_message
 
     write_kimi_tokenizer(tmp_path, vocab_size=1024)

@@ -7,7 +7,7 @@ import json
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from datagen.models import smollm2 as smollm2_builder
+from datagen.testmodels import smollm2 as smollm2_builder
 
 
 def test_the_built_checkpoint_is_a_plain_bf16_llama_with_its_chat_template(smollm2):

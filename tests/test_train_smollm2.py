@@ -36,7 +36,7 @@ pytestmark = pytest.mark.engine
 def self_generated_chats(model: Path) -> Path:
     """The model's own greedy replies to ROWS prompts (`datagen regenerate`), generated once per machine
     (like the checkpoint)."""
-    from datagen.models import smollm2
+    from datagen.testmodels import smollm2
     from datagen.training.selfchat import write_self_generated_chats
 
     out = ROOT / ".cache" / f"smollm2-{smollm2.version()}-regenerated-{ROWS}x{NEW_TOKENS}"

@@ -423,7 +423,7 @@ def test_a_dataset_planned_with_a_spec_tokenizer_validates_against_that_tokenize
 
     from datagen.data.spec import parse_spec
     from datagen.extraction.run import extract
-    from datagen.models.tiny import make_chat_dataset
+    from datagen.testmodels.tiny import make_chat_dataset
 
     tok = tmp_path / "tokenizer"
     tok.mkdir()
@@ -456,7 +456,7 @@ def test_a_dataset_read_from_a_folder_or_with_options_is_tokenized_again_where_t
 
     from datagen.data.spec import parse_spec
     from datagen.extraction.run import extract
-    from datagen.models.tiny import make_chat_dataset
+    from datagen.testmodels.tiny import make_chat_dataset
 
     rows = [json.loads(line) for line in make_chat_dataset(tmp_path / "chat.jsonl", rows=4, seed=3).read_text()
             .splitlines()]

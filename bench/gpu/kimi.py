@@ -45,7 +45,7 @@ def make(args) -> None:
     import numpy as np
 
     sys.path.insert(0, str(REPO))
-    from datagen.models.tiny_kimi import make_tiny_kimi
+    from datagen.testmodels.tiny_kimi import make_tiny_kimi
 
     work = Path(args.work)
     t0 = time.time()
@@ -221,7 +221,7 @@ def wide(args) -> None:
 
     sys.path.insert(0, str(REPO))
     from datagen.models.kimi_config import kimi_width
-    from datagen.models.tiny_kimi import make_tiny_kimi
+    from datagen.testmodels.tiny_kimi import make_tiny_kimi
 
     work, out = Path(args.work), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

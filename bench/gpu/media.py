@@ -134,8 +134,8 @@ def wide_rows(d: Path, *, rows: int, words: int, seed: int, name: str) -> Path:
 # --- checkpoints --------------------------------------------------------------------------------
 
 def make_tiny(work: Path, quant: str) -> Path:
-    from datagen.models.tiny_kimi import make_tiny_kimi
-    from datagen.models.tiny_tiktoken import write_kimi_tokenizer
+    from datagen.testmodels.tiny_kimi import make_tiny_kimi
+    from datagen.testmodels.tiny_tiktoken import write_kimi_tokenizer
 
     model = work / f"kimi-{quant}"
     if not (model / "tiktoken.model").exists():
@@ -151,8 +151,8 @@ def wide_paths(work: Path) -> tuple[Path, Path]:
 def make_wide(work: Path, *, smoke: bool, layers: int, experts: int, device: str) -> dict:
     """Kimi's width (``--smoke``: the tiny sizes, unquantized) and its bf16 twin with the vision tower."""
     from datagen.models.kimi_config import kimi_width
-    from datagen.models.tiny_kimi import make_tiny_kimi
-    from datagen.models.tiny_tiktoken import write_kimi_tokenizer
+    from datagen.testmodels.tiny_kimi import make_tiny_kimi
+    from datagen.testmodels.tiny_tiktoken import write_kimi_tokenizer
 
     model, twin = wide_paths(work)
     t0 = time.monotonic()

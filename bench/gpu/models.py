@@ -25,14 +25,14 @@ def build(shape: str, path: Path) -> dict:
     t0 = time.time()
     if shape == "kimi":
         from datagen.models.kimi_config import kimi_width
-        from datagen.models.tiny_kimi import make_tiny_kimi
+        from datagen.testmodels.tiny_kimi import make_tiny_kimi
 
         make_tiny_kimi(path, quantization="int4", num_layers=8, n_routed_experts=16, num_experts_per_tok=8,
                        write_twin=False, device="cuda", **kimi_width())
     elif shape == "8b":
         _llama_8b(path)
     elif shape == "tiny":
-        from datagen.models.tiny import TinyArch, make_model
+        from datagen.testmodels.tiny import TinyArch, make_model
 
         make_model(path, arch=TinyArch.LLAMA, num_layers=6, with_tokenizer=False)
     else:

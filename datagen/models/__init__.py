@@ -1,3 +1,4 @@
-"""Models as files: what a checkpoint is without loading it (``modelinfo``), and the tiny
-random-weight checkpoints, tokenizers and chat datasets the demo and the tests are made of
-(``tiny``, ``tiny_kimi``, ``tiny_tiktoken``)."""
+"""Models as files: what a checkpoint is without loading it (``modelinfo``), loading a tokenizer
+(``tokenizer``; Kimi's, converted: ``kimi_tokenizer``), and Kimi-K2.5's config, image processor and
+tokenizer code as a checkpoint ships them. The checkpoints the demo and the tests are made of are
+generated in ``datagen.testmodels``."""

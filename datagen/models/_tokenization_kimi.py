@@ -1,6 +1,6 @@
 """A slow tiktoken tokenizer shaped like Kimi-K2.5's ``tokenization_kimi.py`` (remote code).
 
-``datagen.models.tiny_tiktoken`` copies this file into a model directory as ``tokenization_kimi.py``;
+``datagen.testmodels.tiny_tiktoken`` copies this file into a model directory as ``tokenization_kimi.py``;
 transformers imports it there through ``auto_map`` when ``trust_remote_code`` is set. It is the
 same kind of object as the real one: a ``PreTrainedTokenizer`` (no ``tokenizer.json``, no
 character offsets) over a ``tiktoken.Encoding`` built from ``tiktoken.model`` (base64 token,

@@ -3,7 +3,7 @@ wrapper around a DeepseekV3 ``text_config`` and a MoonViT ``vision_config``), th
 ``config.json`` and ``generation_config.json``.
 
 Every key and value but the sizes is the released checkpoint's; ``kimi_width()`` gives its real
-sizes. ``datagen.models.tiny_kimi`` writes these files into the tiny checkpoint; the tests build the
+sizes. ``datagen.testmodels.tiny_kimi`` writes these files into the tiny checkpoint; the tests build the
 real-size config from them.
 """
 

@@ -1,6 +1,6 @@
 """Kimi-K2.5's image processor, the project's own: remote code for the tiny checkpoint.
 
-``datagen.models.tiny_kimi`` copies this file into a generated checkpoint as
+``datagen.testmodels.tiny_kimi`` copies this file into a generated checkpoint as
 ``kimi_k25_vision_processing.py`` and names its class in ``preprocessor_config.json``'s ``auto_map``
 (``AutoImageProcessor``), as the released Kimi-K2.5 checkpoint names its own. transformers'
 ``AutoImageProcessor.from_pretrained(model_dir, trust_remote_code=True)`` then builds it: that is

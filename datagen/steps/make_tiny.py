@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from datagen.models.tiny import TinyArch, make_chat_dataset, make_model
+from datagen.testmodels.tiny import TinyArch, make_chat_dataset, make_model
 from datagen.steps._args import StepSpec
 
 HELP = "Make a tiny random-weight model, a tokenizer and a chat dataset (nothing downloaded)."
@@ -21,7 +21,7 @@ class Spec(StepSpec):
     rows: int = Field(64, description="rows of the chat dataset")
     seed: int = Field(0, description="seed of the weights and of the dataset's rows")
     kimi: Literal["int4", "none"] | None = Field(
-        None, description="a tiny Kimi-K2.5 checkpoint instead (datagen.models.tiny_kimi: the wrapper, INT4 experts "
+        None, description="a tiny Kimi-K2.5 checkpoint instead (datagen.testmodels.tiny_kimi: the wrapper, INT4 experts "
         "or bf16, a bf16 DeepseekV3 twin in model-bf16) with a Kimi-shaped tiktoken tokenizer")
 
 
@@ -42,8 +42,8 @@ Result = MakeTinyResult
 def run(spec: Spec) -> MakeTinyResult:
     out = Path(spec.out)
     if spec.kimi:
-        from datagen.models.tiny_kimi import make_tiny_kimi
-        from datagen.models.tiny_tiktoken import write_kimi_tokenizer
+        from datagen.testmodels.tiny_kimi import make_tiny_kimi
+        from datagen.testmodels.tiny_tiktoken import write_kimi_tokenizer
 
         vocab = 2048
         paths = make_tiny_kimi(out / "model", quantization=spec.kimi, vocab_size=vocab, num_layers=spec.layers,

@@ -1,6 +1,6 @@
 """A tiny random-weight Kimi-K2.5 checkpoint, and its dequantized bf16 twin.
 
-    from datagen.models.tiny_kimi import make_tiny_kimi
+    from datagen.testmodels.tiny_kimi import make_tiny_kimi
     paths = make_tiny_kimi("/tmp/kimi", quantization="int4", vocab_size=163840)
     paths.model  # the Kimi-K2.5-shaped checkpoint (what vLLM runs)
     paths.twin   # the same weights as a plain DeepseekV3ForCausalLM in bf16 (what transformers runs)
@@ -39,11 +39,11 @@ Sizes default to what the Hopper Marlin WNA16 MoE kernels accept at tensor paral
 (hidden a multiple of 128, expert intermediate per rank a multiple of 64 and of the group size),
 with the real MLA shapes (q_lora 1536 scaled to ``q_lora_rank``, kv_lora 512, rope 64, nope 128,
 v 128) that the CUDA MLA attention kernels expect. ``kimi_width()`` gives Kimi-K2.5's real width
-for benchmarks. The tokenizer is not written here (``datagen.models.tiny_tiktoken`` writes one into the
+for benchmarks. The tokenizer is not written here (``datagen.testmodels.tiny_tiktoken`` writes one into the
 same directory). Weights are random (seeded): only the shapes, names and formats are Kimi's.
 
 This module assembles the checkpoint; the config files are ``datagen.models.kimi_config``'s (also
-``kimi_width``), the weights and their files ``datagen.models.tiny_kimi_weights``', the image
+``kimi_width``), the weights and their files ``datagen.testmodels.tiny_kimi_weights``', the image
 processor's files ``datagen.models.kimi_processor_files``'.
 """
 
@@ -64,7 +64,7 @@ from datagen.models.kimi_config import (
     vision_config,
 )
 from datagen.models.kimi_processor_files import preprocessor_config, write_image_processor
-from datagen.models.tiny_kimi_weights import RandomWeights, kimi_tensors, save_sharded, text_tensors, vision_tensors
+from datagen.testmodels.tiny_kimi_weights import RandomWeights, kimi_tensors, save_sharded, text_tensors, vision_tensors
 
 
 @dataclass(frozen=True)

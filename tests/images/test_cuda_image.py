@@ -229,7 +229,7 @@ def test_the_image_holds_exactly_the_lock(cuda_image):
 
 @pytest.mark.docker
 def test_env_check_in_the_image_says_no_gpu_is_visible(cuda_image, tmp_path):
-    from datagen.models.tiny import TinyArch, make_model
+    from datagen.testmodels.tiny import TinyArch, make_model
     from tasks.docker_runner import DockerRunner
     from tasks.runners import Mount, StepInvocation
 

@@ -51,7 +51,7 @@ def _extra_rows() -> list[dict]:
 
 def _build(base: Path) -> Path:
     from datagen.data.spec import parse_spec
-    from datagen.models.tiny import TinyArch, make_chat_dataset, make_model
+    from datagen.testmodels.tiny import TinyArch, make_chat_dataset, make_model
     from datagen.extraction.run import extract
 
     model = make_model(base / "model", arch=TinyArch.LLAMA, num_layers=4, seed=0)

@@ -25,7 +25,7 @@ LAYERS = (1, 2, 3, 4)  # N = 4
 
 @dataclass(frozen=True)
 class MediaExtraction:
-    kimi: object  # datagen.models.tiny_kimi's paths: .model, .num_hidden_layers
+    kimi: object  # datagen.testmodels.tiny_kimi's paths: .model, .num_hidden_layers
     root: Path
     spec: Path  # the spec file of the run (an output of its own under ``root``)
     out: Path
@@ -68,8 +68,8 @@ def media_extraction(tmp_path_factory) -> MediaExtraction:
     if _done:
         return _done[0]
     from datagen.data.planning import prepare_dataset
-    from datagen.models.tiny_kimi import make_tiny_kimi
-    from datagen.models.tiny_tiktoken import write_kimi_tokenizer
+    from datagen.testmodels.tiny_kimi import make_tiny_kimi
+    from datagen.testmodels.tiny_tiktoken import write_kimi_tokenizer
     from datagen.models.tokenizer import load_tokenizer
 
     root = tmp_path_factory.mktemp("media-engine")

