@@ -89,12 +89,13 @@ def _options(spec_type: type[BaseModel]) -> list[_Option]:
     named: dict = dict(getattr(spec_type, "OPTIONS", {}))
     out = []
     for name, field in spec_type.model_fields.items():
-        if _is_model(field.annotation):
+        arg = named.get(name) or _arg(field)
+        if _is_model(field.annotation) and arg.parse is None:  # nested settings (a parsed one: an option)
             sub = _plain(field.annotation)
-            out += [_Option(path, sub.model_fields[path.split(".", 1)[1]], arg)
-                    for path, arg in named.items() if path.startswith(name + ".")]
+            out += [_Option(path, sub.model_fields[path.split(".", 1)[1]], a)
+                    for path, a in named.items() if path.startswith(name + ".")]
         else:
-            out.append(_Option(name, field, named.get(name) or _arg(field)))
+            out.append(_Option(name, field, arg))
     return out
 
 

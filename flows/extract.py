@@ -23,7 +23,6 @@ from collections.abc import Callable
 from prefect import flow, get_run_logger
 from prefect.futures import PrefectFuture, as_completed
 
-from datagen.data.spec import ExtractSpec
 from datagen.storage.sources import LocalSource
 from tasks import artifacts
 from tasks.assemble import assemble, assemble_call
@@ -74,12 +73,12 @@ def extract(spec: PipelineSpec) -> dict:
     if spec.fans_out:  # the dataset lives in its bucket: what is done is what the bucket holds
         planned = bucket_state(spec, planned)
 
-    ranges = _extract_ranges(spec, xspec, planned, identity)
+    ranges = _extract_ranges(spec, planned, identity)
 
     if spec.fans_out:
-        dataset, validation, published_to = _assemble(spec, xspec, planned, identity)
+        dataset, validation, published_to = _assemble(spec, planned, identity)
     else:
-        dataset, validation, published_to = _finalize_validate_publish(spec, xspec, planned, identity)
+        dataset, validation, published_to = _finalize_validate_publish(spec, planned, identity)
     changed = any(r.shards_extracted for r, _ in ranges) or not planned.dataset_complete
     uri = published_to or dataset.dataset
     announce(
@@ -125,7 +124,7 @@ def _regenerated_summary(r: RegenerateResult) -> dict:
             "generated_tokens": r.generated_tokens}
 
 
-def _assemble(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, identity: str):
+def _assemble(spec: PipelineSpec, planned: PlanResult, identity: str):
     """A fanned-out dataset: every shard object in the bucket checked and copied into the local
     output, the manifest assembled there, the dataset validated (the bucket's bytes), and only then
     the manifest written to the bucket, last. A bucket that holds this dataset's manifest already
@@ -134,19 +133,19 @@ def _assemble(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, ident
     dest = spec.publish_to
     if planned.dataset_complete:
         return bucket_dataset(spec), "passed (before its manifest was written to the bucket)", dest
-    records = fetch_shards(spec, xspec, planned)
-    assembled = assemble(assemble_call(xspec, records), runner=spec.runner)
+    records = fetch_shards(spec, planned)
+    assembled = assemble(assemble_call(planned.plan, records), runner=spec.runner)
     layer_report(assembled.dataset, previous=spec.validation.previous, runner=spec.runner)
-    validated = _validate(spec, xspec, planned, assembled, identity)
+    validated = _validate(spec, planned, assembled, identity)
     return publish_manifest(spec, assembled), validation_summary(validated), dest
 
 
-def _finalize_validate_publish(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, identity: str):
+def _finalize_validate_publish(spec: PipelineSpec, planned: PlanResult, identity: str):
     """A dataset written on this host: the manifest, validation, then the publish to S3. Returns the
     extract step's result (with the manifest), the validation line of the summary, and where the
     dataset was published (None: not)."""
     dataset = finalize.with_options(refresh_cache=not planned.dataset_complete, **spec.storage_options)(
-        finalize_call(xspec), cache_key=finalize_cache_key(planned, identity=identity, out=xspec.out),
+        finalize_call(planned.plan), cache_key=finalize_cache_key(planned, identity=identity, out=planned.plan.spec.out),
         runner=spec.runner,
     )
     if dataset.shards_extracted:
@@ -154,7 +153,7 @@ def _finalize_validate_publish(spec: PipelineSpec, xspec: ExtractSpec, planned: 
                                  dataset.shards_extracted)
     # before validation: a drift that fails the run is on the plot of that run
     layer_report(dataset.dataset, previous=spec.validation.previous, runner=spec.runner)
-    validated = _validate(spec, xspec, planned, dataset, identity)
+    validated = _validate(spec, planned, dataset, identity)
     published = None  # PublishResult, when published
     if spec.publish_to:
         published = publish_dataset(
@@ -167,7 +166,7 @@ def _finalize_validate_publish(spec: PipelineSpec, xspec: ExtractSpec, planned: 
     return dataset, validation_summary(validated), published.destination if published is not None else None
 
 
-def _validate(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, dataset, identity: str):
+def _validate(spec: PipelineSpec, planned: PlanResult, dataset, identity: str):
     """`datagen validate` of the local dataset (``dataset``: the step's result that wrote its
     manifest), golden rows included; a problem fails the run before anything is published."""
     return validate_dataset(
@@ -178,19 +177,17 @@ def _validate(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, datas
         ),
         runner=spec.runner,
         settings=spec.validation,
-        model=xspec.model,
-        source=xspec.dataset,
-        tokenizer=xspec.tokenizer,
-        trust_remote_code=xspec.engine.trust_remote_code,
+        model=planned.plan.spec.model,
+        source=planned.plan.spec.dataset,
+        tokenizer=planned.plan.spec.tokenizer,
+        trust_remote_code=planned.plan.spec.engine.trust_remote_code,
         gpus=spec.gpus,
         task_options=dict(refresh_cache=planned.validated_manifest_sha256 != dataset.manifest_sha256,
                           **spec.storage_options),
     )
 
 
-def _extract_ranges(
-    spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult, identity: str
-) -> list[tuple[RangeOutcome, bool]]:
+def _extract_ranges(spec: PipelineSpec, planned: PlanResult, identity: str) -> list[tuple[RangeOutcome, bool]]:
     """Every range, at most ``ranges_in_flight`` at a time. Returns (result, served from cache)."""
     ranges = spec.ranges(planned.num_shards)
     progress = artifacts.start_progress(
@@ -201,17 +198,16 @@ def _extract_ranges(
 
     def submit(r: ShardRange) -> PrefectFuture:
         # A fanned-out dataset lives in its bucket (``planned`` says what the bucket holds).
-        key = range_cache_key(planned, r, identity=identity, out=spec.publish_to if spec.fans_out else xspec.out)
+        key = range_cache_key(planned, r, identity=identity, out=spec.publish_to if spec.fans_out else planned.plan.spec.out)
         # A range whose shards are not on disk is never served from the cache (the dataset was
         # deleted or moved since the cache record was written).
         refresh = not planned.range_on_disk(r)
         if spec.fans_out:
             return dispatch_range.with_options(refresh_cache=refresh, **spec.storage_options).submit(
-                spec, r, cache_key=key, fingerprint=planned.fingerprint, model_revision=xspec.model_revision,
-                shard_keys=planned.shard_keys[r.first : r.stop], in_bucket=not refresh, progress=progress,
+                spec, planned.plan, r, cache_key=key, in_bucket=not refresh, progress=progress,
             )
         return extract_range.with_options(refresh_cache=refresh, **spec.storage_options).submit(
-            range_call(xspec, r, gpus=spec.gpus, progress=progress), cache_key=key, runner=spec.runner
+            range_call(planned.plan, r, gpus=spec.gpus, progress=progress), cache_key=key, runner=spec.runner
         )
 
     return _windowed(ranges, submit, limit=spec.ranges_in_flight)

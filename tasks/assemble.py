@@ -5,7 +5,7 @@ the step's own, ``AssembleResult``."""
 
 from __future__ import annotations
 
-from datagen.data.spec import ExtractSpec
+from datagen.extraction.plan_file import ExtractionPlan
 from datagen.steps.assemble import Spec as AssembleSpec
 from tasks.media import media_step_env
 from tasks.mounts import extract_mounts
@@ -14,9 +14,9 @@ from tasks.step import StepCall, step_task
 assemble = step_task("assemble")  # not cached: it is cheap, and what it writes is validated right after
 
 
-def assemble_call(xspec: ExtractSpec, records: str) -> StepCall:
-    """`datagen assemble`: the manifest of the bucket's shards, from their checked records, written
-    into the local dataset directory. Its result: the step's ``AssembleResult``."""
-    spec = AssembleSpec.of_checked(**dict(xspec), records=records)  # validated once, by the step
-    return StepCall(step="assemble", spec=spec.model_dump(mode="json"), mounts=extract_mounts(xspec),
-                    **media_step_env(xspec.dataset))  # it plans the rows again: s3:// images need S3
+def assemble_call(plan: ExtractionPlan, records: str) -> StepCall:
+    """`datagen assemble --plan`: the manifest of the bucket's shards, from their checked records, written
+    into the plan's output (the local dataset directory). Its result: the step's ``AssembleResult``."""
+    spec = AssembleSpec(plan=plan, records=records)
+    return StepCall(step="assemble", spec=spec.model_dump(mode="json"), mounts=extract_mounts(plan.spec),
+                    **media_step_env(plan.spec.dataset))  # image rows are planned again: s3:// images need S3

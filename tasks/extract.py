@@ -20,13 +20,14 @@ from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from datagen.data.spec import ExtractSpec
+from datagen.extraction.plan_file import ExtractionPlan
 from datagen.steps.extract import ExtractResult
 from datagen.steps.extract import Spec as ExtractStepSpec
 from datagen.steps.plan import PlanResult
 from tasks.cache_keys import cache_key
 from tasks.media import media_step_env
-from tasks.mounts import extract_mounts
+from tasks.mounts import extract_mounts, mounts_for
+from tasks.runners import Mount
 from tasks.pipeline_spec import ShardRange
 from tasks.step import STEP_CACHE, StepCall, step_task
 
@@ -70,16 +71,20 @@ extract_range = step_task("extract-range", cache_policy=STEP_CACHE, task_run_nam
 finalize = step_task("finalize", cache_policy=STEP_CACHE)
 
 
-def range_call(spec: ExtractSpec, shard_range: ShardRange, *, gpus: int = 0, progress: UUID | None = None) -> StepCall:
-    """`datagen extract` of the range's shards (the spec's ``shards``): extract the range's missing shards (no manifest), advancing the
-    range's item of the progress bar ``progress``. Its result: the step's ``ExtractResult``."""
-    # the extraction spec whole, and the range (both validated already): the step validates the file once
-    call_spec = ExtractStepSpec.of_checked(**dict(spec), shards=(shard_range.first, shard_range.stop))
-    media = media_step_env(spec.dataset)
+def range_call(plan: ExtractionPlan, shard_range: ShardRange, *, gpus: int = 0, progress: UUID | None = None,
+               model: str | None = None, out: str | None = None) -> StepCall:
+    """`datagen extract --plan --shards A:B` of the range: extract the range's missing shards (no manifest),
+    advancing the range's item of the progress bar ``progress``. ``model`` and ``out``: this host's copy of
+    the plan's model and where it writes (a fan-out child's; default the plan's). Its result: the step's
+    ``ExtractResult``."""
+    here = {k: v for k, v in (("model", model), ("out", out)) if v is not None}
+    call_spec = ExtractStepSpec(plan=plan, shards=(shard_range.first, shard_range.stop), **here)
+    here = plan.on_host(model=model, out=out)
+    media = media_step_env(here.spec.dataset)
     return StepCall(
         step="extract",
-        spec=call_spec.model_dump(mode="json"),
-        mounts=extract_mounts(spec),
+        spec=_given(call_spec),
+        mounts=_plan_mounts(here),
         env={**media.get("env", {}), "DATAGEN_PROGRESS_INTERVAL": "2"},
         secret_env_names=media.get("secret_env_names", ()),
         gpus=gpus,
@@ -88,17 +93,30 @@ def range_call(spec: ExtractSpec, shard_range: ShardRange, *, gpus: int = 0, pro
     )
 
 
-def finalize_call(spec: ExtractSpec) -> StepCall:
-    """`datagen extract` without --shards after every range: checks every shard, writes the manifest
+def finalize_call(plan: ExtractionPlan) -> StepCall:
+    """`datagen extract --plan` without --shards after every range: checks every shard, writes the manifest
     last. Every shard is complete by now, so no engine starts. Its result: the step's
     ``ExtractResult``, with the manifest's sha256, totals and shards."""
     return StepCall(
         step="extract",
-        spec=spec.model_dump(mode="json"),
-        mounts=extract_mounts(spec),
-        known={"dataset": str(Path(spec.out).absolute())},
-        **media_step_env(spec.dataset),
+        spec=_given(ExtractStepSpec(plan=plan)),
+        mounts=_plan_mounts(plan),
+        known={"dataset": str(Path(plan.spec.out).absolute())},
+        **media_step_env(plan.spec.dataset),
     )
+
+
+def _given(spec: ExtractStepSpec) -> dict:
+    """The step's spec file: the fields given (the plan's spec fields left out, as the step requires)."""
+    return spec.model_dump(mode="json", include=spec.model_fields_set)
+
+
+def _plan_mounts(plan: ExtractionPlan) -> tuple[Mount, ...]:
+    """What a step of the plan reads and writes (``extract_mounts``), and the plan's stored rows where they
+    are on this host outside its output (a fan-out range writing to its spool)."""
+    kept = plan.stored_plan
+    extra = mounts_for(read_only=(kept,)) if kept is not None and Path(kept).is_dir() else ()
+    return (*extract_mounts(plan.spec), *extra)
 
 
 def range_cache_key(planned: PlanResult, shard_range: ShardRange, *, identity: str, out: str) -> str:

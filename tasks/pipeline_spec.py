@@ -9,8 +9,8 @@ tasks and the flows import; ``datagen`` never imports it.
 From it the flow derives the step-level specs:
 
 * ``sources_spec()`` -> ``datagen.storage.sources.SourcesSpec`` for `datagen env-check` and `datagen download`;
-* ``extract_spec(model_dir, model_revision)`` -> ``datagen.data.spec.ExtractSpec`` for `datagen plan`
-  and `datagen extract`, once the model is a local directory;
+* ``extract_spec(model_dir, model_revision)`` -> ``datagen.data.spec.ExtractSpec`` for `datagen plan`,
+  once the model is a local directory (the steps after it are given the plan it makes);
 * ``ranges(num_shards)`` -> the shard ranges, the unit of caching, retry and fan-out.
 
 Fields that decide what the dataset holds (model, layers, dataset, preprocessing, engine) end up
@@ -284,13 +284,9 @@ class PipelineSpec(BaseModel):
         }
 
     def extract_spec(self, *, model_dir: str, model_revision: str | None) -> ExtractSpec:
-        """The step-level spec of `datagen plan` / `datagen extract` for a downloaded model.
-
-        Made of this spec's values, which were validated when it was (the flow's parameter): no
-        validator runs again (``ExtractSpec.of_checked``); the spec is passed whole from here to
-        each step, which validates its ``--spec`` file once.
-        """
-        return ExtractSpec.of_checked(
+        """The spec `datagen plan` plans, for a downloaded model: what the plan, and every step after it,
+        is made of (the steps after the plan are given the plan, not this spec)."""
+        return ExtractSpec(
             model=model_dir,
             model_revision=model_revision,
             dataset=self.dataset,

@@ -48,7 +48,23 @@ def test_the_spec_file_is_read_whole_and_the_options_override_it(tmp_path):
     spec = _parse("extract", "--spec", str(spec_file), "--dtype", "float32", "--layers", "1,3", "--shards", "1:2")
     assert (spec.model, spec.samples_per_shard, spec.layer_ids, spec.shards) == ("/m", 3, (1, 3), (1, 2))
     assert (spec.engine.name.value, spec.engine.max_num_seqs, spec.engine.dtype) == ("hf", 7, "float32")
-    assert "shards" not in spec.extraction().model_fields_set  # the plan's spec holds no range
+    assert spec.plan is None  # a spec, planned by the step itself
+
+
+def test_extract_and_assemble_take_a_plan_file_and_extract_refuses_what_the_plan_fixes(tmp_path):
+    from tests.support.plan_records import plan_record
+
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(plan_record().model_dump_json())
+    spec = _parse("extract", "--plan", str(plan_file), "--shards", "0:1", "--out", "/spool")
+    assert (spec.plan, spec.shards, spec.out, spec.model) == (plan_record(), (0, 1), "/spool", None)
+    assert _parse("assemble", "--plan", str(plan_file), "--records", "/r").plan == plan_record()
+    with pytest.raises(SpecError, match="layer_ids given with --plan: the plan fixes them"):
+        _parse("extract", "--plan", str(plan_file), "--layers", "1,2")
+    with pytest.raises(SpecError, match="missing --model, --dataset, --out: give the spec to extract, or --plan"):
+        _parse("extract", "--shards", "0:1")
+    with pytest.raises(SpecError, match="cannot read the plan file"):
+        _parse("extract", "--plan", str(tmp_path / "none.json"))
 
 
 def test_plan_and_assemble_take_no_shard_range():

@@ -270,6 +270,7 @@ def test_the_steps_mount_the_directories_of_the_images_the_rows_reference(tmp_pa
     from tasks.mounts import extract_mounts
     from tasks.plan import plan_call
     from tasks.pipeline_spec import ShardRange
+    from tests.support.plan_records import plan_record
 
     data_dir, elsewhere, linked = tmp_path / "data", tmp_path / "elsewhere", tmp_path / "linked"
     for d in (data_dir / "imgs" / "a", data_dir / "imgs" / "b", elsewhere, linked):
@@ -303,7 +304,7 @@ def test_the_steps_mount_the_directories_of_the_images_the_rows_reference(tmp_pa
     s3_data = write_jsonl(tmp_path / "s3.jsonl", [image_row("s3://bucket/a.png")])
     assert sources(s3_data) == sources(s3_data) and sources(s3_data).remote and sources(s3_data).dirs == ()
     s3_spec = spec.model_copy(update={"dataset": str(s3_data)})
-    for call in (plan_call(s3_spec), range_call(s3_spec, ShardRange(first=0, stop=1))):
+    for call in (plan_call(s3_spec), range_call(plan_record(spec=s3_spec), ShardRange(first=0, stop=1))):
         assert call.secret_env_names == ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
         assert call.env["AWS_ENDPOINT_URL"] == "http://s3.example:8333"
 

@@ -65,24 +65,22 @@ def extraction_record(case: dict, root: Path) -> dict:
     xspec = spec.extract_spec(model_dir=str(model), model_revision=None)
     planned = PlanResult.model_validate(_step("plan", plan_call(xspec).spec, work))
     ranges = spec.ranges(planned.num_shards)
-    range_results = [_step("extract", range_call(xspec, r).spec, work) for r in ranges]
-    final = _step("extract", finalize_call(xspec).spec, work)
+    range_results = [_step("extract", range_call(planned.plan, r).spec, work) for r in ranges]
+    final = _step("extract", finalize_call(planned.plan).spec, work)
     out = Path(xspec.out)
     manifest = _manifest(out, model, rows)
     m = Manifest.model_validate_json((out / MANIFEST_NAME).read_bytes())
     shards = {s.path: sha256_hex((out / s.path).read_bytes()) for s in m.shards}
-    # assemble, as a fanned-out run's parent: the same records, into a directory of their own
-    assembled_out = root / "assembled"
-    shutil.copytree(out / "shards", assembled_out / "shards")
-    records = out / ".datagen" / "shards"
-    xassembled = xspec.model_copy(update={"out": str(assembled_out)})
-    assembled = _step("assemble", assemble_call(xassembled, str(records)).spec, work)
+    # assemble, as a fanned-out run's parent: the same records, the manifest written again
+    records = root / "records"
+    shutil.copytree(out / ".datagen" / "shards", records)
+    assembled = _step("assemble", assemble_call(planned.plan, str(records)).spec, work)
     return {
         "engine": manifest["spec"]["engine"]["name"] + " " + manifest["spec"]["engine"]["version"],
         "plan": {
             "fingerprint": planned.fingerprint, "extraction_fingerprint": planned.extraction_fingerprint,
             "num_shards": planned.num_shards, "rows": planned.rows, "tokens": planned.tokens,
-            "layer_ids": planned.layer_ids, "shard_keys": planned.shard_keys,
+            "layer_ids": list(planned.layer_ids), "shard_keys": list(planned.shard_keys),
             "shard_state_bytes": planned.shard_state_bytes, "shard_group": planned.shard_group,
         },
         "cache_keys": {
@@ -95,7 +93,7 @@ def extraction_record(case: dict, root: Path) -> dict:
         "manifest": manifest,
         "shard_sha256": shards,
         "assembled": {"fingerprint": assembled["fingerprint"], "totals": assembled["totals"],
-                      "manifest": _manifest(assembled_out, model, rows)},
+                      "manifest": _manifest(out, model, rows)},
     }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from datagen.extraction.run import Progress
+from datagen.extraction.progress import Progress
 
 
 class Clock:
@@ -59,7 +59,7 @@ def test_bytes_written_per_second_over_the_last_minute():
 
 
 def test_a_log_line_every_interval_and_at_the_end_says_done_left_and_time_left(caplog):
-    caplog.set_level(logging.INFO, logger="datagen.extraction.run")
+    caplog.set_level(logging.INFO, logger="datagen.extraction.progress")
     p, clock = progress(total=3_000, interval_s=5.0)
     p.begin()
     clock.t += 1

@@ -1,11 +1,12 @@
-"""The layer ids are validated once where a spec enters a process, and carried whole below that.
+"""Where the spec's rules run: where the spec enters a process, and in `datagen plan`; every step after
+the plan is given the plan (``datagen.extraction.plan_file.ExtractionPlan``), not the spec.
 
-The flow's process validates the user's pipeline spec (its parameter); the extraction spec, the plan's,
-a range's and the assemble step's specs are made of its values without validating them again
-(``ExtractSpec.of_checked``). A step program validates its ``--spec`` file once; the extraction spec
-it hands the library is carried over, not parsed again (docs/architecture.md, "Three values from the
-user's spec to the shard header"). The validator's runs are counted with a profile hook on the
-validator's own code: nothing in the product is patched.
+The spec's validator (``check_layer_ids``) is counted with a profile hook on its own code: nothing in
+the product is patched. What these tests hold (docs/architecture.md, "Three values from the user's spec
+to the shard header"): the flow validates the user's pipeline spec (its parameter) and the extraction
+spec it makes of it for the plan step; the calls of the ranges, finalize and assemble carry the plan
+whole and validate nothing; a step after the plan reads its plan file once, and checks nothing of the
+spec against the model (``tests/test_plan_file.py``).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from datagen.data.spec import ExtractSpec, check_layer_ids
 from datagen.steps import load
 from tasks.assemble import assemble_call
 from tasks.extract import finalize_call, range_call
-from tasks.pipeline_spec import PipelineSpec, ShardRange, parse_pipeline_spec
+from tasks.pipeline_spec import ShardRange, parse_pipeline_spec
 from tasks.plan import plan_call
+from tests.support.plan_records import plan_record
 
 
 @contextmanager
@@ -57,56 +59,55 @@ def step_spec(step: str, spec: dict, tmp_path):
     return spec_from_namespace(step, load(step).Spec, args)
 
 
-def test_the_flow_validates_the_layer_ids_once_and_its_step_calls_add_none(tmp_path):
+def test_the_flow_validates_the_spec_it_plans_and_passes_the_plan_on_without_validating(tmp_path):
     with validator_runs() as runs:
         spec = parse_pipeline_spec(user_spec(tmp_path)).resolved(tmp_path)
         assert runs == [(1, 3, 4)]  # the flow's parameter
         xspec = spec.extract_spec(model_dir=str(tmp_path / "model"), model_revision="abc")
-        calls = [plan_call(xspec), range_call(xspec, ShardRange(first=0, stop=1)), finalize_call(xspec),
-                 assemble_call(xspec, str(tmp_path / "records"))]
-    assert runs == [(1, 3, 4)]
-    assert xspec.layer_ids is spec.layer_ids  # the same value, carried
-    assert [c.spec["layer_ids"] for c in calls] == [[1, 3, 4]] * 4
-
-
-def test_a_fanned_out_range_validates_them_once_in_each_process(tmp_path):
-    parent = parse_pipeline_spec(user_spec(tmp_path, ranges_in_flight=2, publish_to="s3://bucket/ds"))
+        assert runs == [(1, 3, 4)] * 2  # the spec the plan step is given
+        call = plan_call(xspec)
+    assert runs == [(1, 3, 4)] * 2
+    assert call.spec["layer_ids"] == [1, 3, 4]
+    planned = plan_record(spec=xspec)
     with validator_runs() as runs:
-        # the child flow's parameter: the parent's spec as JSON (run_deployment), validated in the child
-        child = PipelineSpec.model_validate(parent.model_dump(mode="json")).resolved(tmp_path)
-        spool = child.model_copy(update={"output": str(tmp_path / "spool")})
-        call = range_call(spool.extract_spec(model_dir=str(tmp_path / "model"), model_revision="abc"),
-                          ShardRange(first=0, stop=1))
-    assert runs == [(1, 3, 4)]
-    with validator_runs() as runs:  # the step program: its --spec file, then the library's spec
-        spec = step_spec("extract", call.spec, tmp_path)
-        extraction = spec.extraction()
-    assert runs == [(1, 3, 4)]
-    assert extraction.layer_ids is spec.layer_ids and spec.shards == (0, 1)
+        calls = [range_call(planned, ShardRange(first=0, stop=1)), finalize_call(planned),
+                 assemble_call(planned, str(tmp_path / "records"))]
+    assert runs == []  # the plan is passed whole
+    assert [sorted(c.spec) for c in calls] == [["plan", "shards"], ["plan"], ["plan", "records"]]
+    assert all(c.spec["plan"] == planned.model_dump(mode="json") for c in calls)
 
 
-def test_each_step_validates_its_spec_file_once_and_hands_the_library_the_same_spec(tmp_path):
+def test_a_step_after_the_plan_reads_its_plan_file_once(tmp_path):
     xspec = parse_pipeline_spec(user_spec(tmp_path)).resolved(tmp_path).extract_spec(
         model_dir=str(tmp_path / "model"), model_revision="abc")
-    for step, call in (("plan", plan_call(xspec)), ("extract", range_call(xspec, ShardRange(first=0, stop=1))),
-                       ("assemble", assemble_call(xspec, str(tmp_path / "records")))):
+    planned = plan_record(spec=xspec)
+    for step, call in (("extract", range_call(planned, ShardRange(first=0, stop=1))),
+                       ("extract", finalize_call(planned)),
+                       ("assemble", assemble_call(planned, str(tmp_path / "records")))):
         with validator_runs() as runs:
-            extraction = step_spec(step, call.spec, tmp_path).extraction()
-        assert runs == [(1, 3, 4)], step
-        assert type(extraction) is ExtractSpec and extraction == xspec, step
-        assert "shards" not in extraction.model_fields_set and "records" not in extraction.model_fields_set
+            read = step_spec(step, call.spec, tmp_path)
+        assert runs == [(1, 3, 4)], step  # the plan's spec, read with the plan
+        assert read.plan == planned and read.plan.layer_ids == (1, 3), step  # the resolved ids are the plan's
 
 
-def test_a_spec_carried_over_equals_the_same_spec_validated(tmp_path):
-    # of_checked skips no rule: validating its result again gives the same spec
+def test_a_fanned_out_range_reads_the_plan_where_it_enters_the_child(tmp_path):
+    from datagen.extraction.plan_file import ExtractionPlan
+
+    parent = parse_pipeline_spec(user_spec(tmp_path, ranges_in_flight=2, publish_to="s3://bucket/ds"))
+    planned = plan_record(spec=parent.extract_spec(model_dir=str(tmp_path / "model"), model_revision="abc"))
+    with validator_runs() as runs:  # the child flow's parameters: the parent's spec and plan as JSON
+        parse_pipeline_spec(parent.model_dump(mode="json"))
+        child_plan = ExtractionPlan.model_validate(planned.model_dump(mode="json"))
+        call = range_call(child_plan, ShardRange(first=0, stop=1), model="/here/model", out=str(tmp_path / "spool"))
+    assert runs == [(1, 3, 4)] * 2 and child_plan == planned
+    assert call.spec["model"] == "/here/model" and call.spec["out"] == str(tmp_path / "spool")
+    read = step_spec("extract", call.spec, tmp_path)
+    assert read.plan.on_host(model=read.model, out=read.out).spec.out == str(tmp_path / "spool")
+
+
+def test_a_spec_written_and_read_again_is_the_same_spec(tmp_path):
     spec = parse_pipeline_spec(user_spec(tmp_path, layer_ids=None, preprocessing={"max_seq_len": 64},
                                          engine={"max_num_batched_tokens": 64, "storage_dtype": "fp8_e4m3"}))
     xspec = spec.extract_spec(model_dir="/models/m", model_revision=None)
     assert ExtractSpec.model_validate(xspec.model_dump()) == xspec
     assert ExtractSpec.model_validate_json(xspec.model_dump_json()) == xspec
-
-
-def test_the_extraction_spec_has_no_rule_across_fields_that_carrying_it_over_would_skip():
-    # of_checked carries over values each validated by the same field's rules; a model validator
-    # (a rule across fields) added to ExtractSpec would need it to validate instead
-    assert ExtractSpec.__pydantic_decorators__.model_validators == {}

@@ -12,7 +12,7 @@ import enum
 import hashlib
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -223,24 +223,6 @@ class ExtractSpec(BaseModel):
     def resolved_shard_bytes(self) -> int:
         """The target bytes of states per shard: ``shard_bytes``, else ``DEFAULT_SHARD_BYTES``."""
         return self.shard_bytes if self.shard_bytes is not None else DEFAULT_SHARD_BYTES
-
-    @classmethod
-    def of_checked(cls, **fields: Any) -> Self:
-        """The spec (this class: the extraction spec, or a step's ``Spec`` made of it) of field values
-        that passed validation already (the pipeline spec's, a validated spec's, a ``ShardRange``),
-        made without running the validators again: a spec is validated once, where it enters a
-        process (the flow's parameter, a step's ``--spec`` file), and is passed whole below that
-        (docs/architecture.md, "Three values from the user's spec to the shard header"). The
-        extraction spec adds no rule across its fields, so nothing is left unchecked (shards sized
-        one way, ``check_shard_size``, is the plan's check). Fields left out take their defaults.
-
-        Raises:
-            TypeError: a name that is not a field of the spec.
-        """
-        unknown = set(fields) - set(cls.model_fields)
-        if unknown:
-            raise TypeError(f"{cls.__name__} has no fields {sorted(unknown)}")
-        return cls.model_construct(**fields)
 
 
 def default_layer_ids(num_hidden_layers: int) -> tuple[int, ...]:

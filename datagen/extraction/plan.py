@@ -12,6 +12,7 @@ from pathlib import Path
 
 from datagen.data.contract import LAYER_NUMBERING, ResolvedSpec
 from datagen.data.dataset import PreparedDataset
+from datagen.data.media import media_samples
 from datagen.data.planning import prepare_dataset
 from datagen.storage import s3 as _s3_images  # noqa: F401 (registers the reader of s3:// image urls)
 from datagen.data.spec import (
@@ -19,23 +20,54 @@ from datagen.data.spec import (
 )
 from datagen.errors import SpecError
 from datagen.extraction.boundaries import ShardCut, byte_boundaries, byte_shard_group, row_boundaries, state_bytes
+from datagen.extraction.plan_file import ExtractionPlan, plan_dir
 from datagen.models.modelinfo import ModelInfo, check_layer_ids, inspect_model, model_content_hash
 
 
 @dataclass(frozen=True)
 class Plan:
-    """A checked spec with everything resolved, before any engine starts."""
+    """A plan at work in one process: the plan record (``ExtractionPlan``, what `datagen plan` made),
+    the model's config as this host reads it, and the dataset's rows (of the shards at hand)."""
 
-    spec: ExtractSpec
+    record: ExtractionPlan
     info: ModelInfo
-    layer_ids: tuple[int, ...]  # the resolved ids (plan_header): the shard jobs' and the capture's
     data: PreparedDataset
-    engine_desc: dict
-    resolved_spec: ResolvedSpec  # what the manifest records
-    extraction_fingerprint: str
-    fingerprint: str
-    cut: ShardCut  # where shards start and their tokens (datagen.extraction.boundaries)
-    shard_group: int  # the engine's shard group: the spec's, else resolved (recorded in resolved_spec.engine)
+
+    @property
+    def spec(self) -> ExtractSpec:
+        return self.record.spec
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        """The resolved ids: the shard jobs' and the capture's."""
+        return self.record.layer_ids
+
+    @property
+    def engine_desc(self) -> dict:
+        return self.record.engine
+
+    @property
+    def resolved_spec(self) -> ResolvedSpec:
+        """What the manifest records."""
+        return self.record.resolved
+
+    @property
+    def extraction_fingerprint(self) -> str:
+        return self.record.extraction_fingerprint
+
+    @property
+    def fingerprint(self) -> str:
+        return self.record.fingerprint
+
+    @property
+    def cut(self) -> ShardCut:
+        """Where shards start and their tokens (datagen.extraction.boundaries)."""
+        return self.record.cut
+
+    @property
+    def shard_group(self) -> int:
+        """The engine's shard group: the spec's, else resolved (recorded in resolved_spec.engine)."""
+        return self.record.shard_group
 
     @property
     def boundaries(self) -> tuple[int, ...]:
@@ -57,8 +89,7 @@ class Plan:
     @property
     def state_bytes(self) -> int:
         """Bytes of stored states per token (``datagen.extraction.boundaries.state_bytes``)."""
-        return state_bytes(self.resolved_spec.storage_dtype, n_layers=len(self.layer_ids),
-                           hidden_size=self.info.hidden_size)
+        return self.record.state_bytes
 
     @property
     def volume_dirs(self) -> tuple[Path, ...]:
@@ -74,8 +105,7 @@ class Plan:
         return self.volume_dirs[self.volume_of(k)]
 
     def shard_key(self, k: int) -> str:
-        first, count = self.shard_range(k)
-        return shard_key(self.extraction_fingerprint, k, first, count, self.data.shard_rows_hash(first, count))
+        return self.record.shard_keys[k]
 
 
 def shard_key(extraction_fingerprint: str, k: int, first: int, count: int, rows_hash: str) -> str:
@@ -85,7 +115,7 @@ def shard_key(extraction_fingerprint: str, k: int, first: int, count: int, rows_
 
 def shard_weights(p: Plan) -> dict[str, int]:
     """What the plan's shards weigh in bytes of states: min, median and max."""
-    weights = [t * p.state_bytes for t in p.cut.tokens]
+    weights = p.record.shard_state_bytes
     return {"min": min(weights), "median": int(statistics.median(weights)), "max": max(weights)}
 
 
@@ -225,7 +255,14 @@ def plan_from(h: Header, data: PreparedDataset, *, cut: ShardCut | None = None) 
         {**extraction, "model": {**extraction["model"], "source": str(Path(spec.model).resolve())}, "dataset": dataset})
     if cut is None:
         cut = cut_shards(spec, data, bytes_per_token=per_token)
-    return Plan(spec, info, layer_ids, data, engine_desc, resolved, extraction_fp, fingerprint, cut, group)
+    keys = tuple(shard_key(extraction_fp, k, a, b - a, data.shard_rows_hash(a, b - a))
+                 for k, (a, b) in enumerate(zip(cut.boundaries, cut.boundaries[1:])))
+    # where its tokenized rows are (or will be) kept; image rows are planned again (not stored)
+    kept = None if media_samples(data) else str(plan_dir(spec.out, fingerprint).absolute())
+    record = ExtractionPlan(spec=spec, resolved=resolved, engine=engine_desc, fingerprint=fingerprint,
+                            extraction_fingerprint=extraction_fp, boundaries=cut.boundaries, tokens=cut.tokens,
+                            shard_keys=keys, shard_group=group, stored_plan=kept)
+    return Plan(record, info, data)
 
 
 def cut_shards(spec: ExtractSpec, data: PreparedDataset, *, bytes_per_token: int) -> ShardCut:

@@ -41,6 +41,8 @@ from datagen.extraction.output import (
     check_output, commit, completed_shards, missing_dirs, remove_empty_dirs, save_records,
 )
 from datagen.extraction.plan import Plan, describe_shards
+from datagen.extraction.plan_file import ExtractionPlan
+from datagen.extraction.progress import Progress
 
 if TYPE_CHECKING:
     from datagen.data.shards.format import ShardJob
@@ -89,111 +91,6 @@ def make_engine(p: Plan) -> Engine:
     from datagen.engines.vllm_settings import VllmSettings
 
     return VllmEngine(p.info, VllmSettings.from_plan(p))
-
-
-class Progress:
-    """What a run has done and how fast: on a terminal a bar, else a log line every few seconds.
-
-    Rates count from the moment the first token is handed to the engine (``begin``), never from
-    the process start (the engine's start is said once, in its own line): the rate since then, the
-    rate over the last minute, tokens done and left, the time left at the last minute's rate, and
-    the bytes of shards written per second. A token is done when the shard holding its states is
-    written, so the rate since the first token is the run's end-to-end rate. Each line starts ``progress DONE/TOTAL tokens`` (the
-    orchestration follows a range's progress by it, tasks/artifacts.py).
-    """
-
-    WINDOW_S = 60.0
-
-    def __init__(self, total_tokens: int, *, clock=time.monotonic, terminal: bool | None = None,
-                 interval_s: float | None = None):
-        self.total, self.done, self.written = total_tokens, 0, 0
-        self.clock = clock
-        self.interval_s = settings.progress_interval_s() if interval_s is None else interval_s
-        self.first: float | None = None  # when the first token was handed over
-        self.last_log: float | None = None
-        self._recent: deque[tuple[float, int, int]] = deque()  # (time, tokens done, bytes written)
-        self._lock = threading.Lock()
-        self.bar = None
-        if sys.stderr.isatty() if terminal is None else terminal:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="extract")
-
-    def begin(self) -> None:
-        """The first token is handed to the engine now: the rates count from here."""
-        if self.first is None:
-            self.first = self.last_log = self.clock()
-            self._recent.append((self.first, 0, 0))
-
-    def advance(self, tokens: int) -> None:
-        """``tokens`` more are done: their states are in a shard written (the run loop calls it as it
-        keeps a shard's record, never when it hands the rows to the engine, which may hold many)."""
-        self.begin()
-        with self._lock:
-            self.done += tokens
-            self._tick()
-        if self.bar is not None:
-            self.bar.update(tokens)
-            self.bar.set_postfix_str(self.postfix(), refresh=False)
-            return
-        now = self.clock()
-        if now - self.last_log >= self.interval_s or self.done >= self.total:
-            self.last_log = now
-            log.info("%s", self.line())
-
-    def wrote(self, nbytes: int) -> None:
-        """Shards of ``nbytes`` bytes were written (any thread)."""
-        self.begin()
-        with self._lock:
-            self.written += nbytes
-            self._tick()
-
-    def _tick(self) -> None:
-        now = self.clock()
-        self._recent.append((now, self.done, self.written))
-        while len(self._recent) > 2 and self._recent[1][0] <= now - self.WINDOW_S:
-            self._recent.popleft()  # keep one point at or before the window's start
-
-    def rate(self) -> float:
-        """Tokens per second since the first token was handed over."""
-        if self.first is None:
-            return 0.0
-        return self.done / max(self.clock() - self.first, 1e-9)
-
-    def recent(self) -> tuple[float, float]:
-        """Tokens per second and bytes written per second over the last minute."""
-        if not self._recent:
-            return 0.0, 0.0
-        now = self.clock()
-        t0, done0, written0 = self._recent[0]
-        dt = max(now - t0, 1e-9)
-        return (self.done - done0) / dt, (self.written - written0) / dt
-
-    def seconds_left(self) -> float | None:
-        """At the last minute's rate; None before any token is done."""
-        tokens_s, _ = self.recent()
-        return (self.total - self.done) / tokens_s if tokens_s > 0 else None
-
-    def postfix(self) -> str:
-        tokens_s, bytes_s = self.recent()
-        left = self.seconds_left()
-        return (f"{self.rate():,.0f} tokens/s since the first token, {tokens_s:,.0f} tokens/s last minute, "
-                f"{self.total - self.done:,} tokens left, {_duration(left)} left, {bytes_s / 1e9:.2f} GB/s written")
-
-    def line(self) -> str:
-        return (f"progress {self.done}/{self.total} tokens ({100.0 * self.done / max(self.total, 1):.0f}%), "
-                + self.postfix())
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "unknown time"
-    s = int(round(seconds))
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
 def extract_shards(p: Plan, engine: Engine, shards: Iterable[int], *,
@@ -273,24 +170,50 @@ def _placed(p: Plan, recs: list[ShardRecord]) -> list[ShardRecord]:
 
 
 def extract(spec: ExtractSpec, *, shards: tuple[int, int] | None = None) -> dict:
-    """Extract (the shards in ``shards``, or all and then the manifest).
+    """Plan ``spec`` here (its rows from the output's stored plan when one is this spec's), then
+    extract as ``extract_planned`` does: `datagen extract` given a spec rather than a plan.
+
+    Raises:
+        SpecError, ModelError, DatasetError: the spec, the model or the rows are refused (nothing written).
+    """
+    t0 = time.monotonic()
+    p, from_store = stored.plan_shards(spec, shards)
+    return _extract(p, shards=shards, t0=t0, store_plan=not from_store)
+
+
+def extract_planned(record: ExtractionPlan, *, shards: tuple[int, int] | None = None) -> dict:
+    """Extract the plan's shards in ``shards``, or all and then the manifest, on this host: checked
+    to be the plan's (its model and engine: ``datagen.extraction.host``), nothing planned again.
 
     Returns:
         The extract step's result record (``datagen.steps.extract.ExtractResult``'s fields).
 
     Raises:
-        SpecError, ModelError, DatasetError: the spec, the model or the rows are refused (nothing written).
+        SpecError: ``shards`` is outside the plan's.
+        ModelError, CannotRunHereError, DatasetError: this host's model, engine or dataset is not the plan's.
         OutputConflictError: the output holds another dataset, or another run is writing it.
         StorageError: the device is full (the shards written are kept).
     """
+    from datagen.extraction.host import plan_on_host
+
     t0 = time.monotonic()
-    p, from_store = stored.plan_shards(spec, shards)
+    lo, hi = _range(shards, record.num_shards)
+    p, from_store = plan_on_host(record, shards=(lo, hi))
+    return _extract(p, shards=shards, t0=t0, store_plan=not from_store)
+
+
+def _range(shards: tuple[int, int] | None, num_shards: int) -> tuple[int, int]:
+    lo, hi = shards if shards is not None else (0, num_shards)
+    if not (0 <= lo <= hi <= num_shards):
+        raise SpecError(f"--shards {lo}:{hi} is outside 0:{num_shards}",
+                        hint=f"this dataset has {num_shards} shards (`datagen plan` lists them)")
+    return lo, hi
+
+
+def _extract(p: Plan, *, shards: tuple[int, int] | None, t0: float, store_plan: bool) -> dict:
     log.info("plan: %s", describe_shards(p))
-    out = Path(spec.out)
-    lo, hi = shards if shards is not None else (0, p.num_shards)
-    if not (0 <= lo <= hi <= p.num_shards):
-        raise SpecError(f"--shards {lo}:{hi} is outside 0:{p.num_shards}",
-                        hint=f"this dataset has {p.num_shards} shards (`datagen plan` lists them)")
+    out = Path(p.spec.out)
+    lo, hi = _range(shards, p.num_shards)
     if shards is None and (m := existing_manifest(p)) is not None:
         log.info("dataset %s is complete (fingerprint %s): nothing to do", out, p.fingerprint[:12])
         return {**_result(p, m.totals["tokens"], extracted=[], cached=list(range(p.num_shards)),
@@ -315,7 +238,7 @@ def extract(spec: ExtractSpec, *, shards: tuple[int, int] | None = None) -> dict
             raise OutputConflictError(f"cannot create the output directory {out}: {e.strerror}",
                                       hint="choose an --out whose parent is a writable directory") from e
     try:
-        return _run_locked(p, whole=shards is None, lo=lo, hi=hi, t0=t0, store_plan=not from_store)
+        return _run_locked(p, whole=shards is None, lo=lo, hi=hi, t0=t0, store_plan=store_plan)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise StorageError(

@@ -1,6 +1,6 @@
-"""The stored plan: a tokenized plan kept in the output's private state, so that a shard range
-(``datagen extract --shards A:B``) reads its own shards' samples instead of tokenizing the whole
-dataset again.
+"""The stored plan: a plan's tokenized rows kept in the output's private state, so that a shard range
+(``datagen extract --plan FILE --shards A:B``) reads its own shards' samples instead of tokenizing the
+whole dataset again. The plan file names where it is (``ExtractionPlan.stored_plan``).
 
 Layout, under ``<out>/.datagen/plan/<fingerprint>/``::
 
@@ -11,14 +11,11 @@ Layout, under ``<out>/.datagen/plan/<fingerprint>/``::
     index.json                   written last: what the plan was made of, the shards' boundaries,
                                  skipped and truncated rows, the sha256 of every file and its own
 
-A stored plan is used only when the fingerprint this run computes without reading the dataset's
-rows (the model's config, the layers, the engine, max_seq_len, the shard size, the sha256 of the
-dataset file, the tokenizer and its chat template: ``plan_from``, the code that fingerprints a
-computed plan) is the one it was stored under, when it was written by the same libraries that
-tokenize (transformers, tokenizers, jinja2) and the same stored-plan format, and when every file it
-reads has the sha256 the index records. Anything else (missing, torn, tampered, another
-fingerprint) and the run tokenizes the whole dataset as before, and says why in its log. Files are
-written atomically, the index last, so a reader never takes a half-written plan for a whole one.
+A stored plan is used only when it is stored under the fingerprint at hand (the plan file's, or in
+`datagen plan` the one computed without reading the rows: ``plan_from``), written by the same
+libraries that tokenize (transformers, tokenizers, jinja2) and stored-plan format, and every file it
+reads has the sha256 the index records. Anything else (missing, torn, tampered, another fingerprint)
+and the rows are tokenized again, the log says why. Files are written atomically, the index last.
 
 A plan computed where a stored plan of another dataset fingerprint is (last night's file, since
 edited or appended to) takes from it every row whose bytes are those of the same row then, when
@@ -33,7 +30,7 @@ import bisect
 import json
 import logging
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -47,17 +44,13 @@ from datagen.data.spec import ExtractSpec, canonical_json, sha256_hex
 from datagen.errors import DatagenError
 from datagen.extraction.boundaries import ShardCut
 from datagen.extraction.plan import Header, Plan, plan_from, plan_header
+from datagen.extraction.plan_file import PLAN_DIR, plan_dir
 
 log = logging.getLogger(__name__)
 
 FORMAT = 2  # 2: the index records the shards' boundaries (shards sized by bytes)
-PLAN_DIR = f"{STATE_DIR}/plan"
 INDEX = "index.json"
 ROWS_FILE = "rows.safetensors"
-
-
-def plan_dir(out: str | Path, fingerprint: str) -> Path:
-    return Path(out) / PLAN_DIR / fingerprint
 
 
 def _shard_file(k: int) -> str:
@@ -183,7 +176,7 @@ def store_plan(p: Plan) -> Path | None:
 
 # --- reading ------------------------------------------------------------------------------------
 
-def _read_index(d: Path, fingerprint: str) -> dict | None:
+def read_index(d: Path, fingerprint: str) -> dict | None:
     """The index of ``d`` when it is whole, for ``fingerprint``, this format and these libraries."""
     try:
         index = json.loads((d / INDEX).read_text())
@@ -234,8 +227,10 @@ def _cut(index: dict) -> ShardCut:
         raise StoredPlanError(str(e)) from None
 
 
-def _stored_dataset(h: Header, d: Path, index: dict, dataset_sha256: str, shards: tuple[int, int], b) -> PreparedDataset:
-    """The dataset as the stored plan holds it (shard boundaries ``b``), with the samples of ``shards`` only."""
+def stored_dataset(spec: ExtractSpec, d: Path, index: dict, shards: tuple[int, int], b, *,
+                   hashes: Callable[[], tuple[str | None, str | None]]) -> PreparedDataset:
+    """The dataset as the stored plan ``d`` holds it (shard boundaries ``b``), with the samples of
+    ``shards`` only. ``hashes``: the chat template's and the tokenizer's, asked for when a chat row was tokenized."""
     rows = index["rows"]
     line = _read_verified(d, ROWS_FILE, index)["line_sha256"]
     if line.shape != (rows, 32) or line.dtype != np.uint8:
@@ -244,13 +239,11 @@ def _stored_dataset(h: Header, d: Path, index: dict, dataset_sha256: str, shards
     samples: dict[int, Sample] = {}
     for k in range(lo, hi):
         samples.update(_load_shard(d, index, k, b[k], b[k + 1]))
-    template_hash = tok_hash = None
-    if index["tokenizer"]:
-        template_hash, tok_hash = tokenizer_hashes(h.load_tokenizer())
+    template_hash, tok_hash = hashes() if index["tokenizer"] else (None, None)
     return PreparedDataset(
-        path=str(Path(h.spec.dataset)),
+        path=str(Path(spec.dataset)),
         rows=rows,
-        fingerprint=dataset_sha256,
+        fingerprint=index["dataset_sha256"],
         samples=RangeSamples(samples, range(b[lo], b[hi])),
         skipped=[SkippedRow.model_validate(s) for s in index["skipped"]],
         truncated=[TruncatedRow.model_validate(t) for t in index["truncated"]],
@@ -277,7 +270,7 @@ def load_plan(spec: ExtractSpec, shards: tuple[int, int] | None) -> tuple[Plan |
     dataset_sha256 = file_fingerprint(spec.dataset)
     why = "stored for another dataset, tokenizer or spec"
     for d in candidates:
-        index = _read_index(d, d.name)
+        index = read_index(d, d.name)
         if index is None:
             why = f"{PLAN_DIR}/{d.name[:12]} is incomplete, damaged or of other library versions"
             continue
@@ -288,7 +281,8 @@ def load_plan(spec: ExtractSpec, shards: tuple[int, int] | None) -> tuple[Plan |
             lo, hi = shards if shards is not None else (0, len(cut.tokens))
             if not (0 <= lo <= hi <= len(cut.tokens)):
                 return None, f"--shards {lo}:{hi} is outside the stored plan's 0:{len(cut.tokens)}"
-            data = _stored_dataset(h, d, index, dataset_sha256, (lo, hi), cut.boundaries)
+            data = stored_dataset(spec, d, index, (lo, hi), cut.boundaries,
+                                  hashes=lambda: tokenizer_hashes(h.load_tokenizer()))
         except StoredPlanError as e:
             why = f"{PLAN_DIR}/{d.name[:12]}: {e}"
             continue
@@ -348,7 +342,7 @@ def earlier_rows(h: Header) -> tuple[StoredRows | None, object | None]:
         return None, None
     # a stored plan of this very file that was not used is damaged or of other settings: not read
     this = file_fingerprint(h.spec.dataset)
-    indexes = [(d, index) for d in candidates if (index := _read_index(d, d.name)) is not None
+    indexes = [(d, index) for d in candidates if (index := read_index(d, d.name)) is not None
                and index.get("dataset_sha256") != this
                and (index.get("preprocessing") or {}).get("tokenizer_sha256")
                and index["preprocessing"].get("max_seq_len") == h.spec.max_seq_len]

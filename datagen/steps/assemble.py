@@ -1,9 +1,9 @@
-"""The assemble step: ``datagen assemble --spec SPEC --records DIR``.
+"""The assemble step: ``datagen assemble --plan FILE --records DIR``.
 
 The manifest of a dataset whose shards many hosts wrote to object storage (``datagen.storage.fleet``).
 The flow's parent checks every shard object in the bucket (size and sha256 against its record)
-and puts the records it found into DIR; this step plans the spec again (no weights are loaded),
-requires a record of this plan's shard key for every shard, checks that the dataset file is still
+and puts the records it found into DIR; this step takes the plan (``--plan FILE``: checked to fit
+this host, no weights loaded), requires a record of the plan's shard key for every shard, checks that the dataset file is still
 what the plan read, and writes ``<out>/manifest.json`` exactly as `datagen extract` writes a
 single host's (same records, same statistics, same bytes but for ``created_at``). The flow
 uploads it to the bucket, last.
@@ -12,6 +12,7 @@ uploads it to the bucket, last.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,15 +22,19 @@ from datagen.errors import SpecError, ValidationFailed
 from datagen.extraction.manifest import (
     RESULT_SHARD_FIELDS, check_dataset_unchanged, read_records, result_shards, write_manifest,
 )
-from datagen.extraction.plan import plan
-from datagen.steps.extract import ExtractionSpec
+from datagen.extraction.plan_file import ExtractionPlan, read_plan_file
+from datagen.steps._args import Arg, StepSpec
 
 HELP = "Write the manifest of a dataset whose shards are in object storage, from their checked records."
 
 
-class Spec(ExtractionSpec):
-    """``datagen assemble``'s input: the extraction spec, and the directory of records."""
+class Spec(StepSpec):
+    """``datagen assemble``'s input: the plan, and the directory of records."""
 
+    SPEC_FILE: ClassVar[bool] = True
+
+    plan: Annotated[ExtractionPlan, Arg(metavar="FILE", parse=read_plan_file)] = Field(
+        description="the plan `datagen plan --plan-file FILE` wrote; the manifest is written into its output")
     records: str = Field(description="directory of shard-NNNNNN.json records (checked in the bucket)")
 
 
@@ -68,11 +73,13 @@ Result = AssembleResult
 
 
 def run(args: Spec) -> AssembleResult:
-    spec = args.extraction()
+    from datagen.extraction.host import plan_on_host
+
     records_dir = Path(args.records)
     if not records_dir.is_dir():
         raise SpecError(f"--records {records_dir} is not a directory", hint="pass the directory of shard records")
-    p = plan(spec)
+    p, _ = plan_on_host(args.plan, shards=(0, args.plan.num_shards))
+    spec = p.spec
     records, missing, foreign = read_records(records_dir, p)
     if missing or foreign:
         def shown(ks: list[int]) -> str:

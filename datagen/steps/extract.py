@@ -1,10 +1,11 @@
 """The extraction step: ``datagen extract``.
 
-Its input is the extraction spec (``datagen.data.spec.ExtractSpec``), read whole from ``--spec``
-or given as options, and a shard range; the work is ``datagen.extraction.run.extract`` (the plan,
-the output's claim and resume, the run loop, the manifest). ``--shards A:B`` extracts only shards
-[A, B) and writes no manifest (the fan-out unit); a run without it finishes every shard and
-writes the manifest last.
+Its input is the plan `datagen plan` made (``--plan FILE``: the orchestration's ranges, finalize and
+a fan-out child give it, and the step checks only that this host matches it) or the extraction spec
+(``datagen.data.spec.ExtractSpec``, planned here), read whole from ``--spec`` or given as options,
+and a shard range; the work is ``datagen.extraction.run`` (the output's claim and resume, the run
+loop, the manifest). ``--shards A:B`` extracts only shards [A, B) and writes no manifest (the fan-out
+unit); a run without it finishes every shard and writes the manifest last.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from __future__ import annotations
 import logging
 from typing import Annotated, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from datagen.data.spec import ExtractSpec
 from datagen.errors import SpecError
 from datagen.extraction.manifest import RESULT_SHARD_FIELDS
+from datagen.extraction.plan_file import ExtractionPlan, read_plan_file
 from datagen.steps._args import Arg, StepSpec
 
 HELP = "Extract hidden states of a model for a JSONL dataset into packed safetensors shards."
@@ -57,15 +59,21 @@ class ExtractionSpec(ExtractSpec, StepSpec):
         "engine.max_num_batched_tokens": Arg(),
     }
 
-    def extraction(self) -> ExtractSpec:
-        """The extraction spec alone (what a plan and its fingerprints are made of): this spec's
-        values, validated when it was read, carried over without validating them again."""
-        return ExtractSpec.of_checked(**{name: getattr(self, name) for name in ExtractSpec.model_fields})
 
 
 class Spec(ExtractionSpec):
-    """``datagen extract``'s input: the extraction spec, and the shards to extract."""
+    """``datagen extract``'s input: the plan `datagen plan` made (``--plan FILE``), or the extraction
+    spec to plan here; and the shards to extract."""
 
+    model: str | None = Field(None, description="Local Hugging Face model directory (config + safetensors). With "
+                              "--plan: this host's copy of the plan's model (default: the plan's path).")
+    dataset: str | None = Field(None, description="JSONL dataset file: chat rows or pre-tokenized rows. Not with "
+                                "--plan (the plan's).")
+    out: str | None = Field(None, description="Output dataset directory. With --plan: where this host writes the "
+                            "plan's shards (default: the plan's output).")
+    plan: Annotated[ExtractionPlan | None, Arg(metavar="FILE", parse=read_plan_file)] = Field(
+        None, description="the plan `datagen plan --plan-file FILE` wrote: its shards are extracted, on a host "
+                          "checked to match it (model, engine), instead of a spec planned here")
     shards: Annotated[tuple[int, int] | None, Arg(metavar="A:B", parse=parse_range)] = Field(
         None, description="extract only shards [A, B) and write no manifest (default: every shard, then "
                           "the manifest)")
@@ -76,6 +84,17 @@ class Spec(ExtractionSpec):
         if v is not None and not 0 <= v[0] <= v[1]:
             raise ValueError(f"shards {v[0]}:{v[1]} is not a range A:B with 0 <= A <= B")
         return v
+
+    @model_validator(mode="after")
+    def _plan_or_spec(self) -> "Spec":
+        if self.plan is None:
+            missing = [f"--{name}" for name in ("model", "dataset", "out") if getattr(self, name) is None]
+            if missing:
+                raise ValueError(f"missing {', '.join(missing)}: give the spec to extract, or --plan FILE")
+        elif given := sorted(self.model_fields_set - {"plan", "shards", "model", "out"}):
+            raise ValueError(f"{', '.join(given)} given with --plan: the plan fixes them (with --plan only --shards, "
+                             "--model, this host's copy of its model, and --out, where this host writes, are given)")
+        return self
 
 
 class ExtractResult(BaseModel):
@@ -110,9 +129,14 @@ Result = ExtractResult
 
 
 def run(spec: Spec) -> ExtractResult:
-    """``datagen extract``: the spec extracted (``datagen.extraction.run.extract``)."""
-    from datagen.extraction.run import extract
+    """``datagen extract``: the plan extracted on this host (``datagen.extraction.run.extract_planned``),
+    or the spec planned here and extracted (``extract``)."""
+    from datagen.extraction.run import extract, extract_planned
 
-    result = ExtractResult.model_validate(extract(spec.extraction(), shards=spec.shards))
+    if spec.plan is not None:
+        record = spec.plan.on_host(model=spec.model, out=spec.out)
+        result = ExtractResult.model_validate(extract_planned(record, shards=spec.shards))
+    else:
+        result = ExtractResult.model_validate(extract(spec, shards=spec.shards))
     log.info("dataset: %s", result.dataset)
     return result

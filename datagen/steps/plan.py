@@ -1,9 +1,10 @@
-"""The plan step: ``datagen plan``. Checks a spec and prints what extraction would do.
+"""The plan step: ``datagen plan``. Checks a spec and makes the plan every later step is given.
 
 Everything ``datagen extract`` checks before loading a weight is checked here
-(spec, model config, every dataset row), and the result names the fingerprints
-and every shard's cache key, so the orchestrator can key its cache on them
-without importing the engine. In an output where a run stored this spec's plan
+(spec, model config, every dataset row), once: the result holds the plan
+(``datagen.extraction.plan_file.ExtractionPlan``: the resolved spec, its fingerprints, every
+shard's boundaries and cache key), which ``--plan-file FILE`` also writes; the orchestrator keys
+its cache on it and passes it whole to the ranges, finalize and assemble, without importing the engine. In an output where a run stored this spec's plan
 (``datagen.extraction.stored``) the rows are not read again: they were checked
 when it was stored; in an output this extraction has claimed, a plan computed
 here is stored for the ranges that follow. It also says what the output already holds: the
@@ -14,13 +15,15 @@ orchestrator never reads the step's files itself.
 from __future__ import annotations
 
 import logging
+import statistics
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from datagen.data.contract import ResolvedSpec, ShardRecord, manifest_fingerprint, validated_manifest_sha256
 from datagen.extraction import stored
 from datagen.extraction.output import claimed_by, completed_shards
-from datagen.extraction.plan import Plan, describe_shards, shard_weights
+from datagen.extraction.plan import Plan, describe_shards
+from datagen.extraction.plan_file import ExtractionPlan, write_plan_file
 from datagen.steps.extract import ExtractionSpec
 
 HELP = "Check a spec and print its fingerprints and each shard's cache key (loads no weights)."
@@ -28,36 +31,68 @@ log = logging.getLogger(__name__)
 
 
 class Spec(ExtractionSpec):
-    """``datagen plan``'s input: the extraction spec."""
+    """``datagen plan``'s input: the extraction spec, and where to write the plan file."""
+
+    plan_file: str | None = Field(
+        None, description="write the plan (datagen.extraction.plan_file.ExtractionPlan, JSON) to this file: what "
+        "`datagen extract --plan FILE` and `datagen assemble --plan FILE` read (the result line holds it too)")
 
 
 class PlanResult(BaseModel):
-    """What `datagen plan` says about a spec, and what is already in its output."""
+    """What `datagen plan` made of a spec (the plan, whole), and what is already in its output."""
 
     model_config = ConfigDict(frozen=True)
 
-    fingerprint: str = Field(description="sha256 of the full spec: the dataset's identity.")
-    extraction_fingerprint: str = Field(description="The spec without the dataset.")
-    num_shards: int = Field(description="Shards of the dataset.")
+    plan: ExtractionPlan = Field(description="The plan: the spec resolved, its fingerprints, shard cut and keys; "
+                                 "what every later step of the extraction is given.")
     rows: int = Field(description="Dataset rows.")
     tokens: int = Field(description="Tokens the dataset will hold.")
-    layer_ids: list[int] = Field(description="Captured layers (vLLM numbering).")
-    hidden_size: int = Field(description="The model's hidden size (H of a stored state).")
-    num_hidden_layers: int = Field(description="The model's decoder layers.")
-    shard_keys: list[str] = Field(description="Cache key of each shard, by index.")
-    shard_state_bytes: dict[str, int] = Field(
-        description="Bytes of stored states per shard (tokens x layers x hidden x the storage dtype's bytes, "
-                    "fp8's scales included): min, median and max over the plan's shards.")
-    shard_group: int = Field(description="Shards the engine streams without a drain between them (the spec's, "
-                                         "else resolved from the shard size and the step's token budget).")
     shards_complete: list[int] = Field(description="Shards already written for this spec.")
-    spec: ResolvedSpec = Field(description="The resolved spec, as the manifest will record it.")
-    manifest_fingerprint: str | None = Field(
-        None, description="Fingerprint in the output's manifest.json, None when there is none."
-    )
+    manifest_fingerprint: str | None = Field(None, description="Fingerprint in the output's manifest.json, if any.")
     validated_manifest_sha256: str | None = Field(
-        None, description="sha256 of the manifest that the output's validation report approves."
-    )
+        None, description="sha256 of the manifest that the output's validation report approves.")
+
+    # What the plan says, on the result line too (a reader of the line finds it as before).
+    @computed_field(description="sha256 of the full spec: the dataset's identity.")
+    @property
+    def fingerprint(self) -> str:
+        return self.plan.fingerprint
+
+    @computed_field(description="The spec without the dataset.")
+    @property
+    def extraction_fingerprint(self) -> str:
+        return self.plan.extraction_fingerprint
+
+    @computed_field(description="Shards of the dataset.")
+    @property
+    def num_shards(self) -> int:
+        return self.plan.num_shards
+
+    @computed_field(description="Captured layers (vLLM numbering).")
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return self.plan.layer_ids
+
+    @computed_field(description="Cache key of each shard, by index.")
+    @property
+    def shard_keys(self) -> tuple[str, ...]:
+        return self.plan.shard_keys
+
+    @computed_field(description="Bytes of stored states per shard: min, median and max over the plan's shards.")
+    @property
+    def shard_state_bytes(self) -> dict[str, int]:
+        w = self.plan.shard_state_bytes
+        return {"min": min(w), "median": int(statistics.median(w)), "max": max(w)}
+
+    @computed_field(description="Shards the engine streams without a drain between them.")
+    @property
+    def shard_group(self) -> int:
+        return self.plan.shard_group
+
+    @computed_field(description="The resolved spec, as the manifest will record it.")
+    @property
+    def spec(self) -> ResolvedSpec:
+        return self.plan.resolved
 
     @property
     def dataset_complete(self) -> bool:
@@ -74,27 +109,21 @@ Result = PlanResult
 
 def run(spec: Spec) -> PlanResult:
     # The plan a run stored in its output, when it is this spec's: every row was checked then.
-    p, from_store = stored.plan_shards(spec.extraction(), (0, 0))
+    p, from_store = stored.plan_shards(spec, (0, 0))
     claimed = claimed_by(p)
     if claimed and not from_store:  # an output of ours: keep the plan for the ranges that follow
         stored.store_plan(p)
     done = completed_shards(p) if claimed else {}
     _check_output_space(p, done)
     log.info("plan: %s", describe_shards(p))
+    if spec.plan_file is not None:
+        write_plan_file(p.record, spec.plan_file)
+        log.info("plan: written to %s", spec.plan_file)
     return PlanResult(
-        fingerprint=p.fingerprint,
-        extraction_fingerprint=p.extraction_fingerprint,
-        num_shards=p.num_shards,
+        plan=p.record,
         rows=p.data.rows,
         tokens=p.data.tokens,
-        layer_ids=list(p.layer_ids),
-        hidden_size=p.info.hidden_size,
-        num_hidden_layers=p.info.num_hidden_layers,
-        shard_keys=[p.shard_key(k) for k in range(p.num_shards)],
-        shard_state_bytes=shard_weights(p),
-        shard_group=p.shard_group,
         shards_complete=sorted(done),
-        spec=p.resolved_spec,
         manifest_fingerprint=manifest_fingerprint(p.spec.out),
         validated_manifest_sha256=validated_manifest_sha256(p.spec.out),
     )

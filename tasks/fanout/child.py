@@ -23,7 +23,7 @@ from uuid import UUID
 
 from datagen import settings
 from datagen.data.contract import ShardRecord
-from datagen.data.spec import ExtractSpec
+from datagen.extraction.plan_file import ExtractionPlan
 from datagen.errors import StorageError
 from datagen.steps.extract import ExtractResult
 from datagen.storage import fleet
@@ -93,25 +93,25 @@ def spool_dir(spec: PipelineSpec) -> Path:
     return (root / Path(spec.output).name).absolute() if root is not None else Path(spec.output)
 
 
-def extract_to_bucket(spec: PipelineSpec, xspec: ExtractSpec, shard_range: ShardRange, *, shard_keys: list[str],
+def extract_to_bucket(spec: PipelineSpec, plan: ExtractionPlan, shard_range: ShardRange, *, model: str, spool: Path,
                       cache_key: str, log) -> ExtractResult | None:
-    """Extract the range's shards that the bucket lacks into the spool (``xspec.out``), uploading
-    each as soon as it is written. Returns the extract step's result for the whole range (its runs,
-    one per run of consecutive missing shards, taken together); None when the bucket held every
-    shard and no step ran. The parent's plan gives the shard keys."""
+    """Extract the plan's shards of the range that the bucket lacks into ``spool`` (the model being
+    this host's copy at ``model``), uploading each as soon as it is written. Returns the extract step's
+    result for the whole range (its runs, one per run of consecutive missing shards, taken together);
+    None when the bucket held every shard and no step ran."""
     client, transfer, dest = bucket_of(spec)
-    expected = {k: shard_keys[k - shard_range.first] for k in shard_range.shards}
+    expected = {k: plan.shard_keys[k] for k in shard_range.shards}
     t0 = time.monotonic()
     held = retrying(lambda: fleet.shards_in_bucket(client, dest, expected), "reading the bucket", log)
     todo = [k for k in shard_range.shards if k not in held]
     log.info("range %s: %d shards in %s already, %d to extract", shard_range, len(held), dest.uri, len(todo))
-    spool = Path(xspec.out)
     extracted: list[ExtractResult] = []
     for run in _runs(todo):
         sub = ShardRange(first=run[0], stop=run[-1] + 1)
         with _Uploader(client, spool, dest, {k: expected[k] for k in sub.shards}, transfer, log):
             extracted.append(extract_range.with_options(refresh_cache=True, **spec.storage_options)(
-                range_call(xspec, sub, gpus=spec.gpus), cache_key=f"{cache_key}-{sub.first}-{sub.stop}",
+                range_call(plan, sub, gpus=spec.gpus, model=model, out=str(spool)),
+                cache_key=f"{cache_key}-{sub.first}-{sub.stop}",
                 runner=spec.runner,
             ))
     final = retrying(lambda: fleet.shards_in_bucket(client, dest, expected), "reading the bucket", log)

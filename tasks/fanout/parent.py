@@ -30,7 +30,8 @@ from prefect.deployments import run_deployment
 from pydantic import ValidationError
 
 from datagen.data.contract import MANIFEST_NAME, STATE_DIR
-from datagen.data.spec import ExtractSpec, sha256_hex
+from datagen.data.spec import sha256_hex
+from datagen.extraction.plan_file import ExtractionPlan
 from datagen.errors import StorageError
 from datagen.steps.assemble import AssembleResult
 from datagen.steps.plan import PlanResult
@@ -76,17 +77,15 @@ def bucket_state(spec: PipelineSpec, planned: PlanResult) -> PlanResult:
 )
 def dispatch_range(
     spec: PipelineSpec,
+    plan: ExtractionPlan,
     shard_range: ShardRange,
     *,
     cache_key: str,
-    fingerprint: str,
-    shard_keys: list[str],
-    model_revision: str | None = None,
     in_bucket: bool = False,
     progress: UUID | None = None,
 ) -> RangeOutcome:
-    """Run the range on the pool; submit it again when its run is lost. See the module docstring.
-    ``in_bucket``: every shard of the range is in the bucket already; nothing is submitted."""
+    """Run the range of ``plan`` on the pool; submit it again when its run is lost. See the module
+    docstring. ``in_bucket``: every shard of the range is in the bucket already; nothing is submitted."""
     logger = get_run_logger()
     fan = spec.fan_out
     client, _, dest = bucket_of(spec)
@@ -95,14 +94,13 @@ def dispatch_range(
         logger.info("range %s: every shard is in %s already; nothing to submit", shard_range, dest.uri)
         receipt = retrying(lambda: fleet.read_receipt(client, dest, cache_key), "reading the range's receipt", logger)
         return _outcome(shard_range, receipt).served_from_cache()
-    limit = range_limit_name(fingerprint, shard_range)
+    limit = range_limit_name(plan.fingerprint, shard_range)
     ensure_limit(limit)
     for attempt in range(fan.max_resubmits + 1):
         child = run_deployment(
             fan.deployment,
-            parameters={"spec": spec.model_dump(mode="json"), "shard_range": shard_range.model_dump(),
-                        "cache_key": cache_key, "fingerprint": fingerprint, "shard_keys": shard_keys,
-                        "model_revision": model_revision},
+            parameters={"spec": spec.model_dump(mode="json"), "plan": plan.model_dump(mode="json"),
+                        "shard_range": shard_range.model_dump(), "cache_key": cache_key},
             timeout=0,
             flow_run_name=f"range-{shard_range.first}-{shard_range.stop}" + (f"-retry{attempt}" if attempt else ""),
         )
@@ -170,9 +168,9 @@ def bucket_dataset(spec: PipelineSpec) -> AssembleResult:
 
 
 @task(name="bucket-shards", **STEP_RETRY_POLICY)
-def fetch_shards(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult) -> str:
+def fetch_shards(spec: PipelineSpec, planned: PlanResult) -> str:
     """Every shard object of the dataset's bucket checked against its record (size, sha256 metadata),
-    then copied into the local dataset directory ``xspec.out``, where the manifest is assembled and
+    then copied into the local dataset directory (the plan's output), where the manifest is assembled and
     the dataset validated: validation reads the bytes the bucket holds. Returns the directory of the
     records found (the input of `datagen assemble`, which refuses a dataset that lacks one)."""
     logger = get_run_logger()
@@ -180,7 +178,7 @@ def fetch_shards(spec: PipelineSpec, xspec: ExtractSpec, planned: PlanResult) ->
     fleet.check_destination(client, dest, planned.fingerprint)
     records = fleet.shards_in_bucket(client, dest, dict(enumerate(planned.shard_keys)))
     logger.info("%s: %d of %d shard objects checked (size, sha256)", dest.uri, len(records), planned.num_shards)
-    out = Path(xspec.out)
+    out = Path(planned.plan.spec.out)
     t0 = time.monotonic()
     sent = fleet.download_shards(client, dest, records.values(), out, transfer=transfer)
     logger.info("copied %d shards (%.1f MB) from %s to %s for validation in %.1f s", len(records), sent / 1e6,

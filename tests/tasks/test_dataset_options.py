@@ -34,13 +34,15 @@ def test_plan_and_extract_mount_the_datasets_path_and_pass_the_options(tmp_path)
     from tasks.mounts import extract_mounts
     from tasks.pipeline_spec import ShardRange
     from tasks.plan import plan_call
+    from tests.support.plan_records import plan_record
 
     data = f"{hf_folder(tmp_path)}#split=train&format=sharegpt"
     spec = ExtractSpec(model=str(tmp_path / "m"), dataset=data, out=str(tmp_path / "out"), layer_ids=[1])
     assert {m.path for m in extract_mounts(spec)} == {str(tmp_path), str(tmp_path / "hf"), str(tmp_path / "m")}
-    for call in (plan_call(spec), range_call(spec, ShardRange(first=0, stop=1)), finalize_call(spec)):
+    planned = plan_record(spec=spec)
+    for call in (plan_call(spec), range_call(planned, ShardRange(first=0, stop=1)), finalize_call(planned)):
         assert str(tmp_path / "hf") in read_only(call) and not any("#" in m.path for m in call.mounts), call.step
-        assert call.spec["dataset"] == data, call.step
+        assert (call.spec.get("plan", {}).get("spec") or call.spec)["dataset"] == data, call.step
 
 
 def test_regenerate_mounts_the_datasets_path_and_passes_the_options(tmp_path):
