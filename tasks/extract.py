@@ -85,12 +85,18 @@ def range_call(plan: ExtractionPlan, shard_range: ShardRange, *, gpus: int = 0, 
         step="extract",
         spec=_given(call_spec),
         mounts=_plan_mounts(here),
-        env={**media.get("env", {}), "DATAGEN_PROGRESS_INTERVAL": "2"},
+        env=range_env(here.spec.dataset),
         secret_env_names=media.get("secret_env_names", ()),
         gpus=gpus,
         label=shard_range.arg,
         progress=progress,
     )
+
+
+def range_env(dataset: str) -> dict[str, str]:
+    """The environment of a range's call: the dataset's media settings, and a progress line every 2 s
+    (the range's item of the progress bar follows them)."""
+    return {**media_step_env(dataset).get("env", {}), "DATAGEN_PROGRESS_INTERVAL": "2"}
 
 
 def finalize_call(plan: ExtractionPlan) -> StepCall:

@@ -23,9 +23,9 @@ Stages (each in a process of its own, under a timeout; a failure is recorded wit
   deploy             prefect.yaml's `kimi` spec as tasks/pipeline_spec.py turns it into the extract
                      step's spec (bench/gpu/deploy-kimi.json, made here by ``spec``), with the model,
                      dataset, output and tensor parallel size replaced, run as the flow's local runner
-                     runs it: ``datagen plan --spec``, ``datagen extract --spec`` of each range of
-                     ``shards_per_task`` shards (the range call's environment), then
-                     ``datagen extract --spec`` again to write the manifest; ``deploy-fp8`` the same
+                     runs it: ``datagen plan --spec``, then the plan it made given to ``datagen
+                     extract`` for each range of ``shards_per_task`` shards (the range call's spec file
+                     and environment), then to the finalize that writes the manifest; ``deploy-fp8`` the same
                      with the spec's storage dtype fp8_e4m3
   plain              plain vLLM prefill (``bench.gpu.timing.plain_prefill``) on the engine arguments
                      the default command's plan gives (``VllmSettings.from_plan``) less the capture;
@@ -78,8 +78,8 @@ def make_spec(args) -> None:
     with placeholders for the model, dataset, output and tensor parallel size the device fills in."""
     import yaml
 
-    from tasks.extract import range_call
-    from tasks.pipeline_spec import ShardRange, parse_pipeline_spec
+    from tasks.extract import range_env
+    from tasks.pipeline_spec import parse_pipeline_spec
 
     deployments = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
     raw = next(d for d in deployments if d["name"] == args.deployment)["parameters"]["spec"]
@@ -90,12 +90,11 @@ def make_spec(args) -> None:
     layers = raw.pop("layer_ids", None)
     spec = parse_pipeline_spec(raw)
     xspec = spec.extract_spec(model_dir=changed["model"], model_revision=None)
-    call = range_call(xspec, ShardRange(first=0, stop=1), gpus=spec.gpus)
     doc = {"deployment": args.deployment, "deployment_parameters": raw | {"layer_ids": layers},
            "changed": sorted([*changed, "engine.tensor_parallel_size", "layer_ids (the model's EAGLE-3 default)",
                               "model_revision (None: no download step)"]),
            "extract_spec": xspec.model_dump(mode="json"), "shards_per_task": spec.shards_per_task,
-           "range_env": dict(call.env), "placeholders": changed}
+           "range_env": range_env(xspec.dataset), "placeholders": changed}
     Path(args.path).write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.path}: {json.dumps(doc['extract_spec'], sort_keys=True)}")
 
@@ -297,14 +296,19 @@ def stage_deploy(work: Path, shape: str, dtype: str, log, timeout: float) -> dic
     print(json.dumps({"deploy spec": spec, "changed": doc["changed"]}), file=log, flush=True)
     if not n:
         return {**rec, "rc": [runs[0]["rc"]], "error_tail": [l for _, l in runs[0]["lines"][-25:]]}
+    # the flow's calls: each range and the finalize given the plan `datagen plan` made (tasks/extract.py:
+    # range_call, finalize_call), in the step's spec file as the local runner writes it
+    made = runs[0]["result"]["plan"]
     step = doc["shards_per_task"]
     ranges = [(a, min(a + step, n)) for a in range(0, n, step)]
     for a, b in ranges:
         rs = sdir / f"{shape}-{dtype}-{a}-{b}.json"
-        rs.write_text(json.dumps({**spec, "shards": [a, b]}))
+        rs.write_text(json.dumps({"plan": made, "shards": [a, b]}))
         runs.append(_run_cmd([*py, "extract", "--spec", str(rs)], {**_env(), **doc["range_env"]}, log,
                              t_end - time.time()))
-    runs.append(_run_cmd([*py, "extract", "--spec", str(whole)], _env(), log, max(10.0, t_end - time.time())))
+    fin = sdir / f"{shape}-{dtype}-finalize.json"
+    fin.write_text(json.dumps({"plan": made}))
+    runs.append(_run_cmd([*py, "extract", "--spec", str(fin)], _env(), log, max(10.0, t_end - time.time())))
     rec.update(commands=[" ".join(["datagen", *r["cmd"][3:]]) for r in runs], ranges=ranges,
                range_env=doc["range_env"], **_measure(runs[1:], out, _row_tokens(Path(spec["dataset"]))))
     rec["plan_wall_s"] = runs[0]["wall_s"]
