@@ -62,7 +62,7 @@ def extract(spec: PipelineSpec) -> dict:
         regenerated = _regenerate(spec, model_dir, model_revision)
         spec = spec.model_copy(update={"dataset": regenerated.dataset, "regenerate": None})
     xspec = spec.extract_spec(model_dir=model_dir, model_revision=model_revision)
-    planned = plan(plan_call(xspec), runner=spec.runner)
+    planned = plan(plan_call(xspec, cuda=spec.gpus > 0), runner=spec.runner)
     logger.info(
         "plan: %d rows, %d tokens, %d shards (%d already complete), fingerprint %s",
         planned.rows, planned.tokens, planned.num_shards, len(planned.shards_complete), planned.fingerprint[:12],
@@ -134,7 +134,7 @@ def _assemble(spec: PipelineSpec, planned: PlanResult, identity: str):
     if planned.dataset_complete:
         return bucket_dataset(spec), "passed (before its manifest was written to the bucket)", dest
     records = fetch_shards(spec, planned)
-    assembled = assemble(assemble_call(planned.plan, records), runner=spec.runner)
+    assembled = assemble(assemble_call(planned.plan, records, cuda=spec.gpus > 0), runner=spec.runner)
     layer_report(assembled.dataset, previous=spec.validation.previous, runner=spec.runner)
     validated = _validate(spec, planned, assembled, identity)
     return publish_manifest(spec, assembled), validation_summary(validated), dest
@@ -145,7 +145,8 @@ def _finalize_validate_publish(spec: PipelineSpec, planned: PlanResult, identity
     extract step's result (with the manifest), the validation line of the summary, and where the
     dataset was published (None: not)."""
     dataset = finalize.with_options(refresh_cache=not planned.dataset_complete, **spec.storage_options)(
-        finalize_call(planned.plan), cache_key=finalize_cache_key(planned, identity=identity, out=planned.plan.spec.out),
+        finalize_call(planned.plan, cuda=spec.gpus > 0),
+        cache_key=finalize_cache_key(planned, identity=identity, out=planned.plan.spec.out),
         runner=spec.runner,
     )
     if dataset.shards_extracted:

@@ -99,13 +99,15 @@ def range_env(dataset: str) -> dict[str, str]:
     return {**media_step_env(dataset).get("env", {}), "DATAGEN_PROGRESS_INTERVAL": "2"}
 
 
-def finalize_call(plan: ExtractionPlan) -> StepCall:
+def finalize_call(plan: ExtractionPlan, *, cuda: bool = False) -> StepCall:
     """`datagen extract --plan` without --shards after every range: checks every shard, writes the manifest
     last. Every shard is complete by now, so no engine starts. Its result: the step's
-    ``ExtractResult``, with the manifest's sha256, totals and shards."""
+    ``ExtractResult``, with the manifest's sha256, totals and shards. ``cuda``: in the ranges' CUDA image
+    (its host check compares that engine with the plan's), with no GPU reserved."""
     return StepCall(
         step="extract",
         spec=_given(ExtractStepSpec(plan=plan)),
+        cuda_image=cuda,
         mounts=_plan_mounts(plan),
         known={"dataset": str(Path(plan.spec.out).absolute())},
         **media_step_env(plan.spec.dataset),

@@ -15,8 +15,9 @@ __all__ = ["PlanResult", "plan", "plan_call"]
 plan = step_task("plan")  # not cached: it is what notices that the dataset or the model changed
 
 
-def plan_call(spec: ExtractSpec) -> StepCall:
+def plan_call(spec: ExtractSpec, *, cuda: bool = False) -> StepCall:
     """`datagen plan`: fingerprints, shard keys, and what is on disk (the manifest, its validation).
-    Loads no weights."""
+    Loads no weights. ``cuda``: the ranges run on GPUs, so the plan is made in their image (the engine
+    the plan names is the one they run), with no GPU reserved."""
     return StepCall(step="plan", spec=spec.model_dump(mode="json"), mounts=extract_mounts(spec),
-                    **media_step_env(spec.dataset))
+                    cuda_image=cuda, **media_step_env(spec.dataset))

@@ -56,9 +56,17 @@ class StepCall:
     env: dict[str, str] = field(default_factory=dict)  # plain settings, may be logged
     secret_env_names: tuple[str, ...] = ()  # env vars passed through by name, never logged
     gpus: int = 0  # GPUs the step needs; > 0 picks the CUDA image of the docker runner
+    # the CUDA image without a GPU: a step that describes the CUDA engine (its version is in every
+    # fingerprint) but starts none: plan, finalize and assemble of a CUDA extraction
+    cuda_image: bool = False
     known: dict[str, Any] = field(default_factory=dict)  # result fields the caller sets (a host path as given)
     label: str = ""  # what tells this call from the step's others (a shard range "A:B"): run name, progress item
     progress: UUID | None = None  # the run's progress bar (tasks/artifacts.py) whose item ``label`` it advances
+
+
+def in_cuda_image(call: StepCall) -> bool:
+    """The docker runner runs ``call`` in the CUDA image: it needs GPUs, or describes the CUDA engine."""
+    return call.gpus > 0 or call.cuda_image
 
 
 def _cache_key_argument(context, parameters: dict[str, Any]) -> str | None:
@@ -125,7 +133,7 @@ def _step(call: StepCall, *, runner: Runner, cache_key: str | None = None) -> Ba
             gpus=call.gpus,
             labels=_labels(),
         )
-        result = run_step(invocation, make_runner(runner, gpu=call.gpus > 0), log=log)
+        result = run_step(invocation, make_runner(runner, gpu=in_cuda_image(call)), log=log)
     if board is not None:
         board.set(call.label, 1.0, force=True)
     return parse_result({**result, **call.known}, result_type(call.step))
