@@ -48,7 +48,7 @@ def inputs(tmp_path_factory, tiny_llama) -> dict:
     ref = root / "reference"
     # the flow extracts with the revision its download step resolved (for a local directory: its
     # content fingerprint), which is part of every shard key: the reference uses the same
-    from datagen.steps.download import download
+    from datagen.storage.download import download
     from datagen.storage.sources import parse_sources_spec
 
     revision = download(parse_sources_spec({"model": str(tiny_llama), "out": str(ref)})).model_revision
