@@ -77,15 +77,15 @@ def range_call(plan: ExtractionPlan, shard_range: ShardRange, *, gpus: int = 0, 
     advancing the range's item of the progress bar ``progress``. ``model`` and ``out``: this host's copy of
     the plan's model and where it writes (a fan-out child's; default the plan's). Its result: the step's
     ``ExtractResult``."""
-    here = {k: v for k, v in (("model", model), ("out", out)) if v is not None}
-    call_spec = ExtractStepSpec(plan=plan, shards=(shard_range.first, shard_range.stop), **here)
+    paths = {k: v for k, v in (("model", model), ("out", out)) if v is not None}
+    call_spec = ExtractStepSpec(plan=plan, shards=(shard_range.first, shard_range.stop), **paths)
     here = plan.on_host(model=model, out=out)
     media = media_step_env(here.spec.dataset)
     return StepCall(
         step="extract",
         spec=_given(call_spec),
         mounts=_plan_mounts(here),
-        env=range_env(here.spec.dataset),
+        env=range_env(media),
         secret_env_names=media.get("secret_env_names", ()),
         gpus=gpus,
         label=shard_range.arg,
@@ -93,10 +93,10 @@ def range_call(plan: ExtractionPlan, shard_range: ShardRange, *, gpus: int = 0, 
     )
 
 
-def range_env(dataset: str) -> dict[str, str]:
-    """The environment of a range's call: the dataset's media settings, and a progress line every 2 s
-    (the range's item of the progress bar follows them)."""
-    return {**media_step_env(dataset).get("env", {}), "DATAGEN_PROGRESS_INTERVAL": "2"}
+def range_env(media: dict) -> dict[str, str]:
+    """The environment of a range's call: the dataset's media settings (``media_step_env``'s fields),
+    and a progress line every 2 s (the range's item of the progress bar follows them)."""
+    return {**media.get("env", {}), "DATAGEN_PROGRESS_INTERVAL": "2"}
 
 
 def finalize_call(plan: ExtractionPlan, *, cuda: bool = False) -> StepCall:

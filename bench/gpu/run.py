@@ -79,6 +79,7 @@ def make_spec(args) -> None:
     import yaml
 
     from tasks.extract import range_env
+    from tasks.media import media_step_env
     from tasks.pipeline_spec import parse_pipeline_spec
 
     deployments = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
@@ -94,7 +95,7 @@ def make_spec(args) -> None:
            "changed": sorted([*changed, "engine.tensor_parallel_size", "layer_ids (the model's EAGLE-3 default)",
                               "model_revision (None: no download step)"]),
            "extract_spec": xspec.model_dump(mode="json"), "shards_per_task": spec.shards_per_task,
-           "range_env": range_env(xspec.dataset), "placeholders": changed}
+           "range_env": range_env(media_step_env(xspec.dataset)), "placeholders": changed}
     Path(args.path).write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.path}: {json.dumps(doc['extract_spec'], sort_keys=True)}")
 

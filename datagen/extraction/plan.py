@@ -6,7 +6,6 @@ spec is refused before a GPU is touched.
 from __future__ import annotations
 
 import bisect
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,15 +112,9 @@ def shard_key(extraction_fingerprint: str, k: int, first: int, count: int, rows_
     return sha256_hex(f"{extraction_fingerprint}:{k}:{first}:{count}:{rows_hash}")
 
 
-def shard_weights(p: Plan) -> dict[str, int]:
-    """What the plan's shards weigh in bytes of states: min, median and max."""
-    weights = p.record.shard_state_bytes
-    return {"min": min(weights), "median": int(statistics.median(weights)), "max": max(weights)}
-
-
 def describe_shards(p: Plan) -> str:
     """One line on the plan's shards: how many, how they are sized, what they weigh, the group."""
-    w = shard_weights(p)
+    w = p.record.shard_weights
     sizing = (f"{p.spec.samples_per_shard} rows each" if p.spec.shard_sizing is ShardSizing.ROWS
               else f"target {p.spec.resolved_shard_bytes / 1e9:.3g} GB of states")
     return (f"{p.num_shards} shards ({sizing}), states {w['min'] / 1e9:.3g} / {w['median'] / 1e9:.3g} / "

@@ -5,7 +5,7 @@ layers, max_seq_len, the storage dtype, the engine's description, the fingerprin
 starts and its key). The record of that, ``ExtractionPlan``, is what a range (`datagen extract
 --plan FILE --shards A:B`), finalize (`datagen extract --plan FILE`) and assemble (`datagen assemble
 --plan FILE`) are given: they check only that their host matches it
-(``datagen.extraction.plan.plan_on_host``) and never work the extraction out again. The orchestration
+(``datagen.extraction.host.plan_on_host``) and never work the extraction out again. The orchestration
 passes it whole, as the plan step's result holds it.
 
 This module holds the record and its file and nothing that inspects a model or reads a dataset, so
@@ -14,6 +14,7 @@ the orchestration reads it without torch or vLLM.
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any, Literal
 
@@ -82,6 +83,12 @@ class ExtractionPlan(BaseModel):
     def shard_state_bytes(self) -> tuple[int, ...]:
         """Bytes of stored states of each shard."""
         return tuple(t * self.state_bytes for t in self.tokens)
+
+    @property
+    def shard_weights(self) -> dict[str, int]:
+        """What the shards weigh in bytes of states: min, median and max."""
+        w = self.shard_state_bytes
+        return {"min": min(w), "median": int(statistics.median(w)), "max": max(w)}
 
     @property
     def model_identity(self) -> str:

@@ -15,7 +15,6 @@ orchestrator never reads the step's files itself.
 from __future__ import annotations
 
 import logging
-import statistics
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
@@ -81,8 +80,7 @@ class PlanResult(BaseModel):
     @computed_field(description="Bytes of stored states per shard: min, median and max over the plan's shards.")
     @property
     def shard_state_bytes(self) -> dict[str, int]:
-        w = self.plan.shard_state_bytes
-        return {"min": min(w), "median": int(statistics.median(w)), "max": max(w)}
+        return self.plan.shard_weights
 
     @computed_field(description="Shards the engine streams without a drain between them.")
     @property
