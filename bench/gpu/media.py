@@ -385,9 +385,11 @@ def bench(args) -> None:
     layers = [int(x) for x in args.layers.split(",")]
 
     def spec(data, out):
+        # the product's defaults (shards sized by bytes, the engine's batching) unless named
+        shard = {"samples_per_shard": args.per_shard} if args.per_shard else {}
+        engine = {"trust_remote_code": True} | ({"max_num_batched_tokens": args.budget} if args.budget else {})
         return parse_spec({"model": args.model, "dataset": str(data), "out": str(out), "layer_ids": layers,
-                           "max_seq_len": 8192, "samples_per_shard": args.per_shard,
-                           "engine": {"trust_remote_code": True, "max_num_batched_tokens": args.budget}})
+                           "max_seq_len": 8192, **shard, "engine": engine})
 
     img = plan(spec(args.data, work / "warm"))
     samples = [img.data.samples[r] for r in sorted(img.data.samples)]
@@ -769,15 +771,15 @@ def main() -> None:
     p.add_argument("--parity-rows", type=int, default=6)
     p.add_argument("--rows", type=int, default=64, help="wide bench rows")
     p.add_argument("--row-words", type=int, default=700, help="wide bench: words of text per row")
-    p.add_argument("--batch-tokens", type=int, default=16384, help="wide bench: max_num_batched_tokens")
+    p.add_argument("--batch-tokens", type=int, default=0, help="wide bench: max_num_batched_tokens (0: the product's default)")
     p.add_argument("--repeats", type=int, default=2)
     p = sub.add_parser("bench")
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True)
     p.add_argument("--work", required=True)
     p.add_argument("--layers", required=True)
-    p.add_argument("--budget", type=int, default=16384)
-    p.add_argument("--per-shard", type=int, default=16)
+    p.add_argument("--budget", type=int, default=0, help="max_num_batched_tokens (0: the product's default)")
+    p.add_argument("--per-shard", type=int, default=0, help="rows a shard (0: the product's default, sized by bytes)")
     p.add_argument("--repeats", type=int, default=2)
     p = sub.add_parser("decode", help="the image rows' prompts one after another and on the engine's pool (any machine)")
     p.add_argument("--work", required=True)
