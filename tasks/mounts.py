@@ -11,7 +11,7 @@ from tasks.media import media_sources
 from tasks.runners import Mount
 
 if TYPE_CHECKING:
-    from datagen.data.spec import ExtractSpec
+    from datagen.spec.extraction import ExtractSpec
 
 
 def dataset_path(dataset: str | Path) -> Path:

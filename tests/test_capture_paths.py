@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from datagen.data.spec import EngineName
+from datagen.spec.extraction import EngineName
 from datagen.engines import capture_paths
 from datagen.engines.capture import Capture
 from datagen.engines.capture_paths import runner_version

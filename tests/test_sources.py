@@ -1,15 +1,15 @@
-"""datagen.storage.sources: model source strings and the env-check / download spec."""
+"""datagen.spec.source: model source strings and the env-check / download spec."""
 
 from __future__ import annotations
 
 import pytest
 
 from datagen.errors import SpecError
-from datagen.storage.sources import (
+from datagen.storage.model_files import needed_files
+from datagen.spec.source import (
     HubSource,
     LocalSource,
     S3Source,
-    needed_files,
     parse_model_source,
     parse_sources_spec,
 )

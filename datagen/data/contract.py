@@ -73,6 +73,12 @@ def token_bytes(storage_dtype: str, *, n_layers: int, hidden_size: int) -> int:
     return states + scales + TOKEN_OVERHEAD_BYTES
 
 
+def state_bytes(storage_dtype: str, *, n_layers: int, hidden_size: int) -> int:
+    """Bytes of stored states per token: L x H x the storage dtype's bytes (fp8: and its float32
+    scale per layer). The shard file's ids and loss mask (5 bytes a token) are not counted."""
+    return token_bytes(storage_dtype, n_layers=n_layers, hidden_size=hidden_size) - TOKEN_OVERHEAD_BYTES
+
+
 def shard_name(index: int) -> str:
     """File name of shard ``index`` relative to the dataset root."""
     return f"{SHARDS_DIR}/shard-{index:06d}.safetensors"

@@ -7,11 +7,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from datagen.data.spec import default_layer_ids
+from datagen.spec.extraction import default_layer_ids
 from datagen.envcheck.report import Check, Status
 from datagen.errors import CannotRunHereError
 from datagen.storage.model_cache import ModelCache, cache_key
-from datagen.storage.sources import HubSource, LocalSource, S3Source, SourcesSpec, file_set_name, needed_files
+from datagen.spec.source import HubSource, LocalSource, S3Source, SourcesSpec
+from datagen.storage.model_files import file_set_name, needed_files
 
 
 @dataclass(frozen=True)

@@ -20,45 +20,11 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from datagen.data.contract import TOKEN_OVERHEAD_BYTES, token_bytes
 
 CUT_DOMAIN = b"datagen-shard-cut-1:"  # the hash a cut compares is the row's identity under this prefix
 STEPS_PER_GROUP = 64  # a resolved shard group holds this many engine steps of tokens at least
 MAX_SHARD_GROUP = 4096  # EngineSettings.shard_group's bound
-
-
-@dataclass(frozen=True)
-class ShardCut:
-    """A plan's shards: where they start and what they hold."""
-
-    boundaries: tuple[int, ...]  # (0, b_1, ..., rows): shard k holds rows [b_k, b_k+1)
-    tokens: tuple[int, ...]  # tokens stored in shard k (its kept rows'), one per shard
-
-    @classmethod
-    def of_rows(cls, boundaries: tuple[int, ...], row_tokens: Sequence[int]) -> "ShardCut":
-        """The cut of ``boundaries`` over rows of ``row_tokens`` tokens (0 for a skipped row)."""
-        return cls(boundaries, tuple(int(sum(row_tokens[a:b])) for a, b in zip(boundaries, boundaries[1:])))
-
-    @classmethod
-    def checked(cls, boundaries: Sequence[int], tokens: Sequence[int], rows: int) -> "ShardCut":
-        """A cut read back (a stored plan's): boundaries over ``rows`` and a token count per shard.
-
-        Raises:
-            ValueError: naming what is wrong.
-        """
-        cut = cls(tuple(int(x) for x in boundaries), tuple(int(t) for t in tokens))
-        check_boundaries(cut.boundaries, rows)
-        if len(cut.tokens) != len(cut.boundaries) - 1:
-            raise ValueError(f"{len(cut.tokens)} shards' tokens for {len(cut.boundaries) - 1} shards")
-        return cut
-
-
-def state_bytes(storage_dtype: str, *, n_layers: int, hidden_size: int) -> int:
-    """Bytes of stored states per token: L x H x the storage dtype's bytes (fp8: and its float32
-    scale per layer). The shard file's ids and loss mask (5 bytes a token) are not counted."""
-    return token_bytes(storage_dtype, n_layers=n_layers, hidden_size=hidden_size) - TOKEN_OVERHEAD_BYTES
 
 
 def _cut_draw(identity: bytes) -> int:
@@ -73,7 +39,7 @@ def byte_boundaries(tokens: Sequence[int], identities: Sequence[bytes], *, bytes
     Args:
         tokens: tokens stored of each row (0 for a skipped row).
         identities: each row's identity (``PreparedDataset.line_hashes``), as many as ``tokens``.
-        bytes_per_token: bytes of states per token (``state_bytes``).
+        bytes_per_token: bytes of states per token (``datagen.data.contract.state_bytes``).
         target: the spec's shard bytes.
 
     Returns:
@@ -112,14 +78,3 @@ def byte_shard_group(target: int, *, bytes_per_token: int, step_tokens: int) -> 
     the dataset's rows, or an edited row would change every shard's key."""
     shard_tokens = max(target // bytes_per_token, 1)
     return min(MAX_SHARD_GROUP, max(1, math.ceil(STEPS_PER_GROUP * step_tokens / shard_tokens)))
-
-
-def check_boundaries(boundaries: Sequence[int], rows: int) -> None:
-    """Boundaries as a plan holds them: from 0 to ``rows``, increasing.
-
-    Raises:
-        ValueError: naming what is wrong.
-    """
-    b = list(boundaries)
-    if len(b) < 2 or b[0] != 0 or b[-1] != rows or any(x >= y for x, y in zip(b, b[1:])):
-        raise ValueError(f"shard boundaries {b[:4]}...{b[-2:]} do not cut rows 0:{rows} into non-empty shards")

@@ -9,17 +9,17 @@ import bisect
 from dataclasses import dataclass
 from pathlib import Path
 
-from datagen.data.contract import LAYER_NUMBERING, ResolvedSpec
+from datagen.data.contract import LAYER_NUMBERING, ResolvedSpec, state_bytes
 from datagen.data.dataset import PreparedDataset
 from datagen.data.media import media_samples
 from datagen.data.planning import prepare_dataset
 from datagen.storage import s3 as _s3_images  # noqa: F401 (registers the reader of s3:// image urls)
-from datagen.data.spec import (
+from datagen.spec.extraction import (
     DEFAULT_MAX_SEQ_LEN, EngineName, ExtractSpec, ShardSizing, canonical_json, check_shard_size, default_layer_ids, sha256_hex,
 )
 from datagen.errors import SpecError
-from datagen.extraction.boundaries import ShardCut, byte_boundaries, byte_shard_group, row_boundaries, state_bytes
-from datagen.extraction.plan_file import ExtractionPlan, plan_dir
+from datagen.extraction.boundaries import byte_boundaries, byte_shard_group, row_boundaries
+from datagen.spec.plan import ExtractionPlan, ShardCut, plan_dir
 from datagen.models.modelinfo import ModelInfo, check_layer_ids, inspect_model, model_content_hash
 
 
@@ -87,7 +87,7 @@ class Plan:
 
     @property
     def state_bytes(self) -> int:
-        """Bytes of stored states per token (``datagen.extraction.boundaries.state_bytes``)."""
+        """Bytes of stored states per token (``datagen.data.contract.state_bytes``)."""
         return self.record.state_bytes
 
     @property

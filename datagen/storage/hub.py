@@ -2,7 +2,7 @@
 
 The revision is resolved to a commit sha first (``HfApi.resolve_revision``: the Hub when it can
 be reached, else the cache's ``refs/``), and everything after that is pinned to the sha.
-``snapshot_download`` fetches only the engine's files (``sources.engine_file_patterns``) into
+``snapshot_download`` fetches only the engine's files (``model_files.engine_file_patterns``) into
 huggingface_hub's own cache under ``<model cache>/hub`` (it resumes interrupted files itself and
 locks each blob). Then every file is checked against the tree listing the Hub published for
 that commit: size, and the LFS sha256 (weights) or the git blob sha1 (small files). A file that
@@ -24,7 +24,8 @@ from pathlib import Path
 from datagen.data.checksums import ChecksumKind, Expected, matches
 from datagen.errors import CannotRunHereError, ModelError, ModelNotFoundError, SpecError, StorageError
 from datagen.storage.model_cache import ModelCache, VerifiedFile, VerifiedRecord, cache_key
-from datagen.storage.sources import HubSource, engine_file_patterns, file_set_name, needed_files
+from datagen.spec.source import HubSource
+from datagen.storage.model_files import engine_file_patterns, file_set_name, needed_files
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from datagen import settings
-from datagen.data.spec import sha256_hex
+from datagen.spec.extraction import sha256_hex
 
 LOCK_TIMEOUT_S = 6 * 3600  # a download of a 600 GB model can hold the lock for hours
 
@@ -57,7 +57,7 @@ def cache_root(explicit: str | None = None) -> Path:
 
 def cache_key(source_uri: str, revision: str, file_set: str) -> str:
     """A file-name-safe key: the same for the same source at the same resolved revision and the
-    same selection of files (``sources.file_set_name``: with or without the model's code)."""
+    same selection of files (``model_files.file_set_name``: with or without the model's code)."""
     return sha256_hex(f"{source_uri}\0{revision}\0{file_set}")[:32]
 
 

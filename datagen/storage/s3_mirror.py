@@ -30,11 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from datagen.data.checksums import CHECKSUM_MANIFEST, ChecksumKind, Expected, matches, parse_checksum_manifest
-from datagen.data.spec import canonical_json, sha256_hex
+from datagen.spec.extraction import canonical_json, sha256_hex
 from datagen.errors import ModelError, ModelNotFoundError, UnsafePathError
 from datagen.storage import s3
 from datagen.storage.model_cache import ModelCache, VerifiedFile, VerifiedRecord, cache_key
-from datagen.storage.sources import S3Source, file_set_name, needed_files
+from datagen.spec.source import S3Source
+from datagen.storage.model_files import file_set_name, needed_files
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Where a model comes from and where a dataset goes: the spec of `env-check` and `download`.
+"""Where a model comes from: the typed model source, and the spec of `env-check` and `download`.
 
 A model source is one string:
 
@@ -18,7 +18,6 @@ This module parses and describes; it does no I/O.
 from __future__ import annotations
 
 import enum
-import fnmatch
 import functools
 import os
 import re
@@ -28,7 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from datagen.data.spec import EngineSettings, LayerIds
+from datagen.spec.extraction import EngineSettings, LayerIds, read_spec_file
 from datagen.errors import SpecError, spec_error
 
 DEFAULT_HUB_REVISION = "main"
@@ -36,27 +35,6 @@ _HUB_RE = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.\-]*/[\w.\-]+)(?:@(?P<rev>[
 # DNS-compatible bucket names (what every S3 implementation accepts).
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 _COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
-
-# The files the engine needs from a model repo, as glob patterns on paths relative to its root.
-# Everything else (original PyTorch .bin/.pt checkpoints, GGUF, images, READMEs) is not fetched.
-CONFIG_FILES = ("config.json", "generation_config.json", "preprocessor_config.json", "processor_config.json")
-WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json")
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "spiece.model",
-    "*.tiktoken",
-    "tiktoken.model",
-)
-CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "additional_chat_templates/*.jinja")
-# Custom modelling / tokenizer code: fetched only when the spec allows trust_remote_code.
-REMOTE_CODE_FILES = ("*.py",)
 
 
 class SourceKind(str, enum.Enum):
@@ -169,23 +147,6 @@ def is_s3_uri(text: str) -> bool:
     return text.startswith("s3://")
 
 
-def engine_file_patterns(*, trust_remote_code: bool) -> tuple[str, ...]:
-    """Glob patterns of the files the engine needs (the download's allow-list)."""
-    patterns = CONFIG_FILES + WEIGHT_FILES + TOKENIZER_FILES + CHAT_TEMPLATE_FILES
-    return patterns + REMOTE_CODE_FILES if trust_remote_code else patterns
-
-
-def file_set_name(*, trust_remote_code: bool) -> str:
-    """Names the file selection ``engine_file_patterns`` makes (part of the model cache key)."""
-    return "engine+code" if trust_remote_code else "engine"
-
-
-def needed_files(paths: list[str], *, trust_remote_code: bool) -> list[str]:
-    """The subset of ``paths`` (relative, '/'-separated) that the engine needs, sorted."""
-    patterns = engine_file_patterns(trust_remote_code=trust_remote_code)
-    return sorted(p for p in paths if any(fnmatch.fnmatchcase(p, pat) for pat in patterns))
-
-
 class SourcesSpec(BaseModel):
     """What `datagen env-check` and `datagen download` need to know about a run.
 
@@ -250,6 +211,4 @@ def parse_sources_spec(raw: dict[str, Any], *, origin: str = "spec") -> SourcesS
 
 def load_sources_spec(path: str | Path) -> SourcesSpec:
     """Read ``--spec SPEC``: a JSON object with SourcesSpec's fields."""
-    from datagen.data.spec import read_spec_file
-
     return parse_sources_spec(read_spec_file(path, docs="docs/sources.md"), origin=str(path))

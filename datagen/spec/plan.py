@@ -15,18 +15,56 @@ the orchestration reads it without torch or vLLM.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from datagen.data.contract import STATE_DIR, ResolvedSpec
-from datagen.data.spec import ExtractSpec, StorageName
+from datagen.data.contract import STATE_DIR, ResolvedSpec, state_bytes
+from datagen.spec.extraction import ExtractSpec, StorageName
 from datagen.errors import SpecError, spec_error
-from datagen.extraction.boundaries import ShardCut, state_bytes
 
 PLAN_FORMAT = 1  # ExtractionPlan.format_version: a reader refuses another
 PLAN_DIR = f"{STATE_DIR}/plan"  # under an output: the stored plans (datagen.extraction.stored), by fingerprint
+
+
+@dataclass(frozen=True)
+class ShardCut:
+    """A plan's shards: where they start and what they hold."""
+
+    boundaries: tuple[int, ...]  # (0, b_1, ..., rows): shard k holds rows [b_k, b_k+1)
+    tokens: tuple[int, ...]  # tokens stored in shard k (its kept rows'), one per shard
+
+    @classmethod
+    def of_rows(cls, boundaries: tuple[int, ...], row_tokens: Sequence[int]) -> "ShardCut":
+        """The cut of ``boundaries`` over rows of ``row_tokens`` tokens (0 for a skipped row)."""
+        return cls(boundaries, tuple(int(sum(row_tokens[a:b])) for a, b in zip(boundaries, boundaries[1:])))
+
+    @classmethod
+    def checked(cls, boundaries: Sequence[int], tokens: Sequence[int], rows: int) -> "ShardCut":
+        """A cut read back (a stored plan's): boundaries over ``rows`` and a token count per shard.
+
+        Raises:
+            ValueError: naming what is wrong.
+        """
+        cut = cls(tuple(int(x) for x in boundaries), tuple(int(t) for t in tokens))
+        check_boundaries(cut.boundaries, rows)
+        if len(cut.tokens) != len(cut.boundaries) - 1:
+            raise ValueError(f"{len(cut.tokens)} shards' tokens for {len(cut.boundaries) - 1} shards")
+        return cut
+
+
+def check_boundaries(boundaries: Sequence[int], rows: int) -> None:
+    """Boundaries as a plan holds them: from 0 to ``rows``, increasing.
+
+    Raises:
+        ValueError: naming what is wrong.
+    """
+    b = list(boundaries)
+    if len(b) < 2 or b[0] != 0 or b[-1] != rows or any(x >= y for x, y in zip(b, b[1:])):
+        raise ValueError(f"shard boundaries {b[:4]}...{b[-2:]} do not cut rows 0:{rows} into non-empty shards")
 
 
 class ExtractionPlan(BaseModel):
