@@ -79,7 +79,7 @@ VOCAB = {"tiny": 512, "100m": 32000}
 
 
 def _spec(model: Path, data: Path, out: Path, case: Case, *, engine: str = "vllm"):
-    from datagen.spec.extraction import parse_spec
+    from datagen.specs.extraction import parse_spec
 
     return parse_spec({"model": str(model), "dataset": str(data), "out": str(out), "max_seq_len": MAX_SEQ_LEN,
                        "samples_per_shard": case.samples_per_shard,

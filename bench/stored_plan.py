@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _spec(model: Path, data: Path, out: Path, per_shard: int):
-    from datagen.spec.extraction import parse_spec
+    from datagen.specs.extraction import parse_spec
 
     return parse_spec({"model": str(model), "dataset": str(data), "out": str(out), "samples_per_shard": per_shard,
                        "engine": {"name": "hf"}})

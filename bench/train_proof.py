@@ -66,7 +66,7 @@ SIZES = {  # rows, new tokens per reply, samples per shard, training steps, seed
 
 def _extract(model: Path, chats: Path, out: Path, *, layer_ids, storage: str, per_shard: int) -> Path:
     """The project's CPU engine (vLLM, eager, float32 compute), ``storage`` on disk."""
-    from datagen.spec.extraction import parse_spec
+    from datagen.specs.extraction import parse_spec
     from datagen.extraction.run import extract
 
     if not (out / "manifest.json").exists():  # an interrupted extraction resumes

@@ -37,7 +37,7 @@ from datagen.data.files import atomic_write_json
 from datagen.data.shards.format import ShardJob
 from datagen.data.shards.kernels import combine_stats
 from datagen.data.shards.writer import write_shard
-from datagen.spec.extraction import canonical_json, sha256_hex
+from datagen.specs.extraction import canonical_json, sha256_hex
 
 LAYER_IDS = (2, 4, 5, 8)
 TOKENS_PER_SAMPLE = 256

@@ -27,7 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from datagen.spec.extraction import read_spec_file
+from datagen.specs.extraction import read_spec_file
 from datagen.errors import EXIT_FAILED, EXIT_OK, CannotRunHereError, DatagenError, SpecError, spec_error
 from datagen.steps import STEPS, load
 from datagen.steps._args import Arg

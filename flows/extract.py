@@ -23,7 +23,7 @@ from collections.abc import Callable
 from prefect import flow, get_run_logger
 from prefect.futures import PrefectFuture, as_completed
 
-from datagen.spec.source import LocalSource
+from datagen.specs.source import LocalSource
 from tasks import artifacts
 from tasks.assemble import assemble, assemble_call
 from tasks.cache_keys import runner_identity

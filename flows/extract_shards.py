@@ -17,8 +17,8 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from datagen.errors import CannotRunHereError, SpecError
-from datagen.spec.plan import ExtractionPlan
-from datagen.spec.source import LocalSource
+from datagen.specs.plan import ExtractionPlan
+from datagen.specs.source import LocalSource
 from tasks.download import download, model_location
 from tasks.extract import RangeOutcome
 from tasks.fanout.child import extract_to_bucket, gpu_slots, range_lease, spool_dir, write_receipt

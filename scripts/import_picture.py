@@ -34,7 +34,7 @@ FLOORS = [
     ["datagen.extraction"],
     ["datagen.engines", "datagen.testmodels"],  # the generated checkpoints: real model code never imports them
     ["datagen.storage"],  # the download checks what it fetched with models' modelinfo
-    ["datagen.models", "datagen.spec"],  # the spec: records of what to extract and its plan, no model code
+    ["datagen.models", "datagen.specs"],  # the spec: records of what to extract and its plan, no model code
     ["datagen.data"],
     ["datagen"],  # errors, settings
 ]

@@ -5,7 +5,7 @@ the step's own, ``AssembleResult``."""
 
 from __future__ import annotations
 
-from datagen.spec.plan import ExtractionPlan
+from datagen.specs.plan import ExtractionPlan
 from datagen.steps.assemble import Spec as AssembleSpec
 from tasks.media import media_step_env
 from tasks.mounts import extract_mounts

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from datagen.errors import TransientError
 from datagen.storage import fleet, s3
-from datagen.spec.source import S3Source
+from datagen.specs.source import S3Source
 from tasks.pipeline_spec import PipelineSpec
 from tasks.retries import STEP_RETRY_DELAYS_S
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from prefect import get_run_logger
 
-from datagen.spec.source import LocalSource
+from datagen.specs.source import LocalSource
 from tasks.mounts import mounts_for
 from tasks.pipeline_spec import PipelineSpec
 from tasks.settings import HUB_AND_AWS_CREDENTIAL_ENV, s3_step_env

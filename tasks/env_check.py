@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from prefect.artifacts import create_table_artifact
 from prefect.futures import PrefectFuture
 
-from datagen.spec.source import LocalSource
+from datagen.specs.source import LocalSource
 from tasks.mounts import mounts_for
 from tasks.pipeline_spec import PipelineSpec
 from tasks.settings import HUB_AND_AWS_CREDENTIAL_ENV, s3_step_env

@@ -20,7 +20,7 @@ from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from datagen.spec.plan import ExtractionPlan
+from datagen.specs.plan import ExtractionPlan
 from datagen.steps.extract import ExtractResult
 from datagen.steps.extract import Spec as ExtractStepSpec
 from datagen.steps.plan import PlanResult

@@ -11,7 +11,7 @@ from tasks.media import media_sources
 from tasks.runners import Mount
 
 if TYPE_CHECKING:
-    from datagen.spec.extraction import ExtractSpec
+    from datagen.specs.extraction import ExtractSpec
 
 
 def dataset_path(dataset: str | Path) -> Path:

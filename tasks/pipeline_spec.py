@@ -8,8 +8,8 @@ tasks and the flows import; ``datagen`` never imports it.
 
 From it the flow derives the step-level specs:
 
-* ``sources_spec()`` -> ``datagen.spec.source.SourcesSpec`` for `datagen env-check` and `datagen download`;
-* ``extract_spec(model_dir, model_revision)`` -> ``datagen.spec.extraction.ExtractSpec`` for `datagen plan`,
+* ``sources_spec()`` -> ``datagen.specs.source.SourcesSpec`` for `datagen env-check` and `datagen download`;
+* ``extract_spec(model_dir, model_revision)`` -> ``datagen.specs.extraction.ExtractSpec`` for `datagen plan`,
   once the model is a local directory (the steps after it are given the plan it makes);
 * ``ranges(num_shards)`` -> the shard ranges, the unit of caching, retry and fan-out.
 
@@ -27,11 +27,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from datagen.spec.extraction import EngineSettings, ExtractSpec, LayerIds, SamplesPerShard, ShardBytes, check_shard_size
+from datagen.specs.extraction import EngineSettings, ExtractSpec, LayerIds, SamplesPerShard, ShardBytes, check_shard_size
 from datagen.errors import SpecError, spec_error
 from datagen.validation.settings import ValidationSettings
 from datagen.regeneration.settings import RegenerationSettings
-from datagen.spec.source import LocalSource, ModelSource, is_s3_uri, parse_model_source, parse_s3_uri
+from datagen.specs.source import LocalSource, ModelSource, is_s3_uri, parse_model_source, parse_s3_uri
 
 DEFAULT_RANGE_DEPLOYMENT = "extract-shards/gpu"
 
@@ -270,11 +270,11 @@ class PipelineSpec(BaseModel):
 
     @property
     def source(self) -> ModelSource:
-        """``model``, parsed (``datagen.spec.source.parse_model_source``: once per process)."""
+        """``model``, parsed (``datagen.specs.source.parse_model_source``: once per process)."""
         return parse_model_source(self.model)
 
     def sources_spec(self) -> dict[str, Any]:
-        """The ``--spec`` of `datagen env-check` and `datagen download` (``datagen.spec.source.SourcesSpec``)."""
+        """The ``--spec`` of `datagen env-check` and `datagen download` (``datagen.specs.source.SourcesSpec``)."""
         return {
             "model": self.model,
             "out": self.output,

@@ -4,7 +4,7 @@ is what notices that the dataset or the model changed."""
 
 from __future__ import annotations
 
-from datagen.spec.extraction import ExtractSpec
+from datagen.specs.extraction import ExtractSpec
 from datagen.steps.plan import PlanResult
 from tasks.media import media_step_env
 from tasks.mounts import extract_mounts

@@ -24,7 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from datagen.data.dataset import file_fingerprint
-from datagen.spec.extraction import DEFAULT_MAX_SEQ_LEN
+from datagen.specs.extraction import DEFAULT_MAX_SEQ_LEN
 from datagen.regeneration.output import MANIFEST
 from datagen.regeneration.settings import RegenerationSettings
 from datagen.steps.regenerate import RegenerateResult, Spec

@@ -10,7 +10,7 @@ import pytest
 
 from datagen.data.contract import state_bytes
 from datagen.extraction.boundaries import byte_boundaries, byte_shard_group, row_boundaries
-from datagen.spec.plan import ShardCut, check_boundaries
+from datagen.specs.plan import ShardCut, check_boundaries
 
 
 def rows_of(n: int, *, seed: int = 0, tokens: tuple[int, int] = (1_000, 8_000)) -> tuple[list[int], list[bytes]]:

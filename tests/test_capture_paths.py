@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from datagen.spec.extraction import EngineName
+from datagen.specs.extraction import EngineName
 from datagen.engines import capture_paths
 from datagen.engines.capture import Capture
 from datagen.engines.capture_paths import runner_version

@@ -23,7 +23,7 @@ import datagen.storage.s3 as s3mod
 from datagen.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, ModelError, ModelNotFoundError, SpecError, StorageError
 from datagen.testmodels.tiny import TinyArch, make_model
 from datagen.storage import download
-from datagen.spec.source import parse_sources_spec
+from datagen.specs.source import parse_sources_spec
 from tests.support.hub_cache import populate_hub_cache, snapshot_file
 from tests.support.s3server import s3_env, s3_server, upload_tree  # noqa: F401  (fixtures)
 

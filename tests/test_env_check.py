@@ -18,7 +18,7 @@ from datagen.testmodels.tiny import TinyArch, make_model
 from datagen.envcheck import run as envcheck
 from datagen.envcheck.engine import check_tensor_parallel
 from datagen.envcheck.report import Status
-from datagen.spec.source import parse_sources_spec
+from datagen.specs.source import parse_sources_spec
 from tests.support.hub_cache import populate_hub_cache
 from tests.support.s3server import s3_env, s3_server, upload_tree  # noqa: F401  (fixtures)
 

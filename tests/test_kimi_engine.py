@@ -193,7 +193,7 @@ def test_env_check_says_which_layer_this_engine_cannot_capture_from_the_config_a
     from datagen.models.kimi_config import text_config
     from datagen.envcheck import run as envcheck
     from datagen.envcheck.report import Status
-    from datagen.spec.source import parse_sources_spec
+    from datagen.specs.source import parse_sources_spec
 
     model = tmp_path / "kimi-config-only"
     model.mkdir()

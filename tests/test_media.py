@@ -248,7 +248,7 @@ def test_s3_images_are_read_through_the_storage_layer_and_kept_by_sha256(kimi, t
 def test_the_transformers_engine_refuses_image_rows_and_leaves_no_output(kimi, tmp_path):
     """Through `datagen`'s `main` in the test's process (a `datagen extract` program took 16 s in
     the suite, most of it imports); the refusal as tests/faults/_refusal.py holds every refusal."""
-    from datagen.spec.extraction import ExtractSpec
+    from datagen.specs.extraction import ExtractSpec
     from tests.faults._refusal import run_cli
 
     _png(tmp_path / "a.png", 60, 60)
@@ -265,7 +265,7 @@ def test_the_transformers_engine_refuses_image_rows_and_leaves_no_output(kimi, t
 
 def test_the_steps_mount_the_directories_of_the_images_the_rows_reference(tmp_path, monkeypatch):
     from datagen.data.media_sources import sources
-    from datagen.spec.extraction import ExtractSpec
+    from datagen.specs.extraction import ExtractSpec
     from tasks.extract import range_call
     from tasks.mounts import extract_mounts
     from tasks.plan import plan_call
@@ -314,7 +314,7 @@ def test_a_plan_step_in_its_container_sees_every_image_and_an_output_inside_stay
     """The mounts as Docker makes them: `datagen plan` in the extract image plans the image rows as
     this process does (an image it could not see would skip its row), and inside the read-only
     dataset directory the output directory is writable and nothing else is."""
-    from datagen.spec.extraction import ExtractSpec
+    from datagen.specs.extraction import ExtractSpec
     from images.tags import ImageName
     from tasks.step_files import spec_file
     from tasks.docker_runner import DockerRunner

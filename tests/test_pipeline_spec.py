@@ -51,7 +51,7 @@ def test_shards_are_sized_by_bytes_unless_the_spec_names_rows():
 
 
 def test_the_sources_spec_is_what_env_check_and_download_read():
-    from datagen.spec.source import parse_sources_spec
+    from datagen.specs.source import parse_sources_spec
 
     parsed = parse_sources_spec(spec(model="hf://org/name@main", layer_ids=[1, 2]).sources_spec())
     assert parsed.model == "hf://org/name@main" and parsed.layer_ids == (1, 2)

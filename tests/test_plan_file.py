@@ -1,4 +1,4 @@
-"""The plan file (``datagen.spec.plan``) and a plan at work on a host (``datagen.extraction.host``):
+"""The plan file (``datagen.specs.plan``) and a plan at work on a host (``datagen.extraction.host``):
 written once by `datagen plan`, read whole by every later step, which checks only that its host
 matches it (model, engine, dataset) before any weight loads, and works nothing out again."""
 
@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from datagen.spec.extraction import ExtractSpec
+from datagen.specs.extraction import ExtractSpec
 from datagen.errors import CannotRunHereError, DatasetError, ModelError, SpecError
 from datagen.extraction import run as extraction_run
 from datagen.extraction.plan import plan
-from datagen.spec.plan import ExtractionPlan, read_plan_file, write_plan_file
+from datagen.specs.plan import ExtractionPlan, read_plan_file, write_plan_file
 from tests.builders import chat_dataset, make_model_dir
 from tests.support.plan_records import plan_record
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from datagen.data.contract import MANIFEST_NAME, Manifest
-from datagen.spec.extraction import sha256_hex
+from datagen.specs.extraction import sha256_hex
 from datagen.cli import build_parser, spec_from_namespace
 from datagen.steps import load
 from tests.builders import chat_dataset, make_model_dir

@@ -129,7 +129,7 @@ def test_a_tokenizer_that_does_not_load_fails_at_the_first_chat_row_as_before(tm
 
 
 def test_a_tokenizer_named_in_the_spec_tokenizes_the_chats_and_is_in_the_fingerprint(tiny_llama, tmp_path):
-    from datagen.spec.extraction import parse_spec
+    from datagen.specs.extraction import parse_spec
     from datagen.extraction.plan import plan
     from datagen.testmodels.tiny import make_chat_dataset
 

@@ -1,4 +1,4 @@
-"""datagen.spec.source: model source strings and the env-check / download spec."""
+"""datagen.specs.source: model source strings and the env-check / download spec."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from datagen.errors import SpecError
 from datagen.storage.model_files import needed_files
-from datagen.spec.source import (
+from datagen.specs.source import (
     HubSource,
     LocalSource,
     S3Source,

@@ -1,5 +1,5 @@
 """Where the spec's rules run: where the spec enters a process, and in `datagen plan`; every step after
-the plan is given the plan (``datagen.spec.plan.ExtractionPlan``), not the spec.
+the plan is given the plan (``datagen.specs.plan.ExtractionPlan``), not the spec.
 
 The spec's validator (``check_layer_ids``) is counted with a profile hook on its own code: nothing in
 the product is patched. What these tests hold (docs/architecture.md, "Three values from the user's spec
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from datagen.cli import build_parser, spec_from_namespace
-from datagen.spec.extraction import ExtractSpec, check_layer_ids
+from datagen.specs.extraction import ExtractSpec, check_layer_ids
 from datagen.steps import load
 from tasks.assemble import assemble_call
 from tasks.extract import finalize_call, range_call
@@ -91,7 +91,7 @@ def test_a_step_after_the_plan_reads_its_plan_file_once(tmp_path):
 
 
 def test_a_fanned_out_range_reads_the_plan_where_it_enters_the_child(tmp_path):
-    from datagen.spec.plan import ExtractionPlan
+    from datagen.specs.plan import ExtractionPlan
 
     parent = parse_pipeline_spec(user_spec(tmp_path, ranges_in_flight=2, publish_to="s3://bucket/ds"))
     planned = plan_record(spec=parent.extract_spec(model_dir=str(tmp_path / "model"), model_revision="abc"))

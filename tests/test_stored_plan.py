@@ -14,7 +14,7 @@ from datagen.cli import RESULT_PREFIX
 from datagen.cli import main as datagen_main
 from datagen.data import chat_tokens
 from datagen.data.contract import MANIFEST_NAME, Manifest
-from datagen.spec.extraction import parse_spec
+from datagen.specs.extraction import parse_spec
 from datagen.extraction import stored
 from tests.builders import chat_dataset
 

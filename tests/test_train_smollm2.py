@@ -45,7 +45,7 @@ def self_generated_chats(model: Path) -> Path:
 
 
 def _extract(model: Path, chats: Path, out: Path, layer_ids) -> Path:
-    from datagen.spec.extraction import parse_spec
+    from datagen.specs.extraction import parse_spec
     from datagen.extraction.run import extract
 
     # float32 compute (the reference engine in bf16 was five times slower here), bf16 storage
@@ -112,7 +112,7 @@ def test_the_vllm_capture_of_the_real_model_matches_its_float32_reference_layer_
     (the `wrong` dataset's 1 and 3 around 2) are far away: an off-by-one capture fails here."""
     import torch
 
-    from datagen.spec.extraction import parse_spec
+    from datagen.specs.extraction import parse_spec
     from datagen.extraction.run import extract
     from datagen.reader import open_dataset
 

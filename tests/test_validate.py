@@ -421,7 +421,7 @@ def test_a_dataset_planned_with_a_spec_tokenizer_validates_against_that_tokenize
     again: without it the fresh tokenization is of another tokenizer and is named as such."""
     import shutil
 
-    from datagen.spec.extraction import parse_spec
+    from datagen.specs.extraction import parse_spec
     from datagen.extraction.run import extract
     from datagen.testmodels.tiny import make_chat_dataset
 
@@ -454,7 +454,7 @@ def test_a_dataset_read_from_a_folder_or_with_options_is_tokenized_again_where_t
     its rows are tokenized again; a moved one is reported as not reachable."""
     import datasets
 
-    from datagen.spec.extraction import parse_spec
+    from datagen.specs.extraction import parse_spec
     from datagen.extraction.run import extract
     from datagen.testmodels.tiny import make_chat_dataset
 

@@ -15,7 +15,7 @@ import importlib.metadata
 import json
 from pathlib import Path
 
-from datagen.spec.extraction import MlaBackend
+from datagen.specs.extraction import MlaBackend
 from datagen.errors import CannotRunHereError, SpecError
 from datagen.models.modelinfo import ModelInfo
 

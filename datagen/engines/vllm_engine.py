@@ -24,7 +24,7 @@ from itertools import islice
 
 from datagen.data.contract import ShardRecord
 from datagen.data.shards.format import ShardJob
-from datagen.spec.extraction import MlaBackend
+from datagen.specs.extraction import MlaBackend
 from datagen.engines import patches
 from datagen.engines.base import Engine, Handout
 from datagen.engines.capture_paths import RunnerChoice, runner_choice, runner_version, verified_v2_runs

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import importlib.metadata
 
-from datagen.spec.extraction import EngineName, default_layer_ids
+from datagen.specs.extraction import EngineName, default_layer_ids
 from datagen.engines.accelerators import Accelerators
 from datagen.envcheck.model import text_config
 from datagen.envcheck.report import Check, Status, size_text
 from datagen.errors import DatagenError
-from datagen.spec.source import SourcesSpec
+from datagen.specs.source import SourcesSpec
 
 GPU_MEMORY_SHARE = 0.9  # weights may take at most this share of the GPUs' memory
 
@@ -86,7 +86,7 @@ def check_cpu_engine(spec: SourcesSpec, acc: Accelerators) -> Check:
 def _check_cpu_mla(spec: SourcesSpec, engine: str) -> Check:
     """The CPU's AMX flags and the MLA backend a DeepSeek-shaped model would run (CPU_MLA unless
     the spec asks for AMX_MLA, which needs AMX tiles)."""
-    from datagen.spec.extraction import MlaBackend
+    from datagen.specs.extraction import MlaBackend
     from datagen.engines.vllm_attention import cpu_amx_flags, cpu_has_amx
 
     flags = ", ".join(cpu_amx_flags()) or "none"

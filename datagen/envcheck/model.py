@@ -7,11 +7,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from datagen.spec.extraction import default_layer_ids
+from datagen.specs.extraction import default_layer_ids
 from datagen.envcheck.report import Check, Status
 from datagen.errors import CannotRunHereError
 from datagen.storage.model_cache import ModelCache, cache_key
-from datagen.spec.source import HubSource, LocalSource, S3Source, SourcesSpec
+from datagen.specs.source import HubSource, LocalSource, S3Source, SourcesSpec
 from datagen.storage.model_files import file_set_name, needed_files
 
 

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from datagen.envcheck.report import Check, Status
-from datagen.spec.source import HubSource, SourcesSpec, is_s3_uri
+from datagen.specs.source import HubSource, SourcesSpec, is_s3_uri
 
 
 def check_remote_output(spec: SourcesSpec) -> Check:
     if not is_s3_uri(spec.out):
         return Check(name="remote.output", status=Status.SKIPPED, detail="output is local")
     from datagen.storage import s3
-    from datagen.spec.source import parse_s3_uri
+    from datagen.specs.source import parse_s3_uri
 
     dest = parse_s3_uri(spec.out)
     s3.probe_writable(s3.make_client(), dest)

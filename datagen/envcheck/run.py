@@ -6,7 +6,7 @@ import logging
 import time
 from typing import Callable
 
-from datagen.spec.extraction import EngineName
+from datagen.specs.extraction import EngineName
 from datagen.engines.accelerators import Accelerators, probe
 from datagen.envcheck.engine import (
     _engine_path,
@@ -23,7 +23,7 @@ from datagen.envcheck.report import Check, EnvReport, Status, size_text
 from datagen.envcheck.space import check_storage, output_bytes_per_token
 from datagen.errors import CannotRunHereError, DatagenError, TransientError
 from datagen.storage.model_cache import ModelCache, cache_root
-from datagen.spec.source import SourcesSpec
+from datagen.specs.source import SourcesSpec
 
 log = logging.getLogger(__name__)
 

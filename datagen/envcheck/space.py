@@ -10,7 +10,7 @@ from datagen.data.contract import token_bytes
 from datagen.envcheck.model import ModelFacts
 from datagen.envcheck.report import Check, Status, size_text
 from datagen.storage.model_cache import ModelCache
-from datagen.spec.source import LocalSource, SourcesSpec, is_s3_uri
+from datagen.specs.source import LocalSource, SourcesSpec, is_s3_uri
 
 SPACE_MARGIN = 1.05  # ask for 5% more than the estimate
 

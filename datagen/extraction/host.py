@@ -2,7 +2,7 @@
 model, its engine, the dataset file), then the rows of the shards at hand.
 
 Nothing here works the extraction out again: the layers, the dtypes, max_seq_len, the fingerprints,
-the shard cut and the shard keys are the plan's (``datagen.spec.plan``). A host whose
+the shard cut and the shard keys are the plan's (``datagen.specs.plan``). A host whose
 model or engine is not the plan's is refused before any weight loads, saying which differs.
 """
 
@@ -16,7 +16,7 @@ from datagen.data.planning import prepare_dataset
 from datagen.errors import CannotRunHereError, DatasetError, ModelError
 from datagen.extraction import stored
 from datagen.extraction.plan import Plan, describe_engine
-from datagen.spec.plan import ExtractionPlan, ShardCut
+from datagen.specs.plan import ExtractionPlan, ShardCut
 from datagen.models.modelinfo import ModelInfo, inspect_model, model_content_hash
 
 log = logging.getLogger(__name__)

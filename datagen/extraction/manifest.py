@@ -16,7 +16,7 @@ from datagen.data.contract import FORMAT_VERSION, MANIFEST_NAME, Manifest, Shard
 from datagen.data.dataset import file_fingerprint
 from datagen.data.files import atomic_write_json
 from datagen.data.media import media_records
-from datagen.spec.extraction import sha256_hex
+from datagen.specs.extraction import sha256_hex
 from datagen.errors import DatasetError
 from datagen.extraction.plan import Plan
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from datagen.data.contract import MANIFEST_NAME, SHARDS_DIR, STATE_DIR, ShardRecord, shard_name
 from datagen.data.shards.writer import writer_rank
-from datagen.spec.extraction import EngineName
+from datagen.specs.extraction import EngineName
 from datagen.data.files import atomic_write_json, fsync_dir
 from datagen.errors import OutputConflictError
 from datagen.extraction import stored

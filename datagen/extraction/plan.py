@@ -14,12 +14,12 @@ from datagen.data.dataset import PreparedDataset
 from datagen.data.media import media_samples
 from datagen.data.planning import prepare_dataset
 from datagen.storage import s3 as _s3_images  # noqa: F401 (registers the reader of s3:// image urls)
-from datagen.spec.extraction import (
+from datagen.specs.extraction import (
     DEFAULT_MAX_SEQ_LEN, EngineName, ExtractSpec, ShardSizing, canonical_json, check_shard_size, default_layer_ids, sha256_hex,
 )
 from datagen.errors import SpecError
 from datagen.extraction.boundaries import byte_boundaries, byte_shard_group, row_boundaries
-from datagen.spec.plan import ExtractionPlan, ShardCut, plan_dir
+from datagen.specs.plan import ExtractionPlan, ShardCut, plan_dir
 from datagen.models.modelinfo import ModelInfo, check_layer_ids, inspect_model, model_content_hash
 
 

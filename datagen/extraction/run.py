@@ -33,7 +33,7 @@ from filelock import FileLock, Timeout
 from datagen import settings
 from datagen.data import media
 from datagen.data.contract import ShardRecord, shard_name
-from datagen.spec.extraction import EngineName, ExtractSpec
+from datagen.specs.extraction import EngineName, ExtractSpec
 from datagen.errors import OutputConflictError, SpecError, StorageError
 from datagen.extraction import stored
 from datagen.extraction.manifest import check_dataset_unchanged, existing_manifest, manifest_result, write_manifest
@@ -41,7 +41,7 @@ from datagen.extraction.output import (
     check_output, commit, completed_shards, missing_dirs, remove_empty_dirs, save_records,
 )
 from datagen.extraction.plan import Plan, describe_shards
-from datagen.spec.plan import ExtractionPlan
+from datagen.specs.plan import ExtractionPlan
 from datagen.extraction.progress import Progress
 
 if TYPE_CHECKING:

@@ -40,10 +40,10 @@ from datagen.data.media import media_samples
 from datagen.data.dataset import PreparedDataset, Sample, file_fingerprint, tokenizer_hashes
 from datagen.data.planning import prepare_dataset
 from datagen.data.files import atomic_write_bytes
-from datagen.spec.extraction import ExtractSpec, canonical_json, sha256_hex
+from datagen.specs.extraction import ExtractSpec, canonical_json, sha256_hex
 from datagen.errors import DatagenError
 from datagen.extraction.plan import Header, Plan, plan_from, plan_header
-from datagen.spec.plan import PLAN_DIR, ShardCut, plan_dir
+from datagen.specs.plan import PLAN_DIR, ShardCut, plan_dir
 
 log = logging.getLogger(__name__)
 

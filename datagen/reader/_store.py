@@ -125,7 +125,7 @@ class S3Store:
     """A dataset under an S3 prefix, read with ranged GETs through ``datagen.storage.s3``."""
 
     def __init__(self, uri: str) -> None:
-        from datagen.spec.source import parse_s3_uri
+        from datagen.specs.source import parse_s3_uri
 
         self.location = parse_s3_uri(uri)
         self.uri = self.location.uri

@@ -29,7 +29,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.data.files import atomic_write_bytes, atomic_write_json
-from datagen.spec.extraction import sha256_hex
+from datagen.specs.extraction import sha256_hex
 from datagen.errors import OutputConflictError
 
 CHATS = "chats.jsonl"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from datagen.data.dataset import read_rows, tokenizer_hashes
 from datagen.data.row_checks import _check_messages
-from datagen.spec.extraction import sha256_hex
+from datagen.specs.extraction import sha256_hex
 from datagen.errors import DatasetError, ModelError, SpecError
 from datagen.models.modelinfo import ModelInfo, inspect_model, model_content_hash
 from datagen.regeneration.output import CHATS, MANIFEST, TURNS, ChunkRecord, OutputDir, RegenerationManifest

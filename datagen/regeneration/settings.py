@@ -12,7 +12,7 @@ import enum
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from datagen.spec.extraction import StorageDtype, canonical_json, sha256_hex
+from datagen.specs.extraction import StorageDtype, canonical_json, sha256_hex
 
 FORMAT_VERSION = 1
 

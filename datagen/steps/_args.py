@@ -7,7 +7,7 @@ for a list. ``Arg`` says where a field departs from that: a positional argument,
 name, a metavar, a help text with argparse's ``%(default)s``, or how the option's text becomes
 the field's value.
 
-A spec that is a domain model (plan, extract and assemble: ``datagen.spec.extraction.ExtractSpec`` and
+A spec that is a domain model (plan, extract and assemble: ``datagen.specs.extraction.ExtractSpec`` and
 what the step adds) is read whole from ``--spec FILE`` (``SPEC_FILE``); the options given on the
 command line override the file's values. Its nested settings (``engine``) have options only where
 ``OPTIONS`` names them, as ``"engine.dtype"``; ``OPTIONS`` also gives the form of a field the

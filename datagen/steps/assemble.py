@@ -17,12 +17,12 @@ from typing import Annotated, ClassVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.data.contract import MANIFEST_NAME, Manifest
-from datagen.spec.extraction import sha256_hex
+from datagen.specs.extraction import sha256_hex
 from datagen.errors import SpecError, ValidationFailed
 from datagen.extraction.manifest import (
     RESULT_SHARD_FIELDS, check_dataset_unchanged, read_records, result_shards, write_manifest,
 )
-from datagen.spec.plan import ExtractionPlan, read_plan_file
+from datagen.specs.plan import ExtractionPlan, read_plan_file
 from datagen.steps._args import Arg, StepSpec
 
 HELP = "Write the manifest of a dataset whose shards are in object storage, from their checked records."

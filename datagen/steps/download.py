@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.steps._args import StepSpec
-from datagen.spec.source import SourceKind, load_sources_spec
+from datagen.specs.source import SourceKind, load_sources_spec
 
 HELP = "Download the spec's model (hf://, s3:// or a local dir) into the shared model cache, verified."
 
@@ -41,7 +41,7 @@ class DownloadResult(BaseModel):
 class Spec(StepSpec):
     """``datagen download``'s command line."""
 
-    spec: str = Field(description="spec JSON (datagen.spec.source.SourcesSpec): model, out, engine")
+    spec: str = Field(description="spec JSON (datagen.specs.source.SourcesSpec): model, out, engine")
 
 
 Result = DownloadResult

@@ -26,7 +26,7 @@ HELP = "Check that the spec can run here (GPUs, engine, model, storage, credenti
 class Spec(StepSpec):
     """``datagen env-check``'s command line."""
 
-    spec: str = Field(description="spec JSON (datagen.spec.source.SourcesSpec)")
+    spec: str = Field(description="spec JSON (datagen.specs.source.SourcesSpec)")
     report: str | None = Field(None, description="also write the JSON report here (written whatever the outcome)")
 
 
@@ -37,7 +37,7 @@ def run(spec: Spec) -> EnvReport:
     """``datagen env-check``: every check (``datagen.envcheck.run.check``); the report also to
     ``--report``; an error when a check failed (``raise_for_report``)."""
     from datagen.envcheck.run import check, raise_for_report  # storage, Hub and engine code: imported where a run checks
-    from datagen.spec.source import load_sources_spec
+    from datagen.specs.source import load_sources_spec
 
     report = check(load_sources_spec(spec.spec))
     if spec.report:

@@ -2,7 +2,7 @@
 
 Its input is the plan `datagen plan` made (``--plan FILE``: the orchestration's ranges, finalize and
 a fan-out child give it, and the step checks only that this host matches it) or the extraction spec
-(``datagen.spec.extraction.ExtractSpec``, planned here), read whole from ``--spec`` or given as options,
+(``datagen.specs.extraction.ExtractSpec``, planned here), read whole from ``--spec`` or given as options,
 and a shard range; the work is ``datagen.extraction.run`` (the output's claim and resume, the run
 loop, the manifest). ``--shards A:B`` extracts only shards [A, B) and writes no manifest (the fan-out
 unit); a run without it finishes every shard and writes the manifest last.
@@ -15,10 +15,10 @@ from typing import Annotated, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from datagen.spec.extraction import ExtractSpec
+from datagen.specs.extraction import ExtractSpec
 from datagen.errors import SpecError
 from datagen.extraction.manifest import RESULT_SHARD_FIELDS
-from datagen.spec.plan import ExtractionPlan, read_plan_file
+from datagen.specs.plan import ExtractionPlan, read_plan_file
 from datagen.steps._args import Arg, StepSpec
 
 HELP = "Extract hidden states of a model for a JSONL dataset into packed safetensors shards."

@@ -2,7 +2,7 @@
 
 Everything ``datagen extract`` checks before loading a weight is checked here
 (spec, model config, every dataset row), once: the result holds the plan
-(``datagen.spec.plan.ExtractionPlan``: the resolved spec, its fingerprints, every
+(``datagen.specs.plan.ExtractionPlan``: the resolved spec, its fingerprints, every
 shard's boundaries and cache key), which ``--plan-file FILE`` also writes; the orchestrator keys
 its cache on it and passes it whole to the ranges, finalize and assemble, without importing the engine. In an output where a run stored this spec's plan
 (``datagen.extraction.stored``) the rows are not read again: they were checked
@@ -22,7 +22,7 @@ from datagen.data.contract import ResolvedSpec, ShardRecord, manifest_fingerprin
 from datagen.extraction import stored
 from datagen.extraction.output import claimed_by, completed_shards
 from datagen.extraction.plan import Plan, describe_shards
-from datagen.spec.plan import ExtractionPlan, write_plan_file
+from datagen.specs.plan import ExtractionPlan, write_plan_file
 from datagen.steps.extract import ExtractionSpec
 
 HELP = "Check a spec and print its fingerprints and each shard's cache key (loads no weights)."
@@ -33,7 +33,7 @@ class Spec(ExtractionSpec):
     """``datagen plan``'s input: the extraction spec, and where to write the plan file."""
 
     plan_file: str | None = Field(
-        None, description="write the plan (datagen.spec.plan.ExtractionPlan, JSON) to this file: what "
+        None, description="write the plan (datagen.specs.plan.ExtractionPlan, JSON) to this file: what "
         "`datagen extract --plan FILE` and `datagen assemble --plan FILE` read (the result line holds it too)")
 
 

@@ -1,7 +1,7 @@
 """Bringing a model into the shared model cache, verified, once per host (the library under the
 `download` step, ``datagen/steps/download.py``: ``datagen download --spec SPEC``).
 
-The spec's ``model`` source (``datagen.spec.source``):
+The spec's ``model`` source (``datagen.specs.source``):
 
 * ``hf://org/name@revision``: ``datagen.storage.hub`` (revision resolved to a commit sha);
 * ``s3://bucket/prefix``: ``datagen.storage.s3_mirror`` (parallel ranged reads, resumable);
@@ -30,7 +30,7 @@ from pathlib import Path
 from datagen.errors import ModelNotFoundError
 from datagen.models.modelinfo import hash_file_sampled, inspect_model
 from datagen.storage.model_cache import ModelCache, VerifiedFile, VerifiedRecord, cache_root
-from datagen.spec.source import (
+from datagen.specs.source import (
     HubSource,
     LocalSource,
     S3Source,

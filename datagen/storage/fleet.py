@@ -31,10 +31,10 @@ from pydantic import ValidationError
 
 from datagen.data.checksums import sha256_file
 from datagen.data.contract import MANIFEST_NAME, STATE_DIR, Manifest, ShardRecord, shard_name
-from datagen.spec.extraction import sha256_hex
+from datagen.specs.extraction import sha256_hex
 from datagen.errors import OutputConflictError, ValidationFailed
 from datagen.storage import s3
-from datagen.spec.source import S3Source, parse_s3_uri
+from datagen.specs.source import S3Source, parse_s3_uri
 
 log = logging.getLogger(__name__)
 

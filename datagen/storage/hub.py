@@ -24,7 +24,7 @@ from pathlib import Path
 from datagen.data.checksums import ChecksumKind, Expected, matches
 from datagen.errors import CannotRunHereError, ModelError, ModelNotFoundError, SpecError, StorageError
 from datagen.storage.model_cache import ModelCache, VerifiedFile, VerifiedRecord, cache_key
-from datagen.spec.source import HubSource
+from datagen.specs.source import HubSource
 from datagen.storage.model_files import engine_file_patterns, file_set_name, needed_files
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from datagen import settings
-from datagen.spec.extraction import sha256_hex
+from datagen.specs.extraction import sha256_hex
 
 LOCK_TIMEOUT_S = 6 * 3600  # a download of a 600 GB model can hold the lock for hours
 

@@ -31,7 +31,7 @@ from datagen import settings
 from datagen.data import media_fetch as media
 from datagen.errors import SpecError, StorageError
 from datagen.storage._s3_errors import NO_BUCKET_HINT, NOT_FOUND_CODES, error_code, translated
-from datagen.spec.source import S3Source, parse_s3_uri
+from datagen.specs.source import S3Source, parse_s3_uri
 
 if TYPE_CHECKING:
     from datagen.data.contract import ShardRecord

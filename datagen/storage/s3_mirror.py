@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from datagen.data.checksums import CHECKSUM_MANIFEST, ChecksumKind, Expected, matches, parse_checksum_manifest
-from datagen.spec.extraction import canonical_json, sha256_hex
+from datagen.specs.extraction import canonical_json, sha256_hex
 from datagen.errors import ModelError, ModelNotFoundError, UnsafePathError
 from datagen.storage import s3
 from datagen.storage.model_cache import ModelCache, VerifiedFile, VerifiedRecord, cache_key
-from datagen.spec.source import S3Source
+from datagen.specs.source import S3Source
 from datagen.storage.model_files import file_set_name, needed_files
 
 log = logging.getLogger(__name__)

@@ -38,7 +38,7 @@ import torch
 from datagen.data.contract import validation_path
 from datagen.data.files import atomic_write_json
 from datagen.data.shards.kernels import combine_stats
-from datagen.spec.extraction import DEFAULT_MAX_SEQ_LEN
+from datagen.specs.extraction import DEFAULT_MAX_SEQ_LEN
 from datagen.errors import SpecError, StorageError
 from datagen.validation import drift, golden, manifest, scan, source
 from datagen.validation.settings import ValidationSettings

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from datagen.data.contract import FORMAT_VERSION, MANIFEST_NAME, STORED_CODES, Manifest, state_bytes
 from datagen.data.media import REASONS as MEDIA_SKIP_REASONS
 from datagen.data.shards.kernels import combine_stats, stats_from_sums
-from datagen.spec.extraction import canonical_json, sha256_hex
+from datagen.specs.extraction import canonical_json, sha256_hex
 from datagen.validation.report import Findings, Problem, ProblemKind
 from datagen.validation.scan import SUMS_RTOL, Expected, ShardScan, compare_stats
 

@@ -69,7 +69,7 @@ def read_fresh(lm: LoadedManifest, src: Sources, findings: Findings, *,
 
     ``trust_remote_code`` is the caller's permission (a tokenizer shipped as code, Kimi's).
     """
-    from datagen.spec.extraction import parse_spec
+    from datagen.specs.extraction import parse_spec
     from datagen.extraction.plan import plan, shard_key
 
     spec = lm.manifest.spec

@@ -23,7 +23,7 @@ from uuid import UUID
 
 from datagen import settings
 from datagen.data.contract import ShardRecord
-from datagen.spec.plan import ExtractionPlan
+from datagen.specs.plan import ExtractionPlan
 from datagen.errors import StorageError
 from datagen.steps.extract import ExtractResult
 from datagen.storage import fleet

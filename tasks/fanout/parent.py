@@ -30,8 +30,8 @@ from prefect.deployments import run_deployment
 from pydantic import ValidationError
 
 from datagen.data.contract import MANIFEST_NAME, STATE_DIR
-from datagen.spec.extraction import sha256_hex
-from datagen.spec.plan import ExtractionPlan
+from datagen.specs.extraction import sha256_hex
+from datagen.specs.plan import ExtractionPlan
 from datagen.errors import StorageError
 from datagen.steps.assemble import AssembleResult
 from datagen.steps.plan import PlanResult

@@ -154,7 +154,7 @@ def test_mirror_keys_leading_out_of_the_model_cache_are_refused(monkeypatch, cas
     from datagen.errors import DatagenError
     from datagen.storage import s3 as s3mod
     from datagen.storage.s3_mirror import list_mirror
-    from datagen.spec.source import parse_s3_uri
+    from datagen.specs.source import parse_s3_uri
 
     source = parse_s3_uri("s3://mirror/models/tiny")
     # what an S3 listing returns for keys the server allows (AWS does): prefix + "/" + rel
@@ -267,7 +267,7 @@ def test_a_model_asking_for_its_own_code_never_runs_it_unless_allowed(tiny_llama
 
 
 def test_validate_never_runs_model_code_because_a_manifest_says_so(tiny_llama, rows_file, tmp_path, marker, case):
-    from datagen.spec.extraction import canonical_json, sha256_hex
+    from datagen.specs.extraction import canonical_json, sha256_hex
 
     model = _evil_model(tiny_llama, tmp_path / "model", architecture="LlamaForCausalLM")
     out = tmp_path / "ds"

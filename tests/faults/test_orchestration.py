@@ -49,7 +49,7 @@ def inputs(tmp_path_factory, tiny_llama) -> dict:
     # the flow extracts with the revision its download step resolved (for a local directory: its
     # content fingerprint), which is part of every shard key: the reference uses the same
     from datagen.storage.download import download
-    from datagen.spec.source import parse_sources_spec
+    from datagen.specs.source import parse_sources_spec
 
     revision = download(parse_sources_spec({"model": str(tiny_llama), "out": str(ref)})).model_revision
     args = ["extract", "--model", str(tiny_llama), "--model-revision", revision, "--dataset", str(rows),

@@ -20,7 +20,7 @@ from datagen.engines.releases import CUDA_VLLM_RELEASE, TESTED_VLLM_VERSIONS
 from datagen.errors import EXIT_CANNOT_RUN_HERE, SpecError
 from datagen.envcheck import engine as envcheck_engine
 from datagen.envcheck.report import Status
-from datagen.spec.source import parse_sources_spec
+from datagen.specs.source import parse_sources_spec
 from images.base import ENGINE_BASE
 from images.lock_cuda import LOCK, check_lock, lock_text, roots
 from images.requirements import read_lock

@@ -50,7 +50,7 @@ def _extra_rows() -> list[dict]:
 
 
 def _build(base: Path) -> Path:
-    from datagen.spec.extraction import parse_spec
+    from datagen.specs.extraction import parse_spec
     from datagen.testmodels.tiny import TinyArch, make_chat_dataset, make_model
     from datagen.extraction.run import extract
 
@@ -79,7 +79,7 @@ def extracted_dataset(tmp_path_factory) -> Path:
 
 def foreign_shard(tmp_path_factory) -> Path:
     """Shard 0 of the same model and rows extracted with other layers (same shapes): another spec."""
-    from datagen.spec.extraction import parse_spec
+    from datagen.specs.extraction import parse_spec
     from datagen.extraction.run import extract
 
     ds = extracted_dataset(tmp_path_factory)

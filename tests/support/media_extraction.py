@@ -53,7 +53,7 @@ TEXT_ROW = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"
 
 
 def write_spec(root: Path, model: Path, data: Path, out: Path, name: str) -> Path:
-    from datagen.spec.extraction import ExtractSpec
+    from datagen.specs.extraction import ExtractSpec
 
     spec = ExtractSpec(model=str(model), dataset=str(data), out=str(out), layer_ids=list(LAYERS),
                        max_seq_len=512, samples_per_shard=3,

@@ -1,11 +1,11 @@
-"""Plan records (``datagen.spec.plan.ExtractionPlan``) made by hand, for the tests that pass
+"""Plan records (``datagen.specs.plan.ExtractionPlan``) made by hand, for the tests that pass
 a plan along without a model to plan it from."""
 
 from __future__ import annotations
 
 from datagen.data.contract import ResolvedSpec
-from datagen.spec.extraction import ExtractSpec
-from datagen.spec.plan import ExtractionPlan
+from datagen.specs.extraction import ExtractSpec
+from datagen.specs.plan import ExtractionPlan
 
 
 def plan_record(*, spec: ExtractSpec | None = None, **overrides) -> ExtractionPlan:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from datagen.spec.extraction import ExtractSpec
+from datagen.specs.extraction import ExtractSpec
 from tasks.assemble import assemble_call
 from tasks.extract import finalize_call, range_call
 from tasks.pipeline_spec import ShardRange

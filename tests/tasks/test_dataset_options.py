@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from datagen.spec.extraction import ExtractSpec
+from datagen.specs.extraction import ExtractSpec
 from datagen.validation.settings import ValidationSettings
 from tasks.mounts import dataset_path
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from datagen.spec.extraction import EngineSettings, LayerIds, read_spec_file
+from datagen.specs.extraction import EngineSettings, LayerIds, read_spec_file
 from datagen.errors import SpecError, spec_error
 
 DEFAULT_HUB_REVISION = "main"

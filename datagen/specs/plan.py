@@ -23,7 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from datagen.data.contract import STATE_DIR, ResolvedSpec, state_bytes
-from datagen.spec.extraction import ExtractSpec, StorageName
+from datagen.specs.extraction import ExtractSpec, StorageName
 from datagen.errors import SpecError, spec_error
 
 PLAN_FORMAT = 1  # ExtractionPlan.format_version: a reader refuses another
