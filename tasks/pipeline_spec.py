@@ -27,11 +27,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from datagen.specs.extraction import EngineSettings, ExtractSpec, LayerIds, SamplesPerShard, ShardBytes, check_shard_size
+from datagen.specs.extraction import CaptureChoices, ExtractionChoices, ExtractSpec, MaxSeqLen, check_shard_size
 from datagen.errors import SpecError, spec_error
 from datagen.validation.settings import ValidationSettings
 from datagen.regeneration.settings import RegenerationSettings
-from datagen.specs.source import LocalSource, ModelSource, is_s3_uri, parse_model_source, parse_s3_uri
+from datagen.specs.source import LocalSource, ModelChoice, is_s3_uri, parse_s3_uri
 
 DEFAULT_RANGE_DEPLOYMENT = "extract-shards/gpu"
 
@@ -55,10 +55,7 @@ class PreprocessingSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_seq_len: int | None = Field(
-        None, ge=2, description="Rows longer than this many tokens are truncated (tokens). None: 4096, "
-        "or the model's positions less one when it has fewer."
-    )
+    max_seq_len: MaxSeqLen = None
 
 
 class FanOutSettings(BaseModel):
@@ -117,33 +114,17 @@ class ShardRange(BaseModel):
         return self.arg
 
 
-class PipelineSpec(BaseModel):
+class PipelineSpec(ModelChoice, ExtractionChoices):
     """One extraction run: what to extract (model, layers, dataset, preprocessing, engine), where
-    to put it, and how to run it (runner, range size, ranges in flight, result storage)."""
+    to put it, and how to run it (runner, range size, ranges in flight, result storage).
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    The model and its cache (``ModelChoice``), the layers, engine, dataset and shard size
+    (``ExtractionChoices``) are the spec package's fields, declared there once; this class adds what
+    only a run of the flow has (output and publishing, preprocessing's nesting, validation,
+    regeneration, and how the run is carried out)."""
 
-    model: str = Field(
-        description="Model source: hf://org/name@revision (a commit sha pins it), "
-        "s3://bucket/prefix (a mirror of a model directory), or a local model directory."
-    )
-    layer_ids: LayerIds | None = Field(
-        None,
-        description="Captured layers in vLLM numbering (id k enters decoder layer k; id N is the last "
-        "layer's output before the final norm). Sorted, unique. None: the EAGLE-3 default "
-        "[2, N//2, N-3, N], e.g. [2, 30, 58, 61] for Kimi-K2.5.",
-    )
-    dataset: str = Field(
-        description="Dataset: a local JSONL file of chat rows ({'messages': [...]}) or "
-        "pre-tokenized rows ({'input_ids': [...]})."
-    )
     preprocessing: PreprocessingSettings = Field(
         default_factory=PreprocessingSettings, description="Tokenization settings."
-    )
-    engine: EngineSettings = Field(
-        default_factory=EngineSettings,
-        description="Extraction engine: name (vllm | hf), tensor_parallel_size (GPUs per engine), "
-        "dtype of the stored hidden states, batching limits.",
     )
     output: str = Field(
         description="Local directory the dataset is written to. Fanned out (ranges_in_flight > 1): "
@@ -159,8 +140,6 @@ class PipelineSpec(BaseModel):
     validation: ValidationSettings = Field(
         default_factory=ValidationSettings, description="How the finished dataset is validated."
     )
-    shard_bytes: ShardBytes = None
-    samples_per_shard: SamplesPerShard = None
     shards_per_task: int = Field(
         2048,
         ge=1,
@@ -192,14 +171,6 @@ class PipelineSpec(BaseModel):
         "'s3-bucket/datagen-results' (a prefect-aws S3Bucket block; needed when ranges run on "
         "several hosts). None: the local default ($PREFECT_HOME/storage).",
     )
-    model_cache: str | None = Field(
-        None, description="Model cache directory for downloads; None: the DATAGEN_MODEL_CACHE setting."
-    )
-
-    @property
-    def storage_options(self) -> dict:
-        """Task options that put results and cache records in ``result_storage``, if it names one."""
-        return {"result_storage": self.result_storage} if self.result_storage else {}
     fan_out: FanOutSettings = Field(
         default_factory=FanOutSettings, description="How ranges run as flow runs of another deployment."
     )
@@ -210,12 +181,6 @@ class PipelineSpec(BaseModel):
         "chats go to `<output>-regenerated/chats.jsonl`, which is what is then extracted. None: the "
         "dataset's own assistant turns are extracted.",
     )
-
-    @field_validator("model")
-    @classmethod
-    def _model_parses(cls, v: str) -> str:
-        parse_model_source(v)  # SpecError (a ValueError) that says what to write
-        return v.strip()
 
     @field_validator("dataset")
     @classmethod
@@ -268,40 +233,28 @@ class PipelineSpec(BaseModel):
             update["validation"] = self.validation.model_copy(update={"previous": absolute(self.validation.previous)})
         return self.model_copy(update=update)
 
-    @property
-    def source(self) -> ModelSource:
-        """``model``, parsed (``datagen.specs.source.parse_model_source``: once per process)."""
-        return parse_model_source(self.model)
-
     def sources_spec(self) -> dict[str, Any]:
-        """The ``--spec`` of `datagen env-check` and `datagen download` (``datagen.specs.source.SourcesSpec``)."""
-        return {
-            "model": self.model,
-            "out": self.output,
-            "engine": self.engine.model_dump(mode="json"),
-            "layer_ids": list(self.layer_ids) if self.layer_ids is not None else None,
-            "model_cache": self.model_cache,
-        }
+        """The ``--spec`` of `datagen env-check` and `datagen download` (``datagen.specs.source.SourcesSpec``), as
+        JSON: the fields it shares with this spec (the model, its cache, the layers and the engine, declared
+        once in ``ModelChoice`` and ``CaptureChoices``), and the output."""
+        shared = set(ModelChoice.model_fields) | set(CaptureChoices.model_fields)
+        return {**self.model_dump(mode="json", include=shared), "out": self.output}
 
     def extract_spec(self, *, model_dir: str, model_revision: str | None) -> ExtractSpec:
         """The spec `datagen plan` plans, for a downloaded model: what the plan, and every step after it,
         is made of (the steps after the plan are given the plan, not this spec)."""
-        return ExtractSpec(
-            model=model_dir,
-            model_revision=model_revision,
-            dataset=self.dataset,
-            out=self.output,
-            layer_ids=self.layer_ids,
-            max_seq_len=self.preprocessing.max_seq_len,
-            shard_bytes=self.shard_bytes,
-            samples_per_shard=self.samples_per_shard,
-            engine=self.engine,
-        )
+        return ExtractSpec(model=model_dir, model_revision=model_revision, out=self.output,
+                           max_seq_len=self.preprocessing.max_seq_len, **self.extraction_choices())
 
     def regenerated_output(self) -> str:
         """Where `datagen regenerate` writes the regenerated dataset: ``<output>-regenerated``."""
         out = Path(self.output)
         return str(out.with_name(out.name + "-regenerated"))
+
+    @property
+    def storage_options(self) -> dict:
+        """Task options that put results and cache records in ``result_storage``, if it names one."""
+        return {"result_storage": self.result_storage} if self.result_storage else {}
 
     @property
     def regenerate_gpus(self) -> int:

@@ -57,6 +57,50 @@ def test_the_sources_spec_is_what_env_check_and_download_read():
     assert parsed.model == "hf://org/name@main" and parsed.layer_ids == (1, 2)
 
 
+# ExtractSpec's fields that are not the user's extraction choices: set by ``extract_spec`` from the run (the
+# downloaded model, its revision, the output, preprocessing's max_seq_len), or given only on the command line
+# of `datagen extract` (further output volumes, another tokenizer).
+FROM_THE_RUN = {"model", "model_revision", "out", "max_seq_len"}
+COMMAND_LINE_ONLY = {"volumes", "tokenizer"}
+
+
+def own_fields(cls) -> set[str]:
+    """The fields ``cls`` itself declares (not those it derives)."""
+    return set(cls.__dict__.get("__annotations__", {})) & set(cls.model_fields)
+
+
+def test_each_extraction_choice_is_declared_once_in_the_spec_package():
+    from datagen.specs.extraction import CaptureChoices, ExtractionChoices, ExtractSpec
+    from datagen.specs.source import ModelChoice, SourcesSpec
+
+    choices = set(ExtractionChoices.model_fields)
+    assert choices == {"layer_ids", "engine", "dataset", "shard_bytes", "samples_per_shard"}
+    for cls in (PipelineSpec, SourcesSpec):  # derived, never declared again
+        assert not own_fields(cls) & (choices | set(ModelChoice.model_fields)), cls
+    assert not own_fields(ExtractSpec) & choices  # its own model is the downloaded directory, not the source
+    assert set(CaptureChoices.model_fields) <= set(SourcesSpec.model_fields)
+    # a field added to ExtractSpec itself, rather than to ExtractionChoices, must say why here
+    assert set(ExtractSpec.model_fields) == choices | FROM_THE_RUN | COMMAND_LINE_ONLY
+    assert set(PipelineSpec.model_fields) & set(ExtractSpec.model_fields) == choices | {"model"}
+
+
+def test_every_extraction_choice_reaches_the_spec_the_plan_is_given():
+    s = spec(layer_ids=[1, 5], dataset="rows.jsonl", samples_per_shard=7,
+             engine={"name": "hf", "dtype": "float32", "max_num_batched_tokens": 64, "storage_dtype": "fp8_e4m3"})
+    x = s.extract_spec(model_dir="/m", model_revision=None)
+    assert x.extraction_choices() == s.extraction_choices()
+    assert spec(shard_bytes=123).extract_spec(model_dir="/m", model_revision=None).shard_bytes == 123
+
+
+def test_the_sources_spec_carries_the_model_its_cache_the_layers_and_the_engine():
+    from datagen.specs.source import parse_sources_spec
+
+    s = spec(model="hf://org/name@v1", model_cache="/cache", layer_ids=[3], engine={"tensor_parallel_size": 4})
+    parsed = parse_sources_spec(s.sources_spec())
+    assert (parsed.model, parsed.model_cache, parsed.layer_ids, parsed.engine, parsed.out) == (
+        s.model, "/cache", (3,), s.engine, s.output)
+
+
 def test_only_cuda_specs_ask_for_gpus():
     assert spec(engine={"tensor_parallel_size": 8}).gpus == 0
     assert spec(engine={"tensor_parallel_size": 8}, device="cuda").gpus == 8

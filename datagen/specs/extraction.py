@@ -131,7 +131,8 @@ class EngineSettings(BaseModel):
         "max_num_batched_tokens; rows per shard: 1), and recorded in the manifest's engine settings.",
     )
     trust_remote_code: bool = Field(
-        False, description="Allow the model directory's own Python code to run."
+        False, description="Allow the model directory's own Python code to run (`datagen download` then "
+        "fetches the model's *.py files too)."
     )
     mla_backend: MlaBackend | None = Field(
         None,
@@ -175,43 +176,71 @@ class EngineSettings(BaseModel):
         return self
 
 
-class ExtractSpec(BaseModel):
+# max_seq_len, declared once for the extraction spec and the pipeline spec's preprocessing.
+MaxSeqLen = Annotated[int | None, Field(
+    ge=2, description="Rows longer than this are truncated (tokens). None: 4096, or the model's "
+    "positions less one when it has fewer (the manifest records the value used).")]
+
+
+class CaptureChoices(BaseModel):
+    """Which layers are captured and by what engine: declared here once for every spec that names them
+    (the extraction spec, env-check's and download's ``SourcesSpec``, the flow's pipeline spec)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    layer_ids: LayerIds | None = Field(
+        None,
+        description="Captured layers in vLLM numbering (id k enters decoder layer k; id N is the last "
+        "layer's output before the final norm). Sorted, unique. None: the EAGLE-3 default "
+        "[2, N//2, N-3, N], e.g. [2, 30, 58, 61] for Kimi-K2.5.",
+    )
+    engine: EngineSettings = Field(
+        default_factory=EngineSettings,
+        description="Extraction engine: name (vllm | hf), tensor_parallel_size (GPUs per engine), "
+        "dtype of the stored hidden states, batching limits.",
+    )
+
+
+class ExtractionChoices(CaptureChoices):
+    """What the user chooses that decides a dataset's content, besides the model: declared here once. The
+    extraction spec and the flow's pipeline spec both derive from it, so a field added here reaches the
+    flow's parameter, the spec `datagen plan` is given (``PipelineSpec.extract_spec``) and the plan."""
+
+    dataset: str = Field(
+        description="Dataset: a local JSONL file of chat rows ({'messages': [...]}) or "
+        "pre-tokenized rows ({'input_ids': [...]})."
+    )
+    shard_bytes: ShardBytes = None
+    samples_per_shard: SamplesPerShard = None
+
+    def extraction_choices(self) -> dict[str, Any]:
+        """These fields' values as they are (typed, not dumped), by name: what a derived spec passes on."""
+        return {name: getattr(self, name) for name in ExtractionChoices.model_fields}
+
+
+class ExtractSpec(ExtractionChoices):
     """What to extract, from what, into where.
 
     ``model`` and ``dataset`` are resolved local paths by the time extraction runs;
     the orchestration layer downloads remote sources first.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
     model: str = Field(description="Local Hugging Face model directory (config + safetensors).")
     model_revision: str | None = Field(
         None, description="Resolved revision (commit sha) or content hash of the model."
     )
-    dataset: str = Field(description="JSONL dataset file: chat rows or pre-tokenized rows.")
     out: str = Field(description="Output dataset directory.")
     volumes: tuple[str, ...] = Field(
         (), description="Further output directories, existing and writable, for nodes whose one volume is too "
         "slow: shard k is written to volume k mod (1 + len(volumes)), volume 0 being ``out``; the manifest, the "
         "run's state and the records stay in ``out`` and name each shard's volume. Not in the fingerprint.",
     )
-    layer_ids: LayerIds | None = Field(
-        None,
-        description="Captured layers in vLLM numbering (id k enters layer k; id N is the last "
-        "layer's output before the final norm). Sorted, unique. Default: [2, N//2, N-3, N].",
-    )
-    max_seq_len: int | None = Field(
-        None, ge=2, description="Rows longer than this are truncated (tokens). None: 4096, or the "
-        "model's positions less one when it has fewer (the manifest records the value used).",
-    )
-    shard_bytes: ShardBytes = None
-    samples_per_shard: SamplesPerShard = None
+    max_seq_len: MaxSeqLen = None
     tokenizer: str | None = Field(
         None, description="Local tokenizer directory that tokenizes chat rows instead of the model's own (e.g. "
         "a fast tokenizer.json converted from the model's tiktoken ranks when its shipped tokenizer code cannot "
         "run). Its content, not its path, is in the fingerprint (tokenizer_sha256, chat_template_sha256).",
     )
-    engine: EngineSettings = Field(default_factory=EngineSettings, description="Engine settings.")
 
     @property
     def shard_sizing(self) -> ShardSizing:

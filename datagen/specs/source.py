@@ -8,9 +8,9 @@ A model source is one string:
     s3://bucket/prefix        a mirror of a model directory in S3 (any S3-compatible endpoint)
     /abs/or/relative/dir      a local model directory, used in place
 
-``SourcesSpec`` is the pydantic model both steps read from ``--spec SPEC`` (a JSON file). The
-pipeline spec of the flow embeds it: its fields are the subset of the extraction spec that decides
-whether a run can start here (model, output, engine layout, captured layers, output size).
+``SourcesSpec`` is the pydantic model both steps read from ``--spec SPEC`` (a JSON file): the model
+(``ModelChoice``, which the flow's pipeline spec derives from too), the captured layers and the engine
+(``CaptureChoices``), the output and its expected size: what decides whether a run can start here.
 
 This module parses and describes; it does no I/O.
 """
@@ -27,7 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from datagen.specs.extraction import EngineSettings, LayerIds, read_spec_file
+from datagen.specs.extraction import CaptureChoices, read_spec_file
 from datagen.errors import SpecError, spec_error
 
 DEFAULT_HUB_REVISION = "main"
@@ -147,38 +147,18 @@ def is_s3_uri(text: str) -> bool:
     return text.startswith("s3://")
 
 
-class SourcesSpec(BaseModel):
-    """What `datagen env-check` and `datagen download` need to know about a run.
-
-    Crosses the container boundary as JSON (``--spec SPEC``). The flow's pipeline spec embeds
-    it (or writes one from its own fields).
-    """
+class ModelChoice(BaseModel):
+    """The model a run extracts from, as the user names it, and where downloads of it are kept: declared here
+    once for env-check's and download's spec and the flow's pipeline spec."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field(
-        description="Model source: hf://org/name@revision, s3://bucket/prefix, or a local directory."
-    )
-    out: str = Field(description="Output dataset location: a local directory or s3://bucket/prefix.")
-    engine: EngineSettings = Field(
-        default_factory=EngineSettings,
-        description="Engine layout: tensor_parallel_size (GPUs), dtype (bytes per stored value), "
-        "trust_remote_code (also decides whether the model's *.py files are downloaded).",
-    )
-    layer_ids: LayerIds | None = Field(
-        None,
-        description="Captured layers in vLLM numbering (0..num_hidden_layers); default: the "
-        "EAGLE-3 default [2, N//2, N-3, N].",
-    )
-    expected_tokens: int | None = Field(
-        None,
-        ge=1,
-        description="Tokens the extraction will store (rows x mean tokens per row); sizes the "
-        "output estimate tokens x len(layer_ids) x hidden_size x bytes per value. None: the "
-        "output size is not checked.",
+        description="Model source: hf://org/name@revision (a commit sha pins it), "
+        "s3://bucket/prefix (a mirror of a model directory), or a local model directory."
     )
     model_cache: str | None = Field(
-        None, description="Model cache directory; default: the DATAGEN_MODEL_CACHE setting."
+        None, description="Model cache directory for downloads; None: the DATAGEN_MODEL_CACHE setting."
     )
 
     @field_validator("model")
@@ -186,6 +166,29 @@ class SourcesSpec(BaseModel):
     def _model_parses(cls, v: str) -> str:
         parse_model_source(v)  # raises SpecError (a ValueError) with what to write
         return v.strip()
+
+    @property
+    def source(self) -> ModelSource:
+        """``model``, parsed (``parse_model_source``: once per process)."""
+        return parse_model_source(self.model)
+
+
+class SourcesSpec(ModelChoice, CaptureChoices):
+    """What `datagen env-check` and `datagen download` need to know about a run.
+
+    Crosses the container boundary as JSON (``--spec SPEC``). The model, its cache, the layers and the
+    engine are declared once (``ModelChoice``, ``CaptureChoices``), for this spec and the flow's pipeline
+    spec, which writes this one from its own fields (``PipelineSpec.sources_spec``).
+    """
+
+    out: str = Field(description="Output dataset location: a local directory or s3://bucket/prefix.")
+    expected_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens the extraction will store (rows x mean tokens per row); sizes the "
+        "output estimate tokens x len(layer_ids) x hidden_size x bytes per value. None: the "
+        "output size is not checked.",
+    )
 
     @field_validator("out")
     @classmethod
@@ -195,10 +198,6 @@ class SourcesSpec(BaseModel):
         elif "://" in v:
             raise ValueError(f"output {v!r} has an unknown scheme: use a directory or s3://bucket/prefix")
         return v
-
-    @property
-    def source(self) -> ModelSource:
-        return parse_model_source(self.model)
 
 
 def parse_sources_spec(raw: dict[str, Any], *, origin: str = "spec") -> SourcesSpec:
