@@ -291,7 +291,7 @@ def wide_bench(args) -> None:
     import statistics
 
     sys.path.insert(0, str(REPO))
-    from datagen.data.spec import parse_spec
+    from datagen.specs.extraction import parse_spec
     from datagen.extraction.plan import plan
     from datagen.extraction.run import make_engine
 

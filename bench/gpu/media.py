@@ -246,7 +246,7 @@ def _part(rec: dict, key: str, fn) -> None:
 # --- stages -------------------------------------------------------------------------------------
 
 def stage_tiny(args, work: Path, out: Path) -> dict:
-    from datagen.data.spec import ExtractSpec
+    from datagen.specs.extraction import ExtractSpec
     from datagen.validation.media_parity import media_parity
 
     quant = "none" if args.smoke else "int4"
@@ -272,7 +272,7 @@ def stage_tiny(args, work: Path, out: Path) -> dict:
 
 
 def stage_wide(args, work: Path, out: Path) -> dict:
-    from datagen.data.spec import ExtractSpec
+    from datagen.specs.extraction import ExtractSpec
     from datagen.validation.media_parity import media_parity
 
     model, twin = wide_paths(work)
@@ -374,7 +374,7 @@ def bench(args) -> None:
 
     from bench.gpu.timing import extraction, plain_prefill
     from datagen.data.media_tokens import engine_prompt
-    from datagen.data.spec import parse_spec
+    from datagen.specs.extraction import parse_spec
     from datagen.extraction.plan import plan
     from datagen.extraction.run import make_engine
 

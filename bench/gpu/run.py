@@ -321,7 +321,7 @@ def stage_deploy(work: Path, shape: str, dtype: str, log, timeout: float) -> dic
 
 
 def _engine(spec: dict):
-    from datagen.data.spec import parse_spec
+    from datagen.specs.extraction import parse_spec
     from datagen.engines.vllm_engine import VllmEngine
     from datagen.engines.vllm_settings import VllmSettings
     from datagen.extraction.plan import plan

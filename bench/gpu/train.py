@@ -691,7 +691,7 @@ def self_chats(model: Path, out: Path, *, rows: int, new_tokens: int, device: st
 
 
 def _extract_hf(model: Path, chats: Path, out: Path, *, layer_ids, storage: str, per_shard: int) -> Path:
-    from datagen.data.spec import parse_spec
+    from datagen.specs.extraction import parse_spec
     from datagen.extraction.run import extract
 
     if not (out / "manifest.json").exists():
