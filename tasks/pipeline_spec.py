@@ -14,7 +14,9 @@ From it the flow derives the step-level specs:
 * ``ranges(num_shards)`` -> the shard ranges, the unit of caching, retry and fan-out.
 
 Fields that decide what the dataset holds (model, layers, dataset, preprocessing, engine) end up
-in the extraction spec and so in every fingerprint and cache key. Fields that decide only how the
+in the extraction spec and so in every fingerprint and cache key. Those the extraction spec shares are
+declared once in ``datagen.specs`` (``ModelChoice``, ``ExtractionChoices``), which this spec derives
+from; only the nesting of max_seq_len under ``preprocessing`` is its own. Fields that decide only how the
 run is carried out (runner, shards per task, ranges in flight, result storage, fan-out) do not:
 changing them never invalidates a cached shard.
 """
@@ -28,7 +30,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from datagen.specs.extraction import CaptureChoices, ExtractionChoices, ExtractSpec, MaxSeqLen, check_shard_size
-from datagen.errors import SpecError, spec_error
+from datagen.errors import spec_error
 from datagen.validation.settings import ValidationSettings
 from datagen.regeneration.settings import RegenerationSettings
 from datagen.specs.source import LocalSource, ModelChoice, is_s3_uri, parse_s3_uri
