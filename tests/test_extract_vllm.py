@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -48,7 +49,7 @@ COMPILED = {"DATAGEN_ENFORCE_EAGER": "0"}
 
 
 def _extract(model: Path, data: Path, out: Path, *, engine: str = "vllm", extra: tuple = (), env: dict,
-             log_has: str | None = None) -> dict:
+             log_has: str | None = None, logs: list | None = None) -> dict:
     proc = run_datagen(
         "extract", "--model", str(model), "--dataset", str(data), "--out", str(out), "--engine", engine,
         "--max-seq-len", str(MAX_SEQ_LEN), "--samples-per-shard", str(PER_SHARD),
@@ -57,6 +58,8 @@ def _extract(model: Path, data: Path, out: Path, *, engine: str = "vllm", extra:
     assert proc.returncode == 0, proc.stderr[-4000:]
     if log_has is not None:
         assert log_has in proc.stdout + proc.stderr, f"{log_has!r} not in the log:\n{proc.stderr[-4000:]}"
+    if logs is not None:
+        logs.append(proc.stdout + proc.stderr)
     return result_of(proc)
 
 
@@ -240,10 +243,16 @@ def test_a_range_from_the_stored_plan_writes_the_same_bytes(tiny_llama, llama_ro
 
 def test_streamed_groups_resume_by_recomputing_the_group_byte_identical(tiny_llama, llama_rows, tmp_path):
     """shard_group 2: a kill after the first shard of a group; the resume recomputes the whole
-    group and the shards equal an uninterrupted run's with the same groups."""
+    group and the shards equal an uninterrupted run's with the same groups. The uninterrupted run
+    rendered each group's requests while the group before it computed."""
     group = ("--shard-group", "2")
     ref = tmp_path / "ref"
-    _extract(tiny_llama, llama_rows, ref, extra=group, env=EAGER)
+    logs = []
+    _extract(tiny_llama, llama_rows, ref, extra=group, env=EAGER, logs=logs)
+    # each group after the first was rendered while the group before it computed (issue 56)
+    ahead = re.search(r"vllm: (\d+) of (\d+) groups rendered while the group before them computed", logs[0])
+    assert ahead and int(ahead[2]) == len(_shards(ref)) // 2 - 1 + len(_shards(ref)) % 2 > 0, logs[0][-3000:]
+    assert ahead[1] == ahead[2], ahead[0]
     out = tmp_path / "killed"
     out.mkdir()
     (out / "shards").mkdir()

@@ -11,6 +11,12 @@ records come back with the next group's announcement and at ``finish``. The
 engine is empty between groups, so a group's batch composition is a function of
 its rows alone and a resumed run (which recomputes whole groups) writes
 bit-identical shards (docs/decisions.md).
+
+A group's requests are rendered (its images read, checked and decoded, vLLM's
+multimodal processor run over them) on a thread of their own while the group
+before it computes, and a group computes while the run loop gathers the next:
+the host's work per group no longer holds the engine (issue 56: for Kimi's
+image rows it was 1.5 s a pass of 5.35).
 """
 
 from __future__ import annotations
@@ -97,6 +103,11 @@ class VllmEngine(Engine):
         self._pending = Handout()
         self.shard_group = max(1, int(self.config.shard_group))
         self._group: list[ShardJob] = []  # submitted, not yet run (the current group)
+        self._running: tuple[list[ShardJob], int] | None = None  # the group in the engine, its requests left
+        self._render_pool: ThreadPoolExecutor | None = None  # renders the next group's requests (one thread)
+        self.groups_behind = 0  # groups started while another was in the engine
+        self.rendered_ahead = 0  # of those, the groups rendered before the group ahead of them finished
+        self.render_wait_s = 0.0  # time the engine stood empty waiting for a group's requests to be rendered
         self._last_index = -2
         self._run = os.getpid()
         self._submitted = 0
@@ -227,7 +238,7 @@ class VllmEngine(Engine):
             )
 
     def submit(self, job: ShardJob) -> None:
-        """Add the shard to its group; a group runs once it is complete (or the next starts)."""
+        """Add the shard to its group; a group starts once it is complete (or the next starts)."""
         assert self.llm is not None, "start() first"
         if self._group and (job.index % self.shard_group == 0 or job.index != self._last_index + 1):
             self._run_group()  # a new group starts from an empty engine: its batches depend on its rows alone
@@ -237,19 +248,50 @@ class VllmEngine(Engine):
             self._run_group()
 
     def _run_group(self) -> None:
-        """Announce the group's shards, add all its requests, step until they have finished."""
-        from vllm import SamplingParams
-
+        """Start the gathered group: render its requests on the render thread while the group before it
+        finishes, then announce its shards and add its requests to the empty engine. It computes while
+        the caller gathers the next group (an engine core of its own process steps by itself); the
+        next call, or finish(), steps it to its end."""
         jobs, self._group = self._group, []
         if not jobs:
             return
-        engine = self.llm.llm_engine
-        wires, requests = [], []
+        ids = []
         for job in jobs:
             self._submitted += 1  # request ids unique for the engine's life, whatever shards come again
-            ids = [f"dg{self._run}.{self._submitted}-{job.index}-{i}" for i in range(len(job.input_ids))]
-            wires.append({**job.to_wire(), "request_ids": ids})
-            requests.extend(zip(ids, job.input_ids, job.media or [()] * len(ids)))
+            ids.append([f"dg{self._run}.{self._submitted}-{job.index}-{i}" for i in range(len(job.input_ids))])
+        if self._render_pool is None:
+            self._render_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="datagen-render")
+        rendered = self._render_pool.submit(self._render, jobs)
+        try:
+            if self._running is not None:
+                self.groups_behind += 1
+                self._finish_running()
+                self.rendered_ahead += rendered.done()
+            waited = time.monotonic()
+            inputs = rendered.result()
+            self.render_wait_s += time.monotonic() - waited
+        except BaseException:
+            rendered.cancel()
+            raise
+        self._add_group(jobs, ids, inputs)
+
+    def _render(self, jobs: list[ShardJob]) -> list:
+        """The group's requests as vLLM's engine inputs, in order: what ``LLM.generate`` makes of a
+        prompt (``Renderer.render_cmpl``), here on the render thread. Requests are rendered and added
+        in the same order, so the multimodal processor's cache and the engine core's agree."""
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
+
+        renderer, model_config = self.llm.renderer, self.llm.model_config
+        tok_params = renderer.default_cmpl_tok_params
+        pairs = [(tokens, images) for job in jobs for tokens, images in zip(job.input_ids, job.media or [()] * len(job.input_ids))]
+        return [renderer.render_cmpl([parse_model_prompt(model_config, p)], tok_params)[0] for p in prompts(pairs)]
+
+    def _add_group(self, jobs: list[ShardJob], ids: list[list[str]], inputs: list) -> None:
+        """Announce the group's shards and add its rendered requests to the empty engine."""
+        from vllm import SamplingParams
+
+        engine = self.llm.llm_engine
+        wires = [{**job.to_wire(), "request_ids": rids} for job, rids in zip(jobs, ids)]
         self._take(self.llm.collective_rpc("datagen_announce", args=(wires,)))
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         # The scheduler holds while the group's requests arrive: the first step sees them all, so
@@ -258,12 +300,21 @@ class VllmEngine(Engine):
         # dies of SIGILL there).
         paused = self._pause(engine)
         try:
-            for (rid, _, _), p in zip(requests, prompts([(tokens, images) for _, tokens, images in requests])):
-                engine.add_request(rid, p, params)
+            for rid, engine_input in zip((rid for rids in ids for rid in rids), inputs):
+                engine.add_request(rid, engine_input, params)
         finally:
             if paused:
                 engine.engine_core.call_utility("resume_scheduler")
-        left = len(requests)
+        self._running = (jobs, len(inputs))
+
+    def _finish_running(self) -> None:
+        """Step the group in the engine until its requests have finished (and, on the public path,
+        its states are captured)."""
+        if self._running is None:
+            return
+        jobs, left = self._running
+        self._running = None
+        engine = self.llm.llm_engine
         last = time.monotonic()
         while left:
             if not engine.has_unfinished_requests():
@@ -350,6 +401,10 @@ class VllmEngine(Engine):
 
     def finish(self) -> list[ShardRecord]:
         self._run_group()
+        self._finish_running()
+        if self.groups_behind:
+            log.info("vllm: %d of %d groups rendered while the group before them computed; the engine waited "
+                     "%.2f s in all for renders", self.rendered_ahead, self.groups_behind, self.render_wait_s)
         self._collect(wait=True)
         stuck = sorted(k for r in self._replies for k in r.pending_shards)
         if stuck:
@@ -357,6 +412,9 @@ class VllmEngine(Engine):
         return self.completed()
 
     def close(self) -> None:
+        if self._render_pool is not None:
+            self._render_pool.shutdown(wait=True, cancel_futures=True)
+            self._render_pool = None
         if self.llm is not None:
             try:
                 self.llm.llm_engine.engine_core.shutdown()
