@@ -292,7 +292,7 @@ def test_the_pinned_ring_reuses_its_pieces_in_order_and_waits_only_for_a_pending
 
 
 def test_a_group_running_longer_than_the_collect_interval_fetches_its_records_while_it_runs(monkeypatch):
-    """VllmEngine._run_group steps the engine until the group's requests finish and, every
+    """VllmEngine._finish_running steps the engine until the group's requests finish and, every
     COLLECT_EVERY_S meanwhile, fetches the workers' finished records without waiting, so a long
     group's shards are kept as they are written, not all after it. The mechanism on a stand-in
     engine whose steps take 0.6 s each (no vLLM engine starts): three requests, one finishing per
@@ -327,7 +327,11 @@ def test_a_group_running_longer_than_the_collect_interval_fetches_its_records_wh
     monkeypatch.setattr(engine, "_collect", lambda *, wait: collected.append((len(steps), wait)))
     job = SimpleNamespace(index=0, input_ids=[np.array(ids) for ids in ([1, 2], [3], [4, 5, 6])], media=None,
                           to_wire=lambda: {"index": 0})
+    monkeypatch.setattr(engine, "_render_one", lambda prompt: prompt)  # the stand-in takes vLLM's prompt as is
     engine._group = [job]
-    engine._run_group()
-    assert len(added) == len(steps) == 3 and engine._group == []
+    engine._run_group()  # renders and adds the group, which then computes while the caller goes on
+    assert len(added) == 3 and steps == [] and engine._group == []
+    engine._finish_running()
+    engine.close()
+    assert len(steps) == 3
     assert collected == [(2, False)]  # once, after the second step (1.2 s, a request left), never after the last

@@ -17,7 +17,7 @@ from PIL import Image
 
 from datagen.data import media_tokens
 from datagen.data.media import MediaItem
-from datagen.engines.vllm_engine import prompt, prompts
+from datagen.engines.vllm_requests import prompt, prompts
 from datagen.errors import DatasetError
 
 PAD = 7  # a stand-in placeholder id: the prompt collapses each image's run of it to one
@@ -86,9 +86,9 @@ def test_a_changed_image_fails_naming_the_first_changed_one(tmp_path):
 
 def test_only_a_few_prompts_are_made_ahead_of_the_one_taken(tmp_path, monkeypatch):
     """A group's decoded images are never all in memory at once: two per thread ahead at most."""
-    from datagen.engines import vllm_engine
+    from datagen.engines import vllm_requests
 
-    monkeypatch.setattr(vllm_engine, "DECODE_THREADS", 2)
+    monkeypatch.setattr(vllm_requests, "DECODE_THREADS", 2)
     requests = [_sample(tmp_path, i, 1) for i in range(20)]
     loaded = []
     real = media_tokens.load_image

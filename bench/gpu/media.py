@@ -418,7 +418,7 @@ def bench(args) -> None:
 
     # plain prefill is handed the images decoded (before its clock starts); the extraction reads
     # and decodes them itself: the host's share, timed alone (read, sha256, decode; median of 3),
-    # one after another and on the engine's pool (vllm_engine.prompts, what the extraction does)
+    # one after another and on the engine's pool (vllm_requests.prompts, what the extraction does)
     res.update(_load_times(samples))
     prompts_img = image_prompts()
     # and vLLM's host work on them, the checkpoint's processor as 0.24.0 loads it: count, resize,
@@ -458,6 +458,9 @@ def bench(args) -> None:
 
     rates, written = extraction(eng, img, plans(), tokens=tokens)
     eng.close()
+    # the render thread: groups rendered while the group before them computed, of those that had one
+    res["render"] = {"groups_behind": eng.groups_behind, "rendered_ahead": eng.rendered_ahead,
+                     "render_wait_s": round(eng.render_wait_s, 2)}
     for name in ("images", "text"):
         res[f"extract_{name}_tokens_per_s"] = [r for r, o in zip(rates, order) if o == name]
         res[f"extract_{name}_bytes_per_s"] = [b for b, o in zip(written, order) if o == name]
@@ -489,12 +492,12 @@ def bench(args) -> None:
 
 def _load_times(samples, repeats: int = 3) -> dict:
     """Seconds to make the image rows' prompts (read, sha256, decode): one after another, and on
-    the engine's pool of threads (datagen.engines.vllm_engine.prompts); medians of ``repeats``."""
+    the engine's pool of threads (datagen.engines.vllm_requests.prompts); medians of ``repeats``."""
     import statistics
 
     import numpy as np
 
-    from datagen.engines.vllm_engine import DECODE_THREADS, prompt, prompts
+    from datagen.engines.vllm_requests import DECODE_THREADS, prompt, prompts
 
     pairs = [(np.asarray(s.input_ids), tuple(s.media)) for s in samples]
     times: dict = {"serial": [], "pooled": []}

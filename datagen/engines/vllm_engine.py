@@ -23,11 +23,8 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from itertools import islice
 
 from datagen.data.contract import ShardRecord
 from datagen.data.shards.format import ShardJob
@@ -38,6 +35,7 @@ from datagen.engines.capture_paths import RunnerChoice, runner_choice, runner_ve
 from datagen.engines.messages import CaptureReply
 from datagen.engines.vllm_attention import cpu_amx_flags, cpu_has_amx
 from datagen.engines.vllm_devices import check_devices, set_process_env
+from datagen.engines.vllm_requests import Rendered
 from datagen.engines.vllm_settings import INTERNAL, PUBLIC, VllmSettings
 from datagen.engines.vllm_llm import llm_kwargs, start_llm
 from datagen.errors import CannotRunHereError, EngineUnsupportedError, StorageError
@@ -49,83 +47,16 @@ EXTENSION = "datagen.engines.vllm_worker.CaptureExtension"
 CACHE_ONLY_ATTENTION = "CACHE_ONLY_ATTN"  # extract_hidden_states' layer that only stores the states
 COLLECT_EVERY_S = 1.0  # while a group runs, the workers' finished records are fetched this often
 PUBLIC_DRAIN_S = 120.0  # the public path: the longest wait for the connector's last states of a group
-DECODE_THREADS = 16  # at most this many threads read and decode a group's images (prompts())
-
-
-def prompt(tokens, images=()):
-    """The request's prompt: its token ids, and its images as vLLM multimodal inputs beside them."""
-    from vllm.inputs import TokensPrompt
-
-    if not images:
-        return TokensPrompt(prompt_token_ids=tokens.tolist())
-    from datagen.data.media_tokens import engine_prompt
-
-    return TokensPrompt(**engine_prompt(tokens, images))
-
-
-def prompts(requests):
-    """The prompts of ``(tokens, images)`` pairs, yielded in order. Where two or more have images,
-    the images are read, checked (sha256) and decoded on a pool of threads, which PIL's decoders
-    and hashlib run outside the GIL: done one after another, this host work left the GPU idle for
-    longer than the group's own steps took (docs/datasets-media.md, "Throughput at Kimi's width").
-    At most two prompts per thread are made ahead of the one taken, so a group's decoded images are
-    never all in memory at once. The first failure in order is raised where its prompt is taken,
-    as the loop one by one raised it."""
-    with_images = sum(1 for _, images in requests if images)
-    if with_images < 2:
-        yield from (prompt(tokens, images) for tokens, images in requests)
-        return
-    workers = min(with_images, max(2, os.cpu_count() or 1), DECODE_THREADS)
-    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="datagen-decode")
-    try:
-        ahead = iter(requests)
-        pending = deque(pool.submit(prompt, *r) for r in islice(ahead, 2 * workers))
-        while pending:
-            done = pending.popleft().result()
-            for r in islice(ahead, 1):
-                pending.append(pool.submit(prompt, *r))
-            yield done
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
-class _Rendered:
-    """A group's engine inputs, made in order on the render thread (``render`` of each prompt of
-    ``pairs``, images decoded by ``prompts``) and taken in order as they are made: a group rendered
-    ahead is added at once, one that is not is added as it renders. A render's failure is raised
-    where its input is taken."""
-
-    def __init__(self, pool: ThreadPoolExecutor, render, pairs: list):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._count = len(pairs)
-        self.waited_s = 0.0  # time the taker waited for an input not rendered yet
-        self._future = pool.submit(self._run, render, pairs)
-
-    def _run(self, render, pairs) -> None:
-        try:
-            for p in prompts(pairs):
-                self._queue.put((render(p), None))
-        except BaseException as e:  # noqa: BLE001 (handed to the taker, raised there)
-            self._queue.put((None, e))
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def cancel(self) -> None:
-        self._future.cancel()  # one not started yet; a running render ends by itself, its inputs unread
-
-    def __iter__(self):
-        for _ in range(self._count):
-            t = time.monotonic()
-            item, error = self._queue.get()
-            self.waited_s += time.monotonic() - t
-            if error is not None:
-                raise error
-            yield item
 
 
 class VllmEngine(Engine):
     name = "vllm"
+    # the render thread's state (set as groups run)
+    _running: tuple[list[ShardJob], int] | None = None  # the group in the engine, its requests added
+    _render_pool: ThreadPoolExecutor | None = None  # renders the next group's requests (one thread)
+    groups_behind = 0  # groups started while another was in the engine
+    rendered_ahead = 0  # of those, the groups rendered before the group ahead of them finished
+    render_wait_s = 0.0  # time the driver waited for a request not rendered yet
 
     def __init__(self, info: ModelInfo, config: VllmSettings | None = None, **kwargs):
         """``config``: every setting (VllmSettings); keyword arguments build one when it is not given."""
@@ -139,11 +70,6 @@ class VllmEngine(Engine):
         self._pending = Handout()
         self.shard_group = max(1, int(self.config.shard_group))
         self._group: list[ShardJob] = []  # submitted, not yet run (the current group)
-        self._running: tuple[list[ShardJob], int] | None = None  # the group in the engine, its requests left
-        self._render_pool: ThreadPoolExecutor | None = None  # renders the next group's requests (one thread)
-        self.groups_behind = 0  # groups started while another was in the engine
-        self.rendered_ahead = 0  # of those, the groups rendered before the group ahead of them finished
-        self.render_wait_s = 0.0  # time the engine stood empty waiting for a group's requests to be rendered
         self._last_index = -2
         self._run = os.getpid()
         self._submitted = 0
@@ -300,7 +226,7 @@ class VllmEngine(Engine):
             self._render_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="datagen-render")
         pairs = [(tokens, images) for job in jobs
                  for tokens, images in zip(job.input_ids, job.media or [()] * len(job.input_ids))]
-        rendered = _Rendered(self._render_pool, self._render_one, pairs)
+        rendered = Rendered(self._render_pool, self._render_one, pairs)
         try:
             if self._running is not None:
                 self.groups_behind += 1
