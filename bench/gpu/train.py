@@ -40,6 +40,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -252,18 +253,26 @@ def _marks(metrics: Path) -> list:
 
 
 def _run_child(entry: str, metrics: Path, argv: list[str], *, timeout: float, steps_wanted: int | None = None,
-               grace: float = 20.0) -> dict:
+               grace: float = 20.0, caches: Path | None = None) -> dict:
     """The run in a process group of its own, stopped at ``timeout``, or ``grace`` seconds after its
     ``steps_wanted``-th step was logged without the run ending (what follows the last step, the
-    validation pass and speculators' float32 checkpoint with its optimizer state, is not timed)."""
+    validation pass and speculators' float32 checkpoint with its optimizer state, is not timed).
+    ``caches``: torch's inductor and Triton caches for this run alone (emptied first), so that no run
+    reads the kernels an earlier run compiled: each starts as on a fresh machine or container."""
     import signal
     import tempfile
+
+    env = None
+    if caches is not None:
+        shutil.rmtree(caches, ignore_errors=True)
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"), "TRITON_CACHE_DIR": str(caches / "triton")}
 
     cmd = [sys.executable, __file__, "child", "--entry", entry, "--metrics", str(metrics), "--", *argv]
     t0, spawned = time.monotonic(), time.time()
     metrics.unlink(missing_ok=True)
     with tempfile.TemporaryFile("w+") as errf:
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=errf, text=True, cwd=REPO, start_new_session=True)
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=errf, text=True, cwd=REPO, start_new_session=True,
+                             env=env)
         rc, done_at = None, None
         while rc is None:
             try:
@@ -565,7 +574,7 @@ def width(args) -> None:
                  else "cpu", "settings": {"steps": args.steps, "total_seq_len": args.total_seq_len, "lr": 3e-4,
                                           "ttt_steps": 3, "num_layers": 1, "loader_workers": args.workers,
                                           "recipe": args.recipe, "recipe_flags": RECIPES[args.recipe],
-                                          "loss_implementation": args.loss}}
+                                          "loss_implementation": args.loss, "compile_caches": args.caches}}
     path = out / f"train-width-{name}.json"
     deadline = time.monotonic() + args.budget
     t = time.monotonic()
@@ -595,13 +604,18 @@ def width(args) -> None:
     runs = rec.setdefault("runs", {})
     export = work / "export"
 
+    def caches(label: str, seed: int) -> Path | None:
+        # cold: each run compiles its own kernels (2026-12-06 at 8B, the run that went first on a machine
+        # reached its first step 61-94 s after the others, which read the kernels it had compiled)
+        return work / "caches" / f"{label}-{seed}" if args.caches == "cold" else None
+
     def datagen_run(seed: int) -> None:
         draft = work / f"draft-datagen-{seed}"
         subprocess.run(["rm", "-rf", str(draft)])
         argv = ["train", str(dataset), "--out", str(draft), "--model", str(verifier), "--device", device,
                 "--loader-workers", str(args.workers), "--seed", str(seed), *common]
         r = _run_child("datagen", work / f"metrics-datagen-{seed}.jsonl", argv, timeout=args.run_timeout,
-                       steps_wanted=args.steps)
+                       steps_wanted=args.steps, caches=caches("datagen", seed))
         runs[f"datagen seed {seed}"] = _summary(r)
         shutil.rmtree(draft, ignore_errors=True)  # the disk: a Kimi-width draft is 4 GB
 
@@ -630,7 +644,7 @@ def width(args) -> None:
                 "--target-layer-ids", *map(str, shape["layer_ids"][:-1]), *RECIPES[args.recipe],
                 *(["--draft-attn-impl", "sdpa"] if device == "cpu" else [])]  # as `datagen train` on the CPU
         r = _run_child("speculators", work / f"metrics-speculators-{seed}.jsonl", argv, timeout=args.run_timeout,
-                       steps_wanted=args.steps)
+                       steps_wanted=args.steps, caches=caches("speculators", seed))
         runs[f"speculators seed {seed}"] = _summary(r)
         shutil.rmtree(save, ignore_errors=True)
 
@@ -1015,6 +1029,9 @@ def main() -> None:
     p.add_argument("--recipe", choices=sorted(RECIPES), default="default",
                    help="default: speculators' default recipe; adamw: AdamW without norm_before_fc/norm_output "
                         "(both pipelines; the JSON is train-width-<shape>[-adamw].json)")
+    p.add_argument("--caches", choices=("cold", "shared"), default="cold",
+                   help="cold: each run its own empty inductor and Triton caches (every run starts as on a fresh "
+                        "machine); shared: the user's caches, filled by whichever run came first")
     p.add_argument("--smoke", action="store_true", help="a tiny shape (CPU)")
     p = sub.add_parser("reader", help="the loader alone: speculators' collate vs direct, per shape and workers")
     p.add_argument("--shapes", type=lambda s: s.split(","), default=["kimi", "8b"])
