@@ -219,7 +219,7 @@ class ModelBench:
                                     use_tqdm=False)
                 states = next(r for r in llm.collective_rpc("bench_naive_take", args=([o.request_id for o in outs],))
                               if r is not None)
-                records[job.index] = write_shard(job, [from_wire(x, TORCH_DTYPES[job.dtype]) for x in states])
+                records[job.index] = write_shard(job, [from_wire(x, TORCH_DTYPES[job.storage_dtype]) for x in states])
         _check(records, case)
         shutil.rmtree(p.spec.out)
         t.hashes = [records[k].sha256 for k in sorted(records)]

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from datagen.data.contract import FORMAT_VERSION, LAYER_NUMBERING, MANIFEST_NAME, Manifest, shard_name
+from datagen.data.contract import FORMAT_VERSION, LAYER_NUMBERING, MANIFEST_NAME, Manifest, ShardFormat, shard_name
 from datagen.data.files import atomic_write_json
 from datagen.data.shards.format import ShardJob
 from datagen.data.shards.kernels import combine_stats
@@ -73,7 +73,7 @@ def make_dataset(root: Path, *, total_mb: int, hidden: int, seed: int = 0) -> Pa
         masks = tuple(np.ones(TOKENS_PER_SAMPLE, dtype=np.uint8) for _ in range(SAMPLES_PER_SHARD))
         job = ShardJob(index=k, path=str(root / shard_name(k)), first_row=first, rows=SAMPLES_PER_SHARD,
                        sample_rows=tuple(range(first, first + SAMPLES_PER_SHARD)), input_ids=ids, loss_masks=masks,
-                       layer_ids=LAYER_IDS, dtype="bfloat16", hidden_size=hidden,
+                       format=ShardFormat(LAYER_IDS, "bfloat16", hidden),
                        shard_key=sha256_hex(f"{efp}:{k}"))
         states = [torch.randn(TOKENS_PER_SAMPLE, len(LAYER_IDS), hidden, generator=g).to(torch.bfloat16)
                   for _ in range(SAMPLES_PER_SHARD)]

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from datagen.data.files import fsync_dir
+from datagen.data.contract import ShardFormat
 from datagen.data.shards.format import SHARD_FORMAT, ShardJob
 from datagen.data.shards.kernels import token_stats
 from datagen.data.shards.writer import write_shard
@@ -54,7 +55,7 @@ def make_inputs(size_mb: int, seed: int = 0):
 
 def job(path: Path, ids, masks) -> ShardJob:
     return ShardJob(index=0, path=str(path), first_row=0, rows=len(ids), sample_rows=tuple(range(len(ids))),
-                    input_ids=ids, loss_masks=masks, layer_ids=LAYERS, dtype="bfloat16", hidden_size=H,
+                    input_ids=ids, loss_masks=masks, format=ShardFormat(LAYERS, "bfloat16", H),
                     shard_key="bench")
 
 

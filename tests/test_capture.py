@@ -3,6 +3,7 @@ steps, the tensor-parallel split of the writes, and the memory bound of the per-
 
 from __future__ import annotations
 
+import json
 import weakref
 from types import SimpleNamespace
 
@@ -13,6 +14,7 @@ from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from datagen.data.contract import ShardFormat
 from datagen.data.shards.format import ShardJob
 from datagen.data.shards.kernels import (
     dequantize_fp8,
@@ -43,8 +45,8 @@ def _group(root, storage):
         sl = slice(k * PER_SHARD, (k + 1) * PER_SHARD)
         job = ShardJob(index=k, path=str(root / f"shard-{k:06d}.safetensors"), first_row=k * PER_SHARD,
                        rows=PER_SHARD, sample_rows=tuple(range(sl.start, sl.stop)), input_ids=tuple(ids[sl]),
-                       loss_masks=tuple(np.ones(len(x), np.uint8) for x in ids[sl]), layer_ids=LAYERS,
-                       dtype=storage, hidden_size=H, shard_key=f"k{k}")
+                       loss_masks=tuple(np.ones(len(x), np.uint8) for x in ids[sl]), format=ShardFormat(LAYERS, storage, H),
+                       shard_key=f"k{k}")
         wires.append({**job.to_wire(), "request_ids": rids[sl]})
     return ids, states, rids, wires
 
@@ -76,7 +78,7 @@ def _run(tmp_path, storage, rank=0, world=1):
     runner = SimpleNamespace(device=torch.device("cpu"), input_batch=SimpleNamespace(req_ids=[]),
                              requests={f"{r}-abcd1234": SimpleNamespace(prompt_token_ids=x.tolist())
                                        for r, x in zip(rids, ids)})
-    cfg = CaptureConfig(layer_ids=LAYERS, dtype="bfloat16", storage_dtype=storage, max_tokens=BUDGET, writers=2)
+    cfg = CaptureConfig(shard=ShardFormat(LAYERS, storage, H), dtype="bfloat16", max_tokens=BUDGET, writers=2)
     cap = Capture(runner, cfg, H, rank, world)
     cap.announce([dict(w) for w in wires])
     for req, so, aux in _steps(rids, states):
@@ -125,7 +127,7 @@ def test_each_tensor_parallel_rank_writes_shard_k_mod_tp(tmp_path):
 
 def test_a_request_of_no_announced_shard_is_kept_apart_until_taken(tmp_path):
     runner = SimpleNamespace(device=torch.device("cpu"), input_batch=SimpleNamespace(req_ids=["x-1"]), requests={})
-    cap = Capture(runner, CaptureConfig(layer_ids=LAYERS, dtype="bfloat16", storage_dtype="bfloat16",
+    cap = Capture(runner, CaptureConfig(shard=ShardFormat(LAYERS, "bfloat16", H), dtype="bfloat16",
                                         max_tokens=BUDGET, writers=1), H)
     so = SimpleNamespace(total_num_scheduled_tokens=3, num_scheduled_tokens={"x-1": 3})
     x = [torch.randn(3, H).to(torch.bfloat16) for _ in LAYERS]
@@ -196,21 +198,23 @@ def test_the_statistics_in_chunks_equal_one_pass():
 
 
 def test_the_device_buffers_are_stated_at_kimi_width():
-    cfg = CaptureConfig(layer_ids=(2, 4, 5, 7), dtype="bfloat16", storage_dtype="bfloat16", max_tokens=16384)
+    cfg = CaptureConfig(shard=ShardFormat((2, 4, 5, 7), "bfloat16", 7168), dtype="bfloat16", max_tokens=16384)
     staged = 16384 * 4 * 7168 * 2
     assert staged <= device_bytes(cfg, 7168) <= staged + (64 << 20)
-    fp8 = CaptureConfig(layer_ids=(2, 4, 5, 7), dtype="bfloat16", storage_dtype="fp8_e4m3", max_tokens=16384)
+    fp8 = CaptureConfig(shard=ShardFormat((2, 4, 5, 7), "fp8_e4m3", 7168), dtype="bfloat16", max_tokens=16384)
     assert device_bytes(fp8, 7168) < 0.6 * device_bytes(cfg, 7168)
 
 
 def test_the_capture_settings_travel_as_one_object_and_come_back_equal():
     from datagen.engines.vllm_settings import VllmSettings
 
-    s = VllmSettings(layer_ids=(2, 4), dtype="bfloat16", max_seq_len=64, storage_dtype="fp8_e4m3",
+    s = VllmSettings(shard=ShardFormat((2, 4), "fp8_e4m3", 16), dtype="bfloat16", max_seq_len=64,
                      max_num_batched_tokens=512, writers=3, host_budget_bytes=1 << 30)
     cfg = s.capture()
-    back = CaptureConfig.from_vllm_config(SimpleNamespace(additional_config=cfg.to_additional_config()))
+    wire = json.loads(json.dumps(cfg.to_additional_config()))  # vLLM's additional_config: JSON
+    back = CaptureConfig.from_vllm_config(SimpleNamespace(additional_config=wire))
     assert back == cfg and back.max_tokens == 512 and back.storage_dtype == "fp8_e4m3"
+    assert back.shard == s.shard and back.layer_ids == (2, 4)
     assert CaptureConfig.from_vllm_config(SimpleNamespace(additional_config=None)) is None
     with pytest.raises(ValueError, match="unknown keys"):
         CaptureConfig.from_dict({**cfg.to_additional_config()["datagen_capture"], "layer": 1})

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from datagen.data.contract import ShardFormat
 from datagen.data.shards.format import FP8, ShardJob
 from datagen.data.shards.image import ImagePool
 from datagen.data.shards.kernels import quantize_fp8, token_stats
@@ -29,8 +30,8 @@ def _job(tmp_path, storage, index=0, name="a"):
     ids = tuple(rng.integers(3, 500, size=n).astype(np.int32) for n in ROWS)
     return ShardJob(index=index, path=str(tmp_path / name / f"shard-{index:06d}.safetensors"), first_row=0,
                     rows=len(ROWS), sample_rows=tuple(range(len(ROWS))), input_ids=ids,
-                    loss_masks=tuple(np.ones(n, np.uint8) for n in ROWS), layer_ids=LAYERS, dtype=storage,
-                    hidden_size=H, shard_key=f"key{index}")
+                    loss_masks=tuple(np.ones(n, np.uint8) for n in ROWS), format=ShardFormat(LAYERS, storage, H),
+                    shard_key=f"key{index}")
 
 
 def _states(storage, seed=0):

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from datagen.data.contract import ShardFormat
 from datagen.specs.extraction import EngineName
 from datagen.engines import capture_paths
 from datagen.engines.capture import Capture
@@ -123,7 +124,7 @@ def test_whole_requests_write_the_same_shard_files_as_chunked_steps(tmp_path, st
         runner = SimpleNamespace(device=torch.device("cpu"), input_batch=SimpleNamespace(req_ids=[]),
                                  requests={f"{r}-abcd1234": SimpleNamespace(prompt_token_ids=x.tolist())
                                            for r, x in zip(rids, ids)})
-        cfg = CaptureConfig(layer_ids=LAYERS, dtype="bfloat16", storage_dtype=storage, max_tokens=BUDGET, writers=2,
+        cfg = CaptureConfig(shard=ShardFormat(LAYERS, storage, H), dtype="bfloat16", max_tokens=BUDGET, writers=2,
                             path="internal" if how == "steps" else "public")
         cap = Capture(runner, cfg, H)
         cap.announce([dict(w) for w in wires])
@@ -144,7 +145,7 @@ def test_a_request_whose_prompt_differs_from_its_row_is_refused(tmp_path):
     ids, states, rids, wires = _group(tmp_path, "bfloat16")
     runner = SimpleNamespace(device=torch.device("cpu"), input_batch=None,
                              requests={f"{rids[0]}-abcd1234": SimpleNamespace(prompt_token_ids=[1, 2])})
-    cap = Capture(runner, CaptureConfig(layer_ids=LAYERS, dtype="bfloat16", storage_dtype="bfloat16",
+    cap = Capture(runner, CaptureConfig(shard=ShardFormat(LAYERS, "bfloat16", H), dtype="bfloat16",
                                         max_tokens=BUDGET, writers=1), H)
     cap.announce([dict(w) for w in wires])
     with pytest.raises(RuntimeError, match="prompt tokens differ"):

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from datagen.data.contract import ShardFormat
 from datagen.engines.capture import Capture
 from datagen.engines.capture_v2 import step_rows_v2, v2_self_test
 from datagen.engines.vllm_settings import CaptureConfig
@@ -116,7 +117,7 @@ def _capture(tmp_path, storage, rank=0, world=1, runner=None):
     runner = runner or SimpleNamespace(device=torch.device("cpu"), input_batch=SimpleNamespace(req_ids=[]),
                                        requests={f"{r}{SUFFIX}": SimpleNamespace(prompt_token_ids=x.tolist())
                                                  for r, x in zip(rids, ids)})
-    cfg = CaptureConfig(layer_ids=LAYERS, dtype="bfloat16", storage_dtype=storage, max_tokens=BUDGET, writers=2)
+    cfg = CaptureConfig(shard=ShardFormat(LAYERS, storage, H), dtype="bfloat16", max_tokens=BUDGET, writers=2)
     cap = Capture(runner, cfg, H, rank, world)
     cap.announce([dict(w) for w in wires])
     return cap, runner, ids, states, rids
@@ -250,7 +251,7 @@ def test_the_worker_reads_v2s_state_on_v2s_runner_and_skips_its_dummy_runs(v2, t
 
     torch.manual_seed(0)
     ids, states, rids, wires = _group(tmp_path / "v2", "bfloat16")
-    cfg = CaptureConfig(layer_ids=LAYERS, dtype="bfloat16", storage_dtype="bfloat16", max_tokens=BUDGET, writers=2)
+    cfg = CaptureConfig(shard=ShardFormat(LAYERS, "bfloat16", H), dtype="bfloat16", max_tokens=BUDGET, writers=2)
     runner = object.__new__(v2.Runner)
     runner.vllm_config = SimpleNamespace(additional_config=cfg.to_additional_config())
     runner.model_config = SimpleNamespace(get_hidden_size=lambda: H)
@@ -384,7 +385,7 @@ def test_the_engine_pins_v1_or_leaves_vllm_its_runner_when_started(monkeypatch):
                                 (2, "LlamaForCausalLM", {"DATAGEN_CAPTURE_RUNNER_V2": "1"}, None)):
         engine = _engine_on(monkeypatch, tp, arch, env, [])
         engine.config = SimpleNamespace(capture_path="internal", tensor_parallel_size=tp, attention_backend=None,
-                                        layer_ids=(1,))
+                                        shard=ShardFormat((1,), "bfloat16", 8))
         engine.info = SimpleNamespace(architecture=arch, model_type="llama", num_hidden_layers=4, path="m",
                                       multimodal=False)
         monkeypatch.setattr(engine, "engine_kwargs", lambda: {}, raising=False)
@@ -394,7 +395,7 @@ def test_the_engine_pins_v1_or_leaves_vllm_its_runner_when_started(monkeypatch):
         assert started.pop() == want, (tp, arch, env)
     engine = _engine_on(monkeypatch, 1, "DeepseekV3ForCausalLM", {"VLLM_USE_V2_MODEL_RUNNER": "1"}, [])
     engine.config = SimpleNamespace(capture_path="internal", tensor_parallel_size=1, attention_backend=None,
-                                    layer_ids=(1,))
+                                    shard=ShardFormat((1,), "bfloat16", 8))
     engine.info = SimpleNamespace(architecture="DeepseekV3ForCausalLM", model_type="deepseek_v3",
                                   num_hidden_layers=4, path="m", multimodal=False)
     with pytest.raises(EngineUnsupportedError, match="VLLM_USE_V2_MODEL_RUNNER=1, but the V2 capture is not verified"):

@@ -187,17 +187,18 @@ def test_without_vllms_own_processor_a_checkpoint_without_its_code_is_refused(ki
 
 def test_a_shard_job_carries_each_rows_images_over_the_wire():
     from datagen.data.media import MediaItem
+    from datagen.data.contract import ShardFormat
     from datagen.data.shards.format import ShardJob
 
     item = MediaItem(url="a.png", path="/data/a.png", sha256="ab" * 32, offset=5, tokens=12)
     job = ShardJob(index=0, path="/x", first_row=0, rows=2, sample_rows=(0, 1),
                    input_ids=(np.arange(20, dtype=np.int32), np.arange(3, dtype=np.int32)),
-                   loss_masks=(np.ones(20, np.uint8), np.ones(3, np.uint8)), layer_ids=(1, 2), dtype="bfloat16",
-                   hidden_size=8, shard_key="k", media=((item,), ()))
+                   loss_masks=(np.ones(20, np.uint8), np.ones(3, np.uint8)), format=ShardFormat((1, 2), "bfloat16", 8),
+                   shard_key="k", media=((item,), ()))
     wire = json.loads(json.dumps(job.to_wire()))
-    back = ShardJob.from_wire(wire)
+    back = ShardJob.from_wire(wire, job.format)
     assert back.media == ((item,), ())
-    text_only = ShardJob.from_wire({**wire, "media": []})
+    text_only = ShardJob.from_wire({**wire, "media": []}, job.format)
     assert text_only.media == ()
 
 

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from datagen.data.contract import MANIFEST_NAME, Manifest
+from datagen.data.contract import MANIFEST_NAME, Manifest, ShardFormat
 from tests.builders import result_of, run_datagen
 from tests.support.llama_vllm import EAGER, LENGTHS, MAX_SEQ_LEN, NO_TARGET_ROW, extract_args, llama_rows, llama_vllm
 
@@ -157,7 +157,7 @@ def test_a_whole_request_longer_than_the_step_budget_is_staged_in_pieces(tmp_pat
     from datagen.engines.capture import Capture
     from datagen.engines.vllm_settings import CaptureConfig
 
-    cfg = CaptureConfig(layer_ids=(1, 2), dtype="float32", storage_dtype="float32", max_tokens=16, writers=1)
+    cfg = CaptureConfig(shard=ShardFormat((1, 2), "float32", 8), dtype="float32", max_tokens=16, writers=1)
     shim = SimpleNamespace(device=torch.device("cpu"), requests={}, input_batch=None)
     cap = Capture(shim, cfg, 8)
     seen = []
@@ -184,7 +184,7 @@ def test_the_public_path_on_024s_forced_v2_is_refused_before_the_engine_starts(m
     engine.info = SimpleNamespace(model_type="llama", num_hidden_layers=6, path="m", multimodal=False,
                                   architecture="LlamaForCausalLM")
     engine.config = SimpleNamespace(capture_path="public", tensor_parallel_size=1, attention_backend=None,
-                                    layer_ids=(2, 3, 6))
+                                    shard=ShardFormat((2, 3, 6), "bfloat16", 8))
     monkeypatch.setattr(vllm_engine, "check_devices", lambda tp: True)  # as on a CUDA host
     monkeypatch.setattr(patches, "check_capturable", lambda *a, **k: None)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")

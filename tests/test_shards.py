@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save
 
+from datagen.data.contract import ShardFormat
 from datagen.data.shards.format import FP8, SHARD_FORMAT, ShardJob
 from datagen.data.shards.kernels import dequantize_fp8, quantize_fp8, stored_states, token_stats
 from datagen.data.shards.writer import write_shard
@@ -27,7 +28,7 @@ def job(path: Path, lengths, dtype: str, index: int = 0) -> ShardJob:
         sample_rows=tuple(10 * index + i for i in range(len(lengths))),
         input_ids=tuple(rng.integers(0, 500, n).astype(np.int32) for n in lengths),
         loss_masks=tuple((rng.random(n) > 0.5).astype(np.uint8) for n in lengths),
-        layer_ids=LAYERS, dtype=dtype, hidden_size=H, shard_key=f"key{index}",
+        format=ShardFormat(layer_ids=LAYERS, storage_dtype=dtype, hidden_size=H), shard_key=f"key{index}",
     )
 
 
@@ -241,12 +242,21 @@ def test_a_failed_write_leaves_neither_the_shard_nor_a_temporary(tmp_path, monke
 def test_a_shard_job_survives_the_wire_as_plain_lists():
     j = job(Path("/x/shard-000002.safetensors"), [3, 0, 5], "bfloat16", index=2)
     wire = json.loads(json.dumps(j.to_wire()))  # what msgpack carries: lists, ints, strings
-    back = ShardJob.from_wire(wire)
+    # the run's format is not in a shard's message: the worker has it from the engine's start
+    assert not {"format", "layer_ids", "storage_dtype", "hidden_size", "dtype"} & set(wire)
+    fmt = ShardFormat.from_wire(json.loads(json.dumps(j.format.to_wire())))
+    assert fmt == j.format
+    back = ShardJob.from_wire(wire, fmt)
     assert back.sample_rows == j.sample_rows and back.layer_ids == j.layer_ids and back.tokens == j.tokens == 8
     for a, b in zip(back.input_ids + back.loss_masks, j.input_ids + j.loss_masks):
         assert a.dtype == b.dtype and np.array_equal(a, b)
-    assert (back.index, back.path, back.first_row, back.rows, back.dtype, back.hidden_size, back.shard_key) == (
-        j.index, j.path, j.first_row, j.rows, j.dtype, j.hidden_size, j.shard_key)
+    assert (back.index, back.path, back.first_row, back.rows, back.storage_dtype, back.hidden_size, back.shard_key) == (
+        j.index, j.path, j.first_row, j.rows, j.storage_dtype, j.hidden_size, j.shard_key)
+
+
+def test_a_shard_format_names_a_stored_dtype():
+    with pytest.raises(ValueError, match="storage dtype 'int8'"):
+        ShardFormat(layer_ids=(1, 2), storage_dtype="int8", hidden_size=8)
 
 
 def test_shard_statistics_combine_exactly_into_the_datasets(tmp_path):

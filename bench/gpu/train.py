@@ -117,7 +117,7 @@ def make_dataset(root: Path, verifier: Path, shape: dict, *, tokens: int, per_sh
     import numpy as np
     import torch
 
-    from datagen.data.contract import MANIFEST_NAME, Manifest, shard_name
+    from datagen.data.contract import MANIFEST_NAME, Manifest, ShardFormat, shard_name
     from datagen.data.shards.format import ShardJob
     from datagen.data.shards.kernels import combine_stats, token_stats
     from datagen.data.shards.writer import write_shard
@@ -145,8 +145,8 @@ def make_dataset(root: Path, verifier: Path, shape: dict, *, tokens: int, per_sh
         states = [s.cpu() for s in made]
         del made
         job = ShardJob(index=k, path=str(root / shard_name(k)), first_row=rows[0], rows=len(rows),
-                       sample_rows=tuple(rows), input_ids=tuple(ids), loss_masks=tuple(masks), layer_ids=layer_ids,
-                       dtype="bfloat16", hidden_size=h, shard_key=f"bench-{seed}-{k}")
+                       sample_rows=tuple(rows), input_ids=tuple(ids), loss_masks=tuple(masks), format=ShardFormat(tuple(layer_ids), "bfloat16", h),
+                       shard_key=f"bench-{seed}-{k}")
         rec = write_shard(job, states, stats)
         records.append(rec)
         per.append(rec.layer_stats)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from typing import Any
@@ -77,6 +78,33 @@ def state_bytes(storage_dtype: str, *, n_layers: int, hidden_size: int) -> int:
     """Bytes of stored states per token: L x H x the storage dtype's bytes (fp8: and its float32
     scale per layer). The shard file's ids and loss mask (5 bytes a token) are not counted."""
     return token_bytes(storage_dtype, n_layers=n_layers, hidden_size=hidden_size) - TOKEN_OVERHEAD_BYTES
+
+
+@dataclass(frozen=True)
+class ShardFormat:
+    """What every shard of one extraction shares, fixed by its plan: the captured layers (the order of
+    the states' L axis, the header's ``layer_ids``), the stored dtype of hidden_states (a STORED_FORMS
+    name) and H. The one form these take from the plan to the shard header: an engine is given it
+    once, when it starts (a worker sizes its buffers by it before any shard is announced), and every
+    ``ShardJob`` of the run holds the same object, so a shard's message to a worker carries only
+    what is the shard's own."""
+
+    layer_ids: tuple[int, ...]
+    storage_dtype: str
+    hidden_size: int
+
+    def __post_init__(self) -> None:
+        if self.storage_dtype not in STORED_FORMS:
+            raise ValueError(f"storage dtype {self.storage_dtype!r}: not one of {sorted(STORED_FORMS)}")
+
+    def to_wire(self) -> dict:
+        """Plain lists and numbers (JSON in vLLM's additional_config)."""
+        return {"layer_ids": list(self.layer_ids), "storage_dtype": self.storage_dtype, "hidden_size": self.hidden_size}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "ShardFormat":
+        return cls(layer_ids=tuple(int(i) for i in d["layer_ids"]), storage_dtype=str(d["storage_dtype"]),
+                   hidden_size=int(d["hidden_size"]))
 
 
 def shard_name(index: int) -> str:

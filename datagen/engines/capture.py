@@ -113,7 +113,7 @@ class Capture:
         self.internal.clear()
         for d in wires:
             ids = list(d.pop("request_ids"))
-            job = ShardJob.from_wire(d)
+            job = ShardJob.from_wire(d, self.cfg.shard)
             if writer_rank(job.index, self.world) != self.rank:
                 self.others.update(ids)
                 continue

@@ -80,7 +80,7 @@ class VllmEngine(Engine):
     # settings read by callers (benches, tests)
     @property
     def layer_ids(self) -> tuple[int, ...]:
-        return tuple(self.config.layer_ids)
+        return self.config.shard.layer_ids
 
     @property
     def tp(self) -> int:
@@ -88,7 +88,7 @@ class VllmEngine(Engine):
 
     @property
     def storage_dtype(self) -> str:
-        return self.config.storage_dtype
+        return self.config.shard.storage_dtype
 
     @property
     def attention_backend(self) -> str | None:
@@ -123,7 +123,7 @@ class VllmEngine(Engine):
         if c.capture_path == PUBLIC:
             from datagen.engines.public_capture import engine_kwargs as public_kwargs
 
-            kwargs.update(public_kwargs(c.layer_ids))
+            kwargs.update(public_kwargs(c.shard.layer_ids))
         if c.media:
             from datagen.data.media_processor import engine_kwargs as media_kwargs
 

@@ -11,7 +11,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from datagen.data.contract import STORED_VALUE_BYTES, WORK_ELEMENTS
+from datagen.data.contract import STORED_VALUE_BYTES, WORK_ELEMENTS, ShardFormat
 
 CONFIG_KEY = "datagen_capture"  # key in vllm_config.additional_config
 
@@ -48,14 +48,14 @@ def _image_budget_default() -> int:
 
 @dataclass(frozen=True)
 class CaptureConfig:
-    """What the capture in each worker needs; one object, sent once when the engine starts: the
-    engine-start half of the driver -> worker message, as each ``ShardJob`` is the per-shard half."""
+    """What the capture in each worker needs; one object, sent once when the engine starts. It holds the
+    run's ``ShardFormat``, so each shard's message (``ShardJob.to_wire``) carries only the shard's own."""
 
-    # the plan's resolved layer ids (Plan.layer_ids, the ones every ShardJob carries): the worker's
-    # buffers are sized by them before any job arrives; a JSON list in additional_config
-    layer_ids: tuple[int, ...]
+    # the plan's shard format (ExtractionPlan.shard_format, the object every ShardJob of the run holds):
+    # the worker's buffers are sized by its layers before any job arrives; the stored dtype (fp8_e4m3:
+    # quantized on the device)
+    shard: ShardFormat
     dtype: str  # engine compute dtype
-    storage_dtype: str  # dtype of the stored hidden_states (fp8_e4m3: quantized on the device)
     max_tokens: int  # the step's token budget: rows of the preallocated device buffers
     writers: int = 4  # shard writer threads per rank
     host_budget_bytes: int = 8 << 30  # pinned host memory a rank holds for captured states (one ring, CUDA)
@@ -67,9 +67,17 @@ class CaptureConfig:
     # its capture is public_capture.worker_capture's, fed by the KV connector of vLLM's extract_hidden_states.
     path: str = INTERNAL
 
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return self.shard.layer_ids
+
+    @property
+    def storage_dtype(self) -> str:
+        return self.shard.storage_dtype
+
     def to_additional_config(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["layer_ids"] = list(self.layer_ids)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["shard"] = self.shard.to_wire()
         return {CONFIG_KEY: d}
 
     @classmethod
@@ -78,7 +86,7 @@ class CaptureConfig:
         unknown = set(d) - fields
         if unknown:
             raise ValueError(f"capture config: unknown keys {sorted(unknown)}")
-        return cls(**{**d, "layer_ids": tuple(int(i) for i in d["layer_ids"])})
+        return cls(**{**d, "shard": ShardFormat.from_wire(d["shard"])})
 
     @classmethod
     def from_vllm_config(cls, vllm_config) -> "CaptureConfig | None":
@@ -105,10 +113,9 @@ def device_bytes(cfg: CaptureConfig, hidden_size: int) -> int:
 class VllmSettings:
     """Every setting of a VllmEngine (the spec's engine section, resolved)."""
 
-    layer_ids: tuple[int, ...]
+    shard: ShardFormat  # the plan's (ExtractionPlan.shard_format): layers, stored dtype, H
     dtype: str
     max_seq_len: int
-    storage_dtype: str  # the plan's (ResolvedSpec.storage_dtype), resolved once; an engine made by hand names it
     tensor_parallel_size: int = 1
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
@@ -127,21 +134,20 @@ class VllmSettings:
 
     def capture(self) -> CaptureConfig:
         return CaptureConfig(
-            layer_ids=tuple(self.layer_ids), dtype=self.dtype, storage_dtype=self.storage_dtype,
-            max_tokens=self.step_tokens,
+            shard=self.shard, dtype=self.dtype, max_tokens=self.step_tokens,
             writers=self.writers or _writers_default(self.tensor_parallel_size),
             host_budget_bytes=self.host_budget_bytes or _host_budget_default(),
             image_budget_bytes=self.image_budget_bytes or _image_budget_default(), path=self.capture_path)
 
     @classmethod
     def from_plan(cls, p) -> "VllmSettings":
-        """From an extraction plan (its spec's engine section and what the plan resolved: the storage
-        dtype, the shard group, the attention backend and the capture path)."""
+        """From an extraction plan (its spec's engine section and what the plan resolved: the shard
+        format, the shard group, the attention backend and the capture path)."""
         from datagen.data.media import media_samples
 
         e = p.spec.engine
-        return cls(layer_ids=p.layer_ids, dtype=e.dtype, max_seq_len=p.spec.max_seq_len,
-                   storage_dtype=p.resolved_spec.storage_dtype, tensor_parallel_size=e.tensor_parallel_size,
+        return cls(shard=p.shard_format, dtype=e.dtype, max_seq_len=p.spec.max_seq_len,
+                   tensor_parallel_size=e.tensor_parallel_size,
                    max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs,
                    trust_remote_code=e.trust_remote_code, shard_group=p.shard_group,
                    attention_backend=p.engine_desc.get("attention_backend"),

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
-from datagen.data.contract import LAYER_NUMBERING, ResolvedSpec, state_bytes
+from datagen.data.contract import LAYER_NUMBERING, ResolvedSpec, ShardFormat, state_bytes
 from datagen.data.dataset import PreparedDataset
 from datagen.data.media import media_samples
 from datagen.data.planning import prepare_dataset
@@ -38,8 +39,13 @@ class Plan:
 
     @property
     def layer_ids(self) -> tuple[int, ...]:
-        """The resolved ids: the shard jobs' and the capture's."""
+        """The resolved ids (the order of the stored layer axis)."""
         return self.record.layer_ids
+
+    @cached_property
+    def shard_format(self) -> ShardFormat:
+        """The plan's shard format, one object: the engine's and every shard job's."""
+        return self.record.shard_format
 
     @property
     def engine_desc(self) -> dict:

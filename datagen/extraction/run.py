@@ -65,9 +65,7 @@ def build_job(p: Plan, k: int) -> ShardJob:
         sample_rows=tuple(rows),
         input_ids=tuple(p.data.samples[r].input_ids for r in rows),
         loss_masks=tuple(p.data.samples[r].loss_mask for r in rows),
-        layer_ids=p.layer_ids,
-        dtype=p.resolved_spec.storage_dtype,
-        hidden_size=p.info.hidden_size,
+        format=p.shard_format,
         shard_key=p.shard_key(k),
         media=tuple(p.data.samples[r].media for r in rows),
     )

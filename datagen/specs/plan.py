@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from datagen.data.contract import STATE_DIR, ResolvedSpec, state_bytes
+from datagen.data.contract import STATE_DIR, ResolvedSpec, ShardFormat, state_bytes
 from datagen.specs.extraction import ExtractSpec, StorageName
 from datagen.errors import SpecError, spec_error
 
@@ -99,6 +99,13 @@ class ExtractionPlan(BaseModel):
     def storage_dtype(self) -> StorageName:
         """The dtype the states are stored in."""
         return self.spec.engine.resolved_storage_dtype
+
+    @property
+    def shard_format(self) -> ShardFormat:
+        """What every shard of the plan shares (the layer axis, the stored dtype, H): the form the
+        engine and the shard jobs are given, from the resolved spec the manifest records."""
+        r = self.resolved
+        return ShardFormat(layer_ids=r.layer_ids, storage_dtype=r.storage_dtype, hidden_size=r.model.hidden_size)
 
     @property
     def num_shards(self) -> int:

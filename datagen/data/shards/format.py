@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from datagen.data.contract import STORED_CODES
+from datagen.data.contract import STORED_CODES, ShardFormat
 
 # safetensors dtype code -> torch dtype: the codes a shard or any safetensors file read here may hold
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -40,7 +40,9 @@ SCALE_TENSOR = "hidden_states_scale"
 
 @dataclass(frozen=True)
 class ShardJob:
-    """Everything needed to write one shard except its hidden states."""
+    """Everything needed to write one shard except its hidden states: what is the shard's own, and the
+    run's ``ShardFormat`` (the layer axis, the stored dtype, H), which a job holds but does not carry
+    to a worker: the worker has it from the engine's start (``CaptureConfig.shard``)."""
 
     index: int  # shard number k
     path: str  # absolute final path of the shard file
@@ -49,9 +51,7 @@ class ShardJob:
     sample_rows: tuple[int, ...]  # dataset rows stored, in order
     input_ids: tuple[np.ndarray, ...]  # int32 [T_i] per stored row
     loss_masks: tuple[np.ndarray, ...]  # uint8 [T_i] per stored row
-    layer_ids: tuple[int, ...]  # captured layers, the order of the L axis
-    dtype: str  # storage dtype of hidden_states (a STORAGE_DTYPES name)
-    hidden_size: int  # H
+    format: ShardFormat  # the run's: captured layers (the order of the L axis), stored dtype, H
     shard_key: str  # cache key of this shard
     # per stored row: its images (datagen.data.media.MediaItem), () for a text row; () for none at all
     media: tuple = ()
@@ -60,25 +60,38 @@ class ShardJob:
     def tokens(self) -> int:
         return int(sum(len(x) for x in self.input_ids))
 
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return self.format.layer_ids
+
+    @property
+    def storage_dtype(self) -> str:
+        """The stored dtype of hidden_states (a STORAGE_DTYPES name)."""
+        return self.format.storage_dtype
+
+    @property
+    def hidden_size(self) -> int:
+        return self.format.hidden_size
+
     def to_wire(self) -> dict:
-        """Plain lists and numbers, for an RPC that serializes with msgpack."""
-        d = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        """The shard's own fields as plain lists and numbers, for an RPC that serializes with msgpack;
+        not the format, which the worker has (``from_wire`` takes it back)."""
+        d = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "format"}
         d["input_ids"] = [x.tolist() for x in self.input_ids]
         d["loss_masks"] = [x.tolist() for x in self.loss_masks]
         d["sample_rows"] = list(self.sample_rows)
-        d["layer_ids"] = list(self.layer_ids)
         d["media"] = [[m.to_wire() for m in items] for items in self.media]
         return d
 
     @classmethod
-    def from_wire(cls, d: dict) -> "ShardJob":
+    def from_wire(cls, d: dict, format: ShardFormat) -> "ShardJob":
         return cls(**{
             **d,
             "input_ids": tuple(np.asarray(x, dtype=np.int32) for x in d["input_ids"]),
             "loss_masks": tuple(np.asarray(x, dtype=np.uint8) for x in d["loss_masks"]),
             "sample_rows": tuple(int(r) for r in d["sample_rows"]),
-            "layer_ids": tuple(int(i) for i in d["layer_ids"]),
             "media": _media_from_wire(d.get("media") or []),
+            "format": format,
         })
 
 

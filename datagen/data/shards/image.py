@@ -59,12 +59,12 @@ class Layout:
         entries = {
             "input_ids": (torch.int32, (T,)),
             "loss_mask": (torch.uint8, (T,)),
-            "hidden_states": (STORAGE_DTYPES[job.dtype], (T, L, H)),
+            "hidden_states": (STORAGE_DTYPES[job.storage_dtype], (T, L, H)),
             "sample_index": (torch.int64, (len(job.sample_rows),)),
             "sample_offsets": (torch.int64, (len(offsets),)),
         }
         meta = {"format": SHARD_FORMAT, "shard_key": job.shard_key, "layer_ids": list(job.layer_ids)}
-        if job.dtype == FP8:
+        if job.storage_dtype == FP8:
             entries[SCALE_TENSOR] = (torch.float32, (T, L))
             meta["storage_dtype"] = FP8
         # One metadata key: safetensors writes a map's keys in no fixed order, and shards must be
@@ -98,7 +98,7 @@ class ShardImage:
         if len(buf) < lay.size:
             raise ValueError(f"shard {job.index}: an image of {len(buf)} bytes for a file of {lay.size}")
         self.buf = buf
-        self.fp8 = job.dtype == FP8
+        self.fp8 = job.storage_dtype == FP8
         buf[: len(lay.head)] = lay.head
         self.views = {name: _view(buf, lay.spans[name], d, shape) for name, (d, shape) in lay.entries.items()}
         T = self.tokens

@@ -75,7 +75,7 @@ def write_shard(job: ShardJob, per_sample_states: list, per_sample_stats: list |
                 f"shard {job.index} row {row}: states of shape {shapes[0] if len(shapes) == 1 else shapes} "
                 f"for {len(ids)} tokens and {L} layers"
             )
-    fp8 = job.dtype == FP8
+    fp8 = job.storage_dtype == FP8
     stats = [_pieces(x) for x in per_sample_stats] if per_sample_stats is not None else None
     scales = [_pieces(x) for x in per_sample_scales] if per_sample_scales is not None else None
     if fp8 and scales is None:  # states from an engine that does not quantize (the reference)
