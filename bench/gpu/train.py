@@ -761,6 +761,8 @@ def proof(args) -> None:
                 jobs.append(("fp8", seed, args.steps))
     if "default" in args.recipes:
         jobs.append(("bf16-half", 0, args.steps // 2))
+    if args.cases is not None:  # e.g. bf16,bf16.adamw: only these cases' drafts
+        jobs = [j for j in jobs if j[0] in args.cases]
     groups: dict[int, list] = {}
     for i, j in enumerate(jobs):
         groups.setdefault(i % args.procs, []).append(j)
@@ -1063,6 +1065,9 @@ def main() -> None:
     p.add_argument("--recipes", type=lambda s: s.split(","), default=["default"],
                    help=f"comma-separated, of {', '.join(RECIPES)}: the drafts of each (another recipe's cases are "
                         "named <case>.<recipe>)")
+    p.add_argument("--cases", type=lambda s: s.split(","), default=None,
+                   help="comma-separated cases to train (bf16, off-by-one, gross, fp8, untrained, bf16-half; "
+                        "<case>.<recipe> for another recipe's); default: every case")
     p = sub.add_parser("proof-spec")
     p.add_argument("--work", required=True)
     p.add_argument("--out", required=True)

@@ -286,7 +286,10 @@ def pack(data: SpeculatorsDataset, indices: list[int], max_len: int, *, ring: _R
     input_ids = torch.zeros(1, max_len, dtype=torch.int64)
     loss_mask = torch.zeros(1, max_len, dtype=torch.int64)
     position_ids = torch.zeros(1, max_len, dtype=torch.int64)
-    direct = reader.stored_dtype == reader.dtype == dtype
+    # the stored bytes are a token's every layer in the shard's order: read straight into the batch only from
+    # the reader itself, never from a view of some of its layers (datagen.training.layers.LayerView), whose
+    # samples hand out the layers it takes
+    direct = isinstance(reader, DatasetReader) and reader.stored_dtype == reader.dtype == dtype
     if direct:
         hs_bytes, last_bytes = _bytes(hidden_states), _bytes(last)
         scratch_a, scratch_f = memoryview(bytearray(a_b)), memoryview(bytearray(f_b))

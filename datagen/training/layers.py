@@ -51,7 +51,14 @@ class LayerView:
         return dataclasses.replace(s, hidden_states=s.hidden_states[:, self._columns])
 
     def __getattr__(self, name: str):  # manifest, hidden_size, lengths, shards, positions(), ...
+        if name in _STORED_STATES:
+            raise AttributeError(f"a layer view has no {name}: it reads the stored states of every layer of "
+                                 f"{self.reader.location}; the view's layers are its samples' (view[i])")
         return getattr(self.reader, name)
+
+
+# the reader's ways to the stored bytes of every layer (the packed loader's), which a view does not offer
+_STORED_STATES = frozenset({"read_into", "read_run", "sample_in", "stored_dtype"})
 
 
 def as_reader(dataset) -> DatasetReader | LayerView:

@@ -151,6 +151,24 @@ def test_packed_batches_are_speculators_collate_and_shift_batch_byte_for_byte(pr
     _assert_same_batches(ours, _epochs(_reference(data, MAX_LEN, seed=seed), 2))
 
 
+@pytest.mark.parametrize("take", [(3, 1, 4), (2, 3, 4)], ids=["reordered", "subset"])
+def test_a_view_of_some_layers_is_packed_from_the_layers_it_takes(tmp_path, take):
+    """A view of some of a dataset's layers (the training proof's, ``datagen.training.layers.LayerView``)
+    hands out only those: its batches are speculators' collate of the view's samples, never the stored
+    bytes of every layer read into rows sized for fewer (which trained every view of the same width on
+    the same misplaced bytes)."""
+    from datagen.training.layers import LayerView
+
+    ds = make_synthetic_dataset(tmp_path / "ds", rows=24, tokens=(2, 60), hidden=32, layer_ids=(1, 2, 3, 4, 5),
+                                num_hidden_layers=4 + 1)
+    reader = open_dataset(ds)
+    view = LayerView(reader, (*take[:-1], 5))
+    data = SpeculatorsDataset(view, max_len=96, train_ratio=0.75, split="train")
+    assert data.num_target_layers == 2
+    ours = _epochs(packed_loader(data, 96, num_workers=0, prefetch_factor=None, seed=3), 2)
+    _assert_same_batches(ours, _epochs(_reference(data, 96, seed=3), 2))
+
+
 def test_packed_batches_cut_and_pad_as_speculators_does(tmp_path):
     """Samples longer than a batch (speculators' sampler lets them in, its collate cuts them), one-token
     samples (no row after the shift), batches filled exactly and padded."""
