@@ -122,7 +122,8 @@ class ExtractionPlan(BaseModel):
     @property
     def state_bytes(self) -> int:
         """Bytes of stored states per token."""
-        return state_bytes(self.storage_dtype, n_layers=len(self.layer_ids), hidden_size=self.resolved.model.hidden_size)
+        f = self.shard_format
+        return state_bytes(f.storage_dtype, n_layers=len(f.layer_ids), hidden_size=f.hidden_size)
 
     @property
     def shard_state_bytes(self) -> tuple[int, ...]:

@@ -41,7 +41,8 @@ def test_a_view_reads_the_layers_it_takes_in_its_order_and_everything_else_as_st
 
 def test_a_view_offers_no_way_to_the_stored_states_of_every_layer(dataset):
     """The reader's raw reads hand out every stored layer; through a view they would bypass its layers."""
-    view = LayerView(open_dataset(dataset), open_dataset(dataset).layer_ids[1:])
+    reader = open_dataset(dataset)
+    view = LayerView(reader, reader.layer_ids[1:])
     for name in ("read_into", "read_run", "sample_in", "stored_dtype"):
         assert not hasattr(view, name), name
     with pytest.raises(AttributeError, match="view\\[i\\]"):
