@@ -735,21 +735,6 @@ def proof(args) -> None:
     chats = self_chats(model, work / f"chats-{args.rows}x{args.new_tokens}-grouped.jsonl", rows=args.rows,
                        new_tokens=args.new_tokens, device=device)
     rec["timings"]["chats_s"] = round(time.monotonic() - t, 1)
-    t = time.monotonic()
-    # the fp8 extraction in a process of its own beside the union's (each is mostly the host's work)
-    fp8 = subprocess.Popen([sys.executable, __file__, "proof-extract", str(model), str(chats), str(work / "fp8"),
-                            ",".join(map(str, tp.RIGHT)), "fp8_e4m3", str(args.per_shard)], cwd=REPO)
-    _extract_hf(model, chats, work / "union-bf16", layer_ids=tp.UNION, storage="bfloat16", per_shard=args.per_shard)
-    rec["timings"]["extract_union_s"] = round(time.monotonic() - t, 1)
-    if fp8.wait():
-        raise SystemExit(f"the fp8 extraction failed (exit {fp8.returncode})")
-    rec["timings"]["extract_fp8_s"] = round(time.monotonic() - t, 1)
-    m = json.loads((work / "union-bf16" / "manifest.json").read_text())
-    rec["dataset"] = m["totals"]
-    _log(f"proof: prepared {json.dumps(rec['timings'])}, {rec['dataset']}")
-    _save(path, rec)
-
-    # one process per group of drafts, all at once on the one GPU
     # a case of another recipe than speculators' default is named "<case>.<recipe>" (bf16.adamw)
     jobs = []
     for recipe in args.recipes:
@@ -763,6 +748,23 @@ def proof(args) -> None:
         jobs.append(("bf16-half", 0, args.steps // 2))
     if args.cases is not None:  # e.g. bf16,bf16.adamw: only these cases' drafts
         jobs = [j for j in jobs if j[0] in args.cases]
+    t = time.monotonic()
+    # the fp8 extraction in a process of its own beside the union's (each is mostly the host's work)
+    fp8 = None if not any(j[0] == "fp8" for j in jobs) else subprocess.Popen(  # only where an fp8 draft is trained
+        [sys.executable, __file__, "proof-extract", str(model), str(chats), str(work / "fp8"),
+         ",".join(map(str, tp.RIGHT)), "fp8_e4m3", str(args.per_shard)], cwd=REPO)
+    _extract_hf(model, chats, work / "union-bf16", layer_ids=tp.UNION, storage="bfloat16", per_shard=args.per_shard)
+    rec["timings"]["extract_union_s"] = round(time.monotonic() - t, 1)
+    if fp8 is not None:
+        if fp8.wait():
+            raise SystemExit(f"the fp8 extraction failed (exit {fp8.returncode})")
+        rec["timings"]["extract_fp8_s"] = round(time.monotonic() - t, 1)
+    m = json.loads((work / "union-bf16" / "manifest.json").read_text())
+    rec["dataset"] = m["totals"]
+    _log(f"proof: prepared {json.dumps(rec['timings'])}, {rec['dataset']}")
+    _save(path, rec)
+
+    # one process per group of drafts, all at once on the one GPU
     groups: dict[int, list] = {}
     for i, j in enumerate(jobs):
         groups.setdefault(i % args.procs, []).append(j)
@@ -809,9 +811,11 @@ def proof_drafts(spec_path: str, out_path: str) -> None:
     work, model = Path(spec["work"]), Path(spec["model"])
     union = open_dataset(work / "union-bf16")
     data = {"bf16": LayerView(union, tp.RIGHT), "bf16-half": LayerView(union, tp.RIGHT),
-            "untrained": LayerView(union, tp.RIGHT), "fp8": open_dataset(work / "fp8"),
+            "untrained": LayerView(union, tp.RIGHT),
             "off-by-one": LayerView(union, tp.OFF_BY_ONE, labels=tp.RIGHT),
             "gross": LayerView(union, tp.GROSS, labels=tp.RIGHT)}
+    if (work / "fp8").exists():  # extracted only where an fp8 draft is trained
+        data["fp8"] = open_dataset(work / "fp8")
     target = TargetStates(model, device=spec["device"])  # float32 on the GPU (TF32 off: torch's default)
     measured: dict[str, list] = {}
     for job, seed, steps in spec["jobs"]:
