@@ -185,11 +185,11 @@ def _loader(data, settings: DraftSettings, *, seed: int):
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.dataloader import _setup_dataloader
 
-    from datagen.reader.for_speculators import PackedBatches, packed_loader
+    from datagen.reader.for_speculators import packable, packed_loader
     prefetch = settings.prefetch_factor if settings.prefetch_factor is not None else default("prefetch_factor")
     workers, prefetch = settings.loader_workers, (prefetch if settings.loader_workers else None)
     # measure-draft's target-fed samples are not the shards': speculators' collate. (==: model_copy does not validate)
-    if settings.collate == Collate.DIRECT and PackedBatches.packs(data):
+    if settings.collate == Collate.DIRECT and packable(data):
         return packed_loader(data, settings.total_seq_len, num_workers=workers, prefetch_factor=prefetch, seed=seed)
     return _setup_dataloader(data, settings.total_seq_len, data.hidden_size, num_workers=workers,
                              prefetch_factor=prefetch, num_target_layers=data.num_target_layers,

@@ -27,7 +27,7 @@ class Device(str, enum.Enum):
 class Collate(str, enum.Enum):
     """How the loader packs each batch of the multipack sampler (the batches are the same, byte for byte)."""
 
-    DIRECT = "direct"  # datagen's: the shards read straight into the packed batch (for_speculators.PackedBatches)
+    DIRECT = "direct"  # datagen's: the shards read straight into the packed batch (datagen.reader.packed.PackedBatches)
     SPECULATORS = "speculators"  # speculators' CollateFn over per-sample dicts (the reference)
 
 

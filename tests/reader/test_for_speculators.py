@@ -13,7 +13,7 @@ import torch
 from datagen import cli
 from datagen.errors import DatasetError, SpecError
 from datagen.reader import open_dataset
-from datagen.reader.for_speculators import PackedBatches, SpeculatorsDataset, pack, packed_loader
+from datagen.reader.for_speculators import PackedBatches, SpeculatorsDataset, pack, packable, packed_loader
 from tests.support.extracted import extracted_dataset
 from tests.support.synthetic_shards import make_synthetic_dataset
 
@@ -146,7 +146,7 @@ def _epochs(loader, epochs: int) -> list[dict]:
 def test_packed_batches_are_speculators_collate_and_shift_batch_byte_for_byte(pristine, seed):
     """The tiny model's extracted dataset (written by the shard writer), two epochs in the seed's order."""
     data = SpeculatorsDataset(open_dataset(pristine), max_len=MAX_LEN, train_ratio=0.75, split="train")
-    assert PackedBatches.packs(data)
+    assert packable(data)
     ours = _epochs(packed_loader(data, MAX_LEN, num_workers=0, prefetch_factor=None, seed=seed), 2)
     _assert_same_batches(ours, _epochs(_reference(data, MAX_LEN, seed=seed), 2))
 
@@ -184,15 +184,44 @@ def test_a_worker_builds_its_batches_in_shared_memory_the_training_process_in_it
     """Inside a DataLoader worker the states are built in shared memory (sending them then copies
     nothing), in the training process in its own memory. That spawn workers (as ``datagen train
     --loader-workers`` starts them) hand over the same batches: the spawn run of the next test."""
-    import datagen.reader.for_speculators as fs
+    import datagen.reader.packed as packed
 
     data = SpeculatorsDataset(open_dataset(pristine), max_len=MAX_LEN, train_ratio=0.75, split="train")
     own = pack(data, [0, 1], MAX_LEN)
     assert not own["hidden_states"].is_shared()
-    monkeypatch.setattr(fs, "get_worker_info", lambda: object())  # as inside a DataLoader worker
+    monkeypatch.setattr(packed, "get_worker_info", lambda: object())  # as inside a DataLoader worker
     batch = pack(data, [0, 1], MAX_LEN)
     assert batch["hidden_states"].is_shared() and batch["verifier_last_hidden_states"].is_shared()
     _assert_same_batches([batch], [own])
+
+
+def test_a_spawned_worker_packs_its_batches_without_importing_speculators(pristine, tmp_path):
+    """A spawn worker is a fresh interpreter that unpickles what the DataLoader hands it (the dataset, the
+    worker_init_fn, the collate_fn) before its first batch. speculators' package costs 8-10 s to import,
+    on the way to the first training step, so the worker must not import it: it gets the samples, not
+    the speculators dataset, and packs the same batch."""
+    import pickle
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    data = SpeculatorsDataset(open_dataset(pristine), max_len=MAX_LEN, train_ratio=0.75, split="train")
+    loader = packed_loader(data, MAX_LEN, num_workers=1, prefetch_factor=2, seed=0)
+    sent = tmp_path / "worker.pkl"
+    sent.write_bytes(pickle.dumps((loader.dataset, loader.worker_init_fn, loader.collate_fn)))
+    code = ("import pickle, sys, torch\n"
+            "ds, init, collate = pickle.loads(open(sys.argv[1], 'rb').read())\n"
+            "init(0)\n"
+            "b = collate(ds.__getitems__([0, 1]))\n"
+            "torch.save({k: v.clone() for k, v in b.items() if isinstance(v, torch.Tensor)}, sys.argv[2])\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'speculators'))\n")
+    run = subprocess.run([sys.executable, "-c", code, str(sent), str(tmp_path / "batch.pt")], capture_output=True,
+                         text=True, cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "[]"
+    theirs, ours = torch.load(tmp_path / "batch.pt"), pack(data, [0, 1], MAX_LEN)
+    assert theirs.keys() == {k for k, v in ours.items() if isinstance(v, torch.Tensor)}
+    assert all(torch.equal(theirs[k], ours[k]) for k in theirs)
 
 
 def test_batch_buffers_are_reused_once_freed_and_never_while_held(tmp_path):
@@ -298,7 +327,7 @@ def test_a_dataset_that_hands_out_other_states_goes_through_speculators_collate(
         return {**raw, "hidden_states": raw["hidden_states"] * 2}
 
     data._get_raw_data = doubled
-    assert not PackedBatches.packs(data)
+    assert not packable(data)
     loader = _loader(data, settings, seed=0)
     assert isinstance(loader.collate_fn, CollateFn)
     batch = next(iter(loader))
