@@ -71,7 +71,7 @@ def test_chats_are_the_targets_own_greedy_replies(smollm2, datasets):
 
 # Training runs in bf16 autocast. A CPU without native bf16 (no AVX512-BF16 or AMX: an AMD EPYC without
 # AVX-512) takes its bf16 matmul about 7x slower than float32 (427 against 62 ms for 2048x576 by 576x1536 on
-# one thread), and its three drafts then take 15-25 minutes beside the rest of the suite, past the 900 s default.
+# one thread), and its two trained drafts then take 15-25 minutes beside the rest of the suite, past the 900 s default.
 @pytest.mark.timeout(2400)
 def test_a_trained_draft_beats_the_untrained_one_and_a_mislabelled_dataset_is_told_apart(smollm2, datasets):
     base = datasets["base"]
