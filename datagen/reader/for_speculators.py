@@ -33,12 +33,12 @@ from torch.utils.data import DataLoader
 
 from datagen.errors import SpecError
 from datagen.reader._dataset import DatasetReader
-from datagen.reader.packed import PackedBatches, as_packed, pack, worker_init
+from datagen.reader.packed import PackedBatches, SplitOfReader, as_packed, pack, worker_init
 
 __all__ = ["PackedBatches", "SpeculatorsDataset", "pack", "packable", "packed_loader"]
 
 
-class SpeculatorsDataset(BaseDataset):
+class SpeculatorsDataset(SplitOfReader, BaseDataset):
     """The reader's samples in speculators' ``ArrowDataset`` form (module docstring).
 
     Raises:
@@ -61,18 +61,6 @@ class SpeculatorsDataset(BaseDataset):
                             hint="use more samples or another train_ratio")
         self.reader = reader
         super().__init__(max_len, hidden_states_dtype)
-
-    @property
-    def hidden_size(self) -> int:
-        return self.reader.hidden_size
-
-    @property
-    def num_target_layers(self) -> int:
-        """Aux layers speculators' collate function concatenates (all but the final one)."""
-        return len(self.reader.layer_ids) - 1
-
-    def __len__(self) -> int:
-        return len(self.indices)
 
     def _compute_approx_lengths(self) -> list[int]:
         return [self.reader.lengths[i] for i in self.indices]

@@ -33,8 +33,28 @@ from torch.utils.data import Dataset, get_worker_info
 from datagen.reader._dataset import DatasetReader
 
 
+class SplitOfReader:
+    """A split of a reader's samples (``reader``, ``indices``): its width, its aux layers and its length,
+    for ``SpeculatorsDataset`` and for ``Samples`` alike."""
+
+    reader: object
+    indices: range
+
+    @property
+    def hidden_size(self) -> int:
+        return self.reader.hidden_size
+
+    @property
+    def num_target_layers(self) -> int:
+        """Aux layers speculators' collate function concatenates (all but the final one)."""
+        return len(self.reader.layer_ids) - 1
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
 @dataclass(frozen=True)
-class Samples:
+class Samples(SplitOfReader):
     """What packing reads of a ``SpeculatorsDataset``: its reader, its split's sample numbers and the
     dtype it trains in (``pack`` takes either)."""
 
@@ -45,17 +65,6 @@ class Samples:
     @classmethod
     def of(cls, data) -> Samples:
         return cls(data.reader, data.indices, data.hidden_states_dtype)
-
-    @property
-    def hidden_size(self) -> int:
-        return self.reader.hidden_size
-
-    @property
-    def num_target_layers(self) -> int:
-        return len(self.reader.layer_ids) - 1
-
-    def __len__(self) -> int:
-        return len(self.indices)
 
 
 def worker_init(worker_id: int) -> None:  # noqa: ARG001
