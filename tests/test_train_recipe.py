@@ -77,7 +77,7 @@ def _speculators_script(dataset, export, model, save, flags: list[str]):
     argv = ["--verifier-name-or-path", str(model), "--data-path", str(export), "--save-path", str(save),
             "--max-steps", "4", "--train-data-ratio", "0.75", "--num-workers", "0", "--logger", "",
             "--target-layer-ids", *map(str, layers), "--no-resume-from-checkpoint",
-            *[x for dest, v in {**COMMON, **recipe.CPU_DEFAULTS}.items() for x in (_flag(dest), str(v))], *flags]
+            *[x for dest, v in {**COMMON, **recipe.cpu_defaults()}.items() for x in (_flag(dest), str(v))], *flags]
     return lambda: main(TrainConfig.resolve(argv))
 
 
@@ -126,7 +126,7 @@ def test_a_trained_drafts_report_holds_the_recipe_as_speculators_resolved_it(exp
     lineage = read_lineage(tmp_path / "d")
     assert (tmp_path / "d" / LINEAGE_NAME).exists()
     assert set(lineage.given) == {"total_seq_len", "optimizer", "norm_output", "lr"}
-    assert set(lineage.device_defaults) == set(recipe.CPU_DEFAULTS)
+    assert set(lineage.device_defaults) == set(recipe.cpu_defaults())
     s = lineage.settings
     assert (s.optimizer, s.norm_output, s.lr, s.total_seq_len) == ("adamw", False, 2e-3, 256)
     # what was not given is speculators' default, resolved by speculators (norm_before_fc from eagle3, muon_lr
@@ -135,6 +135,42 @@ def test_a_trained_drafts_report_holds_the_recipe_as_speculators_resolved_it(exp
     unset = set(recipe.OFFERED) - set(lineage.given) - set(lineage.device_defaults)
     assert {d: getattr(s, d) for d in unset} == {d: default[d] for d in unset}
     assert s.norm_before_fc is True and s.muon_lr == 2e-3
+
+
+@pytest.mark.parametrize("bf16_kernels", [True, False])
+def test_a_cpu_without_bf16_kernels_trains_in_float32_unless_told_otherwise(bf16_kernels, exported, tmp_path,
+                                                                          monkeypatch):
+    """Where the CPU has no bf16 kernels (the check is faked here: the suite cannot pick its CPU), the states
+    are read and the draft computes in float32, a device default like the CPU's attention; given, the
+    option wins."""
+    dataset, _ = exported
+    monkeypatch.setattr(recipe, "cpu_has_bf16", lambda: bf16_kernels)
+    seen: set[torch.dtype] = set()
+
+    def record(module, args):  # what each of the draft's modules is fed (the norms: the states as read)
+        if args and torch.is_tensor(args[0]) and args[0].is_floating_point():
+            seen.add(args[0].dtype)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(record)
+    try:
+        argv = ["train", str(dataset), "--out", str(tmp_path / "d"), "--model", str(dataset.parent / "model"),
+                "--steps", "1", "--total-seq-len", "256"]
+        assert cli.main(argv) == 0
+    finally:
+        handle.remove()
+    lineage = read_lineage(tmp_path / "d")
+    want = "bfloat16" if bf16_kernels else "float32"
+    assert lineage.settings.hidden_states_dtype == want
+    assert ("hidden_states_dtype" in lineage.device_defaults) == (not bf16_kernels)
+    assert getattr(torch, want) in seen
+    assert (torch.bfloat16 in seen) == bf16_kernels
+    # given, it is the caller's: not a device default
+    argv = ["train", str(dataset), "--out", str(tmp_path / "g"), "--model", str(dataset.parent / "model"),
+            "--steps", "0", "--hidden-states-dtype", "bfloat16"]
+    assert cli.main(argv) == 0
+    lineage = read_lineage(tmp_path / "g")
+    assert lineage.settings.hidden_states_dtype == "bfloat16" and "hidden_states_dtype" in lineage.given
+    assert "hidden_states_dtype" not in lineage.device_defaults
 
 
 def test_every_option_of_speculators_script_is_offered_or_datagens_own_or_refused_with_a_reason():

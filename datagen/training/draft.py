@@ -27,6 +27,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -73,15 +74,13 @@ class DraftLineage(BaseModel):
         default=1, ge=1,
         description="data-parallel training processes (torchrun ranks, one GPU each on cuda); each read its "
                     "own share of every packed batch, so one optimizer step took world_size batches")
-    steps_per_epoch: int | None = Field(
-        default=None,
-        description="optimizer steps in the first pass over the training split (each rank's batches in epoch "
-                    "0: about 1/world_size of a one-process run's; later epochs pack their order into about as "
-                    "many); None: untrained, or an older lineage")
-    tokens_trained: int | None = Field(
-        default=None,
-        description="tokens the draft was trained on, all steps and ranks (speculators' count: the packed "
-                    "positions that hold a sample); None: untrained, or an older lineage")
+    steps_per_epoch: int | None = Field(default=None, description=(
+        "optimizer steps in the first pass over the training split (each rank's batches in epoch 0: about "
+        "1/world_size of a one-process run's; later epochs pack their order into about as many); None: "
+        "untrained, or an older lineage"))
+    tokens_trained: int | None = Field(default=None, description=(
+        "tokens the draft was trained on, all steps and ranks (speculators' count: the packed positions that "
+        "hold a sample); None: untrained, or an older lineage"))
 
 
 @dataclass(frozen=True)
@@ -211,18 +210,20 @@ class _LossRecorder(logging.Handler):
 
 @contextlib.contextmanager
 def _on_device(device: Device):
-    """speculators' Trainer assumes an accelerator: its step timer calls
-    ``torch.accelerator.synchronize()``, which raises on a torch without one. On the CPU there is
-    nothing to wait for, so it is a no-op for the duration of training."""
-    if device is Device.CUDA or torch.accelerator.current_accelerator() is not None:
-        yield
-        return
-    real = torch.accelerator.synchronize
-    torch.accelerator.synchronize = lambda *a, **k: None
-    try:
-        yield
-    finally:
-        torch.accelerator.synchronize = real
+    """For the duration of training. speculators' step timer calls ``torch.accelerator.synchronize()``, which
+    raises on a torch without an accelerator: on the CPU it is a no-op. float32 states (a CPU without bf16
+    kernels): speculators' autocast to them is a no-op torch warns of at every step."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
+        if device is Device.CUDA or torch.accelerator.current_accelerator() is not None:
+            yield
+            return
+        real = torch.accelerator.synchronize
+        torch.accelerator.synchronize = lambda *a, **k: None
+        try:
+            yield
+        finally:
+            torch.accelerator.synchronize = real
 
 
 def _trainer(model, recipe: Recipe, device: Device, loader, save_path: Path):
@@ -297,7 +298,7 @@ def _make(dataset, out, *, verifier: Path, settings: DraftSettings, train: bool)
         recipe, settings = resolve_settings(settings, dataset=str(reader.location), verifier=verifier,
                                           layer_ids=reader.layer_ids, save_path=str(out))
         data = SpeculatorsDataset(reader, max_len=settings.total_seq_len, train_ratio=settings.train_ratio,
-                                  split="train")
+                                  split="train", hidden_states_dtype=getattr(torch, settings.hidden_states_dtype))
         # the shards' content checked once, here, not again in every loader worker; beside the draft's
         # build (the verifier's weights read), not before it: hashing lets go of the GIL
         with ThreadPoolExecutor(1, thread_name_prefix="train-verify") as pool:

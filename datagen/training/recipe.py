@@ -12,7 +12,8 @@ under a ``TrainerConfig`` filled from the resolved config as its script fills it
 
 The script's other options are datagen's own, under other names (``OWN``), or do not apply to training
 from a finished dataset (``NOT_OFFERED``, each with the reason). Only the CPU departs from speculators'
-defaults, where its kernels do not run (``CPU_DEFAULTS``); the resolved values are written into the
+defaults, where its kernels do not run (``CPU_DEFAULTS``) or its bf16 compute is slow
+(``cpu_defaults``); the resolved values are written into the
 draft's report (``datagen_draft.json``) and the step's result.
 """
 
@@ -57,6 +58,23 @@ NOT_OFFERED_GROUPS: Mapping[str, str] = MappingProxyType({
 })
 # where the CPU cannot run speculators' default: its flex attention and fused loss are GPU (Triton) kernels
 CPU_DEFAULTS: Mapping[str, Any] = MappingProxyType({"draft_attn_impl": "sdpa", "loss_implementation": "eager"})
+# where the CPU has no bf16 kernels (no AVX-512 or AMX): there a bf16 matmul of a draft's shapes took 7x the
+# float32 one (427 against 62 ms on one thread of an AMD EPYC with AVX2 only), so the hidden states are read
+# and the draft computes in float32 (speculators' other offered dtype; the weights are float32 either way)
+NO_BF16_DEFAULTS: Mapping[str, Any] = MappingProxyType({"hidden_states_dtype": "float32"})
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has bf16 kernels (oneDNN's own check: AVX-512 or better)."""
+    import torch
+
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def cpu_defaults() -> Mapping[str, Any]:
+    """The options a CPU draft takes unless given: ``CPU_DEFAULTS``, and ``NO_BF16_DEFAULTS`` where the
+    CPU has no bf16 kernels."""
+    return MappingProxyType({**CPU_DEFAULTS, **({} if cpu_has_bf16() else NO_BF16_DEFAULTS)})
 
 
 def _schema_fields() -> dict[str, Any]:
@@ -101,7 +119,7 @@ class Recipe:
 
     config: TrainConfig  # speculators' own, resolved (defaults, derived defaults, validation)
     given: tuple[str, ...]  # the offered options set by the caller (the rest are speculators' defaults)
-    device_defaults: tuple[str, ...]  # the offered options set by CPU_DEFAULTS
+    device_defaults: tuple[str, ...]  # the offered options set by cpu_defaults()
 
     def flat(self) -> dict[str, Any]:
         """speculators' flat ``vars(args)`` (what its model classes and builders consume)."""

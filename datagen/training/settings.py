@@ -14,7 +14,7 @@ from pathlib import Path
 from pydantic import ConfigDict, Field
 
 from datagen.errors import SpecError
-from datagen.training.recipe import CPU_DEFAULTS, Recipe, SpeculatorsOptions, resolve
+from datagen.training.recipe import Recipe, SpeculatorsOptions, cpu_defaults, resolve
 
 
 class Device(str, enum.Enum):
@@ -56,7 +56,7 @@ class DraftSettings(SpeculatorsOptions):
 def resolve_settings(settings: DraftSettings, *, dataset: str, verifier: Path, layer_ids,
                      save_path: str) -> tuple[Recipe, DraftSettings]:
     """speculators' recipe for a draft's settings (``resolve``) and the settings resolved: datagen's own
-    values given under speculators' names, CPU_DEFAULTS on the CPU.
+    values given under speculators' names, ``cpu_defaults()`` on the CPU.
 
     Raises:
         SpecError: speculators refuses the options.
@@ -65,7 +65,7 @@ def resolve_settings(settings: DraftSettings, *, dataset: str, verifier: Path, l
            "max_steps": settings.steps, "train_data_ratio": settings.train_ratio,
            "num_workers": settings.loader_workers, "target_layer_ids": list(layer_ids[:-1])}
     try:
-        recipe = resolve(settings, own=own, device_defaults=CPU_DEFAULTS if settings.device is Device.CPU else {})
+        recipe = resolve(settings, own=own, device_defaults=cpu_defaults() if settings.device is Device.CPU else {})
     except ValueError as e:
         raise SpecError(f"speculators refuses the training options: {e}",
                         hint="fix the options named (`datagen train --help` lists them)") from e
