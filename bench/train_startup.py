@@ -144,12 +144,15 @@ def _merged(spans) -> list[tuple[float, float, str]]:
 
 def run(work: Path, *, steps: int, repeats: int, tokens: int, total_seq_len: int) -> dict:
     from bench.gpu.train import _batches_per_epoch, make_dataset, make_verifier
+    from datagen.training.recipe import cpu_defaults
 
     verifier = make_verifier(work / "verifier", SHAPE, device="cpu")
     dataset = make_dataset(work / "dataset", verifier, SHAPE, tokens=tokens, per_shard=32, device="cpu",
                            lengths=(64, 512))
     epochs = max(1, -(-steps // max(1, _batches_per_epoch(dataset, total_seq_len))))
     layers = [str(x) for x in SHAPE["layer_ids"][:-1]]
+    # what `datagen train` takes on this CPU unless given, given to speculators' script too
+    cpu = [x for dest, v in cpu_defaults().items() for x in ("--" + dest.replace("_", "-"), str(v))]
     rec: dict = {"shape": SHAPE, "steps": steps, "total_seq_len": total_seq_len, "repeats": repeats,
                  "dataset": json.loads((dataset / "manifest.json").read_text())["totals"], "runs": {p: [] for p in PIPELINES},
                  "export_s": []}
@@ -169,8 +172,7 @@ def run(work: Path, *, steps: int, repeats: int, tokens: int, total_seq_len: int
             "--verifier-name-or-path", str(verifier), "--data-path", str(export), "--save-path", str(work / f"save-{k}"),
             "--max-steps", str(steps), "--epochs", str(epochs), "--total-seq-len", str(total_seq_len),
             "--train-data-ratio", "0.75", "--num-workers", "0", "--logger", "", "--log-dir", str(work / "logs"),
-            "--no-resume-from-checkpoint", "--mask-token-id", "0", "--draft-attn-impl", "sdpa",
-            "--loss-implementation", "eager", "--target-layer-ids", *layers], work, k))
+            "--no-resume-from-checkpoint", "--mask-token-id", "0", *cpu, "--target-layer-ids", *layers], work, k))
         print(f"run {k}: datagen {rec['runs']['datagen'][-1]['wall_s']:.1f} s, export {rec['export_s'][-1]:.1f} s, "
               f"speculators {rec['runs']['speculators'][-1]['wall_s']:.1f} s", flush=True)
     return rec

@@ -89,6 +89,8 @@ def _optimizers(trainer) -> list:
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_the_draft_and_the_optimizer_are_the_ones_speculators_script_builds(name, exported, tmp_path, monkeypatch):
     dataset, export = exported
+    # speculators' own defaults on any CPU (on one without bf16 kernels the CPU's defaults take AdamW)
+    monkeypatch.setattr(recipe, "cpu_has_bf16", lambda: True)
     model = dataset.parent / "model"
     flags = RECIPES[name]
     theirs = _built(monkeypatch, _speculators_script(dataset, export, model, tmp_path / "theirs", flags))
@@ -126,7 +128,7 @@ def test_a_trained_drafts_report_holds_the_recipe_as_speculators_resolved_it(exp
     lineage = read_lineage(tmp_path / "d")
     assert (tmp_path / "d" / LINEAGE_NAME).exists()
     assert set(lineage.given) == {"total_seq_len", "optimizer", "norm_output", "lr"}
-    assert set(lineage.device_defaults) == set(recipe.cpu_defaults())
+    assert set(lineage.device_defaults) == set(recipe.cpu_defaults()) - set(lineage.given)
     s = lineage.settings
     assert (s.optimizer, s.norm_output, s.lr, s.total_seq_len) == ("adamw", False, 2e-3, 256)
     # what was not given is speculators' default, resolved by speculators (norm_before_fc from eagle3, muon_lr
@@ -141,8 +143,8 @@ def test_a_trained_drafts_report_holds_the_recipe_as_speculators_resolved_it(exp
 def test_a_cpu_without_bf16_kernels_trains_in_float32_unless_told_otherwise(bf16_kernels, exported, tmp_path,
                                                                           monkeypatch):
     """Where the CPU has no bf16 kernels (the check is faked here: the suite cannot pick its CPU), the states
-    are read and the draft computes in float32, a device default like the CPU's attention; given, the
-    option wins."""
+    are read and the draft computes in float32, and AdamW steps it (torch's Muon computes in bf16): device
+    defaults like the CPU's attention; given, the option wins."""
     dataset, _ = exported
     monkeypatch.setattr(recipe, "cpu_has_bf16", lambda: bf16_kernels)
     seen: set[torch.dtype] = set()
@@ -162,15 +164,17 @@ def test_a_cpu_without_bf16_kernels_trains_in_float32_unless_told_otherwise(bf16
     want = "bfloat16" if bf16_kernels else "float32"
     assert lineage.settings.hidden_states_dtype == want
     assert ("hidden_states_dtype" in lineage.device_defaults) == (not bf16_kernels)
+    assert lineage.settings.optimizer == ("muon" if bf16_kernels else "adamw")  # torch's Muon computes in bf16
+    assert ("optimizer" in lineage.device_defaults) == (not bf16_kernels)
     assert getattr(torch, want) in seen
     assert (torch.bfloat16 in seen) == bf16_kernels
     # given, it is the caller's: not a device default
     argv = ["train", str(dataset), "--out", str(tmp_path / "g"), "--model", str(dataset.parent / "model"),
-            "--steps", "0", "--hidden-states-dtype", "bfloat16"]
+            "--steps", "0", "--hidden-states-dtype", "bfloat16", "--optimizer", "muon"]
     assert cli.main(argv) == 0
     lineage = read_lineage(tmp_path / "g")
     assert lineage.settings.hidden_states_dtype == "bfloat16" and "hidden_states_dtype" in lineage.given
-    assert "hidden_states_dtype" not in lineage.device_defaults
+    assert lineage.settings.optimizer == "muon" and not {"hidden_states_dtype", "optimizer"} & set(lineage.device_defaults)
 
 
 def test_every_option_of_speculators_script_is_offered_or_datagens_own_or_refused_with_a_reason():

@@ -64,8 +64,9 @@ SHAPES = {
 # (Muon for the 2D weights with AdamW for the rest, norm_before_fc and norm_output on for eagle3), and AdamW
 # without the two norms (what `datagen train` trained before it took speculators' recipe)
 RECIPES = {"default": [], "adamw": ["--optimizer", "adamw", "--no-norm-before-fc", "--no-norm-output"]}
-# the same as DraftSettings fields (the proof trains in-process)
-RECIPE_SETTINGS = {"default": {}, "adamw": {"optimizer": "adamw", "norm_before_fc": False, "norm_output": False}}
+# the same as DraftSettings fields (the proof trains in-process); Muon named, so that the default stays
+# speculators' on a CPU without bf16 kernels too (where `datagen train` takes AdamW unless given)
+RECIPE_SETTINGS = {"default": {"optimizer": "muon"}, "adamw": {"optimizer": "adamw", "norm_before_fc": False, "norm_output": False}}
 SMOKE_SHAPE = dict(hidden=64, layers=4, vocab=512, heads=4, kv_heads=4, intermediate=128,
                    arch="LlamaForCausalLM", model_type="llama", layer_ids=(1, 2, 3, 4))
 
@@ -619,6 +620,11 @@ def width(args) -> None:
         runs[f"datagen seed {seed}"] = _summary(r)
         shutil.rmtree(draft, ignore_errors=True)  # the disk: a Kimi-width draft is 4 GB
 
+    def cpu_flags() -> list[str]:  # as `datagen train` on this CPU, unless given
+        from datagen.training.recipe import cpu_defaults
+
+        return [x for dest, v in cpu_defaults().items() for x in ("--" + dest.replace("_", "-"), str(v))]
+
     def speculators_run(seed: int) -> None:
         if not export.exists():  # speculators' own format, written once
             t = time.monotonic()
@@ -641,8 +647,8 @@ def width(args) -> None:
                 "--checkpoint-freq", "1000",
                 "--logger", "", "--log-dir", str(work / "logs"), "--no-resume-from-checkpoint",
                 "--hidden-states-backend", "file", "--mask-token-id", "0",
-                "--target-layer-ids", *map(str, shape["layer_ids"][:-1]), *RECIPES[args.recipe],
-                *(["--draft-attn-impl", "sdpa"] if device == "cpu" else [])]  # as `datagen train` on the CPU
+                "--target-layer-ids", *map(str, shape["layer_ids"][:-1]),
+                *(cpu_flags() if device == "cpu" else []), *RECIPES[args.recipe]]  # the recipe's flags last: they win
         r = _run_child("speculators", work / f"metrics-speculators-{seed}.jsonl", argv, timeout=args.run_timeout,
                        steps_wanted=args.steps, caches=caches("speculators", seed))
         runs[f"speculators seed {seed}"] = _summary(r)

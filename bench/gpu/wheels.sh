@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the carried wheel folders .gpuA/ ... (bench/gpu/README.md): vllm==0.24.0 in 55 MB parts plus the
+# Build the carried wheel folders .gpuA/ ... (bench/gpu/README.md): vllm==0.24.0 in 44 MiB parts plus the
 # dependency wheels the GPU image lacks, for cp312 manylinux x86_64, with FILES.txt and SHA256SUMS
 # in .gpuA. Run on a machine with PyPI access, from anywhere:  bash bench/gpu/wheels.sh
 # Downloads into WHEELS=${WHEELS:-.cache/gpu-wheels} (reused), then rewrites the .gpu*/ folders.
@@ -25,11 +25,13 @@ dl "vllm==$VLLM"
 for d in "${DEPS[@]}"; do   # a pin this index lacks: take the newest it has, and say so
   dl "$d" 2>/dev/null || { name=${d%%[<>=]*}; echo "wheels: $d not found, taking the newest $name" >&2; dl "$name"; }
 done
-# Pack: vllm in parts, then wheels largest first into the folder with most room (<= 57.75 MB each: a part alone, plus the tree, stays under a call's 64 MiB).
+# Pack: vllm in parts, then wheels largest first into the folder with most room (<= 45 MiB each: a folder plus
+# the tree stays under a call's 64 MiB while the tree, untracked results included, stays under 19 MiB; at
+# 57.75 MB a folder was refused once the tree reached 9.3 MB).
 rm -rf .gpu[A-Z]
 W=$(ls "$WHEELS"/vllm-"$VLLM"-*.whl)
-PARTS=$(mktemp -d); split -b 55M "$W" "$PARTS/$(basename "$W").part"
-LIMIT=$((56400 * 1024))  # the first part alone (55 MiB) plus the tree stays under a call's 64 MiB
+PARTS=$(mktemp -d); split -b 44M "$W" "$PARTS/$(basename "$W").part"
+LIMIT=$((45 * 1024 * 1024))
 rest=(); for w in "$WHEELS"/*.whl; do [ "$w" = "$W" ] || rest+=("$w"); done
 python3 bench/gpu/pack.py gpu "$LIMIT" bench/gpu/wheels.sh --first "$PARTS"/* --rest "${rest[@]}" --sums "$WHEELS"/*.whl
 rm -rf "$PARTS"

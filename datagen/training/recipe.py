@@ -58,10 +58,12 @@ NOT_OFFERED_GROUPS: Mapping[str, str] = MappingProxyType({
 })
 # where the CPU cannot run speculators' default: its flex attention and fused loss are GPU (Triton) kernels
 CPU_DEFAULTS: Mapping[str, Any] = MappingProxyType({"draft_attn_impl": "sdpa", "loss_implementation": "eager"})
-# where the CPU has no bf16 kernels (no AVX-512 or AMX): there a bf16 matmul of a draft's shapes took 7x the
-# float32 one (427 against 62 ms on one thread of an AMD EPYC with AVX2 only), so the hidden states are read
-# and the draft computes in float32 (speculators' other offered dtype; the weights are float32 either way)
-NO_BF16_DEFAULTS: Mapping[str, Any] = MappingProxyType({"hidden_states_dtype": "float32"})
+# where the CPU has no bf16 kernels (no AVX-512 or AMX), bf16 is slow: a bf16 matmul of a draft's shapes took 7x
+# the float32 one (427 against 62 ms on one thread of an AMD EPYC with AVX2 only), and torch's Muon orthogonalizes
+# each update in bf16 whatever the run's dtype: its optimizer step took 24 s against 0.2 s of forward and backward
+# (bench/train_cpu.py). There the states are read and computed in float32, and AdamW steps every weight (the GPU
+# proof measured its drafts as good as Muon's in vLLM: docs/performance.md 10h). Given, either option wins.
+NO_BF16_DEFAULTS: Mapping[str, Any] = MappingProxyType({"hidden_states_dtype": "float32", "optimizer": "adamw"})
 
 
 def cpu_has_bf16() -> bool:

@@ -69,7 +69,12 @@ def measure_spec_decode(target: str | Path, draft: str | Path, prompts: list[lis
     import vllm
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(datagen_settings.cpu_kvcache_gib()))
+    if _is_cpu():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(datagen_settings.cpu_kvcache_gib()))
+    else:  # spawned engine processes: forked ones failed to start on the GPU ("Cannot re-initialize CUDA")
+        from datagen.engines.vllm_devices import set_process_env
+
+        set_process_env(on_cuda=True)
     llm = LLM(model=str(target), speculative_config={"method": "eagle3", "model": str(draft),
                                                     "num_speculative_tokens": k},
               enforce_eager=True, enable_prefix_caching=False, max_model_len=2048, max_num_seqs=8,
