@@ -60,9 +60,10 @@ NOT_OFFERED_GROUPS: Mapping[str, str] = MappingProxyType({
 CPU_DEFAULTS: Mapping[str, Any] = MappingProxyType({"draft_attn_impl": "sdpa", "loss_implementation": "eager"})
 # where the CPU has no bf16 kernels (no AVX-512 or AMX), bf16 is slow: a bf16 matmul of a draft's shapes took 7x
 # the float32 one (427 against 62 ms on one thread of an AMD EPYC with AVX2 only), and torch's Muon orthogonalizes
-# each update in bf16 whatever the run's dtype: its optimizer step took 24 s against 0.2 s of forward and backward
-# (bench/train_cpu.py). There the states are read and computed in float32, and AdamW steps every weight (the GPU
-# proof measured its drafts as good as Muon's in vLLM: docs/performance.md 10h). Given, either option wins.
+# each update in bf16 whatever the run's dtype: at SmolLM2's draft shape a step took 48 s in bf16 with Muon, 1.4 s
+# in float32 with AdamW (python -m bench.train_cpu). There the states are read and computed in float32, and AdamW
+# steps every weight (the GPU proof measured its drafts as good as Muon's in vLLM: docs/performance.md 10h). Given,
+# either option wins.
 NO_BF16_DEFAULTS: Mapping[str, Any] = MappingProxyType({"hidden_states_dtype": "float32", "optimizer": "adamw"})
 
 
