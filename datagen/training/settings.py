@@ -42,7 +42,9 @@ class DraftSettings(SpeculatorsOptions):
         description="the first train_ratio of the dataset's samples (dataset-row order) train; the rest are the "
                     "held-out rows the draft is measured on (speculators' train_data_ratio, its own split; "
                     "datagen holds out more rows than speculators' 0.9 leaves, to measure the draft on)")
-    device: Device = Field(default=Device.CPU, description="cpu (miniature) or cuda")
+    device: Device = Field(default=Device.CPU, description=(
+        "cpu (miniature) or cuda; on the CPU, unless given: sdpa attention and the eager loss, and on a CPU "
+        "without bf16 kernels float32 states and AdamW (docs/training.md)"))
     loader_workers: int = Field(
         default=0, ge=0,
         description="DataLoader worker processes reading the shards (speculators' num_workers: spawn workers, "
