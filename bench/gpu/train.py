@@ -1013,9 +1013,34 @@ def report(args) -> None:
         fig.tight_layout()
         fig.savefig(res / "train_proof_gpu_loss.png", dpi=90)
         plt.close(fig)
+    for name, how in (("train-proof-spec-eos.json", "each prompt stopping at its end of turn"),
+                      ("train-proof-spec.json", "every prompt run to max_tokens (ignore_eos)")):
+        lines += _spec_table(res / name, how)
     text = "\n".join(lines) + "\n"
     (res / "train.md").write_text(text)
     print(text)
+
+
+def _spec_table(path: Path, how: str) -> list[str]:
+    """vLLM's acceptance of each proof draft (``proof-spec``'s JSON, keyed case-seed-steps): a row a case."""
+    if not path.exists():
+        return []
+    r = json.loads(path.read_text())
+    by: dict[str, dict[int, dict]] = {}
+    for key, m in r["drafts"].items():
+        case, seed, _steps = key.rsplit("-", 2)
+        if "acceptance_length" in m:
+            by.setdefault(case, {})[int(seed)] = m
+    out = ["", f"vLLM's acceptance length ({path.name}: {r['prompts']} prompts, up to {r['max_tokens']} tokens, {how})",
+           "", "| case | by seed | median (min-max) | accepted at positions 1 / 2 / 3 (median of seeds) |", "|---|---|---|---|"]
+    for case, seeds in by.items():
+        al = [seeds[k]["acceptance_length"] for k in sorted(seeds)]
+        pos = [statistics.median(m["accepted_per_position"][i] for m in seeds.values())
+               for i in range(min(len(m["accepted_per_position"]) for m in seeds.values()))]
+        out.append(f"| {case} | " + " / ".join(f"{k}: {seeds[k]['acceptance_length']:.3f}" for k in sorted(seeds))
+                   + f" | {statistics.median(al):.3f} ({min(al):.3f}-{max(al):.3f}) | "
+                   + " / ".join(f"{x:.3f}" for x in pos) + " |")
+    return out
 
 
 def main() -> None:
