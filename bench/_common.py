@@ -114,6 +114,15 @@ def machine() -> dict:
             "vllm": vllm, "load_average_1m": round(os.getloadavg()[0], 2)}
 
 
+def write_results(out: Path, stem: str, rec: dict, text: str, plot) -> None:
+    """A standalone bench's record, table and plot (``plot(rec, path)``): OUT/STEM.json, .md and .png; the
+    table printed."""
+    (out / f"{stem}.json").write_text(json.dumps(rec, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(text + "\n")
+    plot(rec, out / f"{stem}.png")
+    print(text)
+
+
 def median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 

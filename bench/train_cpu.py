@@ -19,7 +19,6 @@ depends on the shapes, not on the weights.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -101,6 +100,8 @@ def plot(rec: dict, path: Path) -> None:
 
 
 def main() -> None:
+    from bench._common import write_results
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=12_000)
@@ -113,11 +114,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     rec = run(work, steps=args.steps, tokens=args.tokens, total_seq_len=args.total_seq_len)
     rec["machine"] = {"cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2)}
-    (out / "train_cpu.json").write_text(json.dumps(rec, indent=1) + "\n")
-    text = table(rec)
-    (out / "train_cpu.md").write_text(text + "\n")
-    plot(rec, out / "train_cpu.png")
-    print(text)
+    write_results(out, "train_cpu", rec, table(rec), plot)
 
 
 if __name__ == "__main__":

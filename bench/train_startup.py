@@ -143,16 +143,13 @@ def _merged(spans) -> list[tuple[float, float, str]]:
 
 
 def run(work: Path, *, steps: int, repeats: int, tokens: int, total_seq_len: int) -> dict:
-    from bench.gpu.train import _batches_per_epoch, make_dataset, make_verifier
-    from datagen.training.recipe import cpu_defaults
+    from bench.gpu.train import _batches_per_epoch, cpu_flags, make_dataset, make_verifier
 
     verifier = make_verifier(work / "verifier", SHAPE, device="cpu")
     dataset = make_dataset(work / "dataset", verifier, SHAPE, tokens=tokens, per_shard=32, device="cpu",
                            lengths=(64, 512))
     epochs = max(1, -(-steps // max(1, _batches_per_epoch(dataset, total_seq_len))))
     layers = [str(x) for x in SHAPE["layer_ids"][:-1]]
-    # what `datagen train` takes on this CPU unless given, given to speculators' script too
-    cpu = [x for dest, v in cpu_defaults().items() for x in ("--" + dest.replace("_", "-"), str(v))]
     rec: dict = {"shape": SHAPE, "steps": steps, "total_seq_len": total_seq_len, "repeats": repeats,
                  "dataset": json.loads((dataset / "manifest.json").read_text())["totals"], "runs": {p: [] for p in PIPELINES},
                  "export_s": []}
@@ -172,7 +169,7 @@ def run(work: Path, *, steps: int, repeats: int, tokens: int, total_seq_len: int
             "--verifier-name-or-path", str(verifier), "--data-path", str(export), "--save-path", str(work / f"save-{k}"),
             "--max-steps", str(steps), "--epochs", str(epochs), "--total-seq-len", str(total_seq_len),
             "--train-data-ratio", "0.75", "--num-workers", "0", "--logger", "", "--log-dir", str(work / "logs"),
-            "--no-resume-from-checkpoint", "--mask-token-id", "0", *cpu, "--target-layer-ids", *layers], work, k))
+            "--no-resume-from-checkpoint", "--mask-token-id", "0", *cpu_flags(), "--target-layer-ids", *layers], work, k))
         print(f"run {k}: datagen {rec['runs']['datagen'][-1]['wall_s']:.1f} s, export {rec['export_s'][-1]:.1f} s, "
               f"speculators {rec['runs']['speculators'][-1]['wall_s']:.1f} s", flush=True)
     return rec
@@ -252,6 +249,7 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "child":
         _, _, entry, marks, *rest = sys.argv
         raise SystemExit(child(entry, Path(marks), rest[1:] if rest[:1] == ["--"] else rest))
+    from bench._common import write_results  # the parent's only: the child's start is what it measures
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
@@ -265,11 +263,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     rec = run(work, steps=args.steps, repeats=args.repeats, tokens=args.tokens, total_seq_len=args.total_seq_len)
     rec["machine"] = {"cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2)}
-    (out / "train_startup.json").write_text(json.dumps(rec, indent=1) + "\n")
-    text = table(rec)
-    (out / "train_startup.md").write_text(text + "\n")
-    plot(rec, out / "train_startup.png")
-    print(text)
+    write_results(out, "train_startup", rec, table(rec), plot)
 
 
 if __name__ == "__main__":

@@ -71,6 +71,13 @@ SMOKE_SHAPE = dict(hidden=64, layers=4, vocab=512, heads=4, kv_heads=4, intermed
                    arch="LlamaForCausalLM", model_type="llama", layer_ids=(1, 2, 3, 4))
 
 
+def cpu_flags() -> list[str]:
+    """speculators' script flags for what `datagen train` takes on this CPU unless given (recipe.cpu_defaults)."""
+    from datagen.training.recipe import cpu_defaults
+
+    return [x for dest, v in cpu_defaults().items() for x in ("--" + dest.replace("_", "-"), str(v))]
+
+
 def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -619,11 +626,6 @@ def width(args) -> None:
                        steps_wanted=args.steps, caches=caches("datagen", seed))
         runs[f"datagen seed {seed}"] = _summary(r)
         shutil.rmtree(draft, ignore_errors=True)  # the disk: a Kimi-width draft is 4 GB
-
-    def cpu_flags() -> list[str]:  # as `datagen train` on this CPU, unless given
-        from datagen.training.recipe import cpu_defaults
-
-        return [x for dest, v in cpu_defaults().items() for x in ("--" + dest.replace("_", "-"), str(v))]
 
     def speculators_run(seed: int) -> None:
         if not export.exists():  # speculators' own format, written once
