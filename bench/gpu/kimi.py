@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -63,6 +62,9 @@ def _run_dir(work: Path, tp: int, mode: str) -> Path:
 
 
 def extract(args) -> None:
+    sys.path.insert(0, str(REPO))
+    from bench.gpu.timing import run_group
+
     work, out = Path(args.work), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = json.loads((work / "kimi" / "config.json").read_text())
@@ -82,7 +84,7 @@ def extract(args) -> None:
     tag = f"tp{args.tp}-{args.mode}"
     print(f"[{tag}] {' '.join(cmd)}", flush=True)
     t0 = time.time()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
+    proc = run_group(cmd, cwd=REPO, env=env, timeout=args.timeout)
     wall = time.time() - t0
     (out / f"kimi-{tag}.log").write_text(proc.stderr[-60000:] + "\n--- stdout ---\n" + proc.stdout[-20000:])
     result = None
@@ -220,6 +222,7 @@ def wide(args) -> None:
     import numpy as np
 
     sys.path.insert(0, str(REPO))
+    from bench.gpu.timing import run_group
     from datagen.models.kimi_config import kimi_width
     from datagen.testmodels.tiny_kimi import make_tiny_kimi
 
@@ -250,10 +253,10 @@ def wide(args) -> None:
     if not args.make_only:
         env = dict(os.environ)
         t1 = time.time()
-        proc = subprocess.run([sys.executable, __file__, "wide-bench", "--work", str(work), "--tp", str(args.tp),
-                               "--layers", ",".join(map(str, layers)), "--row-len", str(args.row_len),
-                               "--budget", str(args.budget), "--per-shard", str(args.per_shard)],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
+        proc = run_group([sys.executable, __file__, "wide-bench", "--work", str(work), "--tp", str(args.tp),
+                          "--layers", ",".join(map(str, layers)), "--row-len", str(args.row_len),
+                          "--budget", str(args.budget), "--per-shard", str(args.per_shard)],
+                         cwd=REPO, env=env, timeout=args.timeout)
         (out / f"kimi-wide-tp{args.tp}-bench.log").write_text(proc.stderr[-60000:] + "\n--- stdout ---\n" + proc.stdout[-20000:])
         bench = next((json.loads(ln[len("wide-bench: "):]) for ln in reversed(proc.stdout.splitlines())
                       if ln.startswith("wide-bench: ")), None)
@@ -268,8 +271,7 @@ def wide(args) -> None:
                    "--tensor-parallel-size", str(args.ref_tp), "--max-seq-len", str(args.row_len + 8),
                    "--samples-per-shard", str(args.per_shard), "--max-num-batched-tokens", str(args.budget)]
             t1 = time.time()
-            proc = subprocess.run(cmd, cwd=REPO, env={**env, "DATAGEN_ENFORCE_EAGER": "1"}, capture_output=True,
-                                  text=True, timeout=args.timeout)
+            proc = run_group(cmd, cwd=REPO, env={**env, "DATAGEN_ENFORCE_EAGER": "1"}, timeout=args.timeout)
             (out / f"kimi-wide-tp{args.ref_tp}.log").write_text(proc.stderr[-60000:] + "\n--- stdout ---\n" + proc.stdout[-20000:])
             rec["reference"] = {"rc": proc.returncode, "wall_s": round(time.time() - t1, 1), "eager": True,
                                 "command": "DATAGEN_ENFORCE_EAGER=1 datagen extract " + " ".join(cmd[4:])}

