@@ -27,10 +27,11 @@ from datagen.specs.plan import ExtractionPlan
 from datagen.errors import StorageError
 from datagen.steps.extract import ExtractResult
 from datagen.storage import fleet
-from tasks.bucket import bucket_of, retrying
+from tasks.bucket import bucket_of
 from tasks.extract import RangeOutcome, extract_range, range_call
 from tasks.fanout.range_limit import ensure_limit, range_limit_name
 from tasks.pipeline_spec import PipelineSpec, ShardRange
+from tasks.retries import retrying
 
 UPLOAD_POLL_S = 1.0  # how often a range looks for newly written shards to upload
 

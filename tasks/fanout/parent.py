@@ -37,11 +37,11 @@ from datagen.steps.assemble import AssembleResult
 from datagen.steps.plan import PlanResult
 from datagen.storage import fleet, s3
 from tasks import artifacts
-from tasks.bucket import bucket_of, retrying
+from tasks.bucket import bucket_of
 from tasks.extract import RangeOutcome
 from tasks.fanout.range_limit import delete_limit, ensure_limit, range_limit_name
 from tasks.pipeline_spec import PipelineSpec, ShardRange
-from tasks.retries import STEP_RETRY_POLICY
+from tasks.retries import STEP_RETRY_POLICY, retrying
 from tasks.step import RESULT_SERIALIZER, STEP_CACHE
 
 WAITING_LOG_INTERVAL_S = 300.0  # how often "still waiting for a worker" is logged
