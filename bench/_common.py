@@ -115,8 +115,9 @@ def machine() -> dict:
 
 
 def write_results(out: Path, stem: str, rec: dict, text: str, plot) -> None:
-    """A standalone bench's record, table and plot (``plot(rec, path)``): OUT/STEM.json, .md and .png; the
-    table printed."""
+    """A standalone bench's record (with the ``machine()`` it ran on), table and plot (``plot(rec, path)``):
+    OUT/STEM.json, .md and .png; the table printed."""
+    rec["machine"] = machine()
     (out / f"{stem}.json").write_text(json.dumps(rec, indent=1) + "\n")
     (out / f"{stem}.md").write_text(text + "\n")
     plot(rec, out / f"{stem}.png")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
+import shutil
 import sys
 from pathlib import Path
 
@@ -52,7 +52,7 @@ def run(work: Path, *, steps: int, tokens: int, total_seq_len: int) -> dict:
                  "cpu_has_bf16": cpu_has_bf16(), "cpu_defaults": dict(cpu_defaults()), "cases": {}}
     for k, (label, options) in enumerate(CASES.items()):
         draft = work / f"draft-{k}"
-        subprocess.run(["rm", "-rf", str(draft)], check=True)
+        shutil.rmtree(draft, ignore_errors=True)
         r = _run("datagen", ["train", str(dataset), "--out", str(draft), "--model", str(verifier), "--steps",
                              str(steps), "--total-seq-len", str(total_seq_len), "--draft-vocab-size", "1024",
                              "--mask-token-id", "0", *options], work, k)
@@ -113,7 +113,6 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     rec = run(work, steps=args.steps, tokens=args.tokens, total_seq_len=args.total_seq_len)
-    rec["machine"] = {"cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2)}
     write_results(out, "train_cpu", rec, table(rec), plot)
 
 

@@ -262,7 +262,6 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     rec = run(work, steps=args.steps, repeats=args.repeats, tokens=args.tokens, total_seq_len=args.total_seq_len)
-    rec["machine"] = {"cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2)}
     write_results(out, "train_startup", rec, table(rec), plot)
 
 

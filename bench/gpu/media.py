@@ -50,6 +50,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from bench.gpu.timing import run_group  # noqa: E402  (the repository on the path first)
+
 TINY_VOCAB = 1024
 TINY_LAYERS = (1, 2, 3, 4)
 WORDS = ("cat dog house river tree light stone cloud table window paper green small quick over under "
@@ -187,8 +189,6 @@ def _extract(spec, work: Path, out: Path, tag: str, *, smoke: bool, timeout: flo
     """``python -m datagen extract --spec`` in a subprocess; its log under ``out``."""
     (work / f"{tag}.spec.json").write_text(spec.model_dump_json())
     t0 = time.monotonic()
-    from bench.gpu.timing import run_group
-
     proc = run_group([sys.executable, "-m", "datagen", "extract", "--spec", str(work / f"{tag}.spec.json")],
                      env=_env(smoke), timeout=timeout, cwd=REPO)
     (out / f"{tag}.extract.log").write_text(proc.stderr[-60000:] + "\n--- stdout ---\n" + proc.stdout[-20000:])
@@ -326,8 +326,6 @@ def _wide_bench(args, w: Path, out: Path, model: Path, layer_ids: list[int]) -> 
     rows, words = (min(args.rows, 8), min(args.row_words, 60)) if args.smoke else (args.rows, args.row_words)
     t2 = time.monotonic()
     bench_data = wide_rows(w / "data", rows=rows, words=words, seed=2, name="bench")
-    from bench.gpu.timing import run_group
-
     print(f"[wide-bench] {rows} rows made in {time.monotonic() - t2:.1f} s", flush=True)
     try:
         proc = run_group([sys.executable, __file__, "bench", "--model", str(model), "--data", str(bench_data),
@@ -367,8 +365,6 @@ def stage_experts384(args, work: Path, out: Path) -> dict:
     n = cfg["num_hidden_layers"]
     layers = sorted({2, n // 2, n - 3, n} - {0, -1})
     t0 = time.monotonic()
-    from bench.gpu.timing import run_group
-
     proc = run_group([sys.executable, str(REPO / "bench/gpu/kimi.py"), "wide-bench", "--work", str(w), "--tp", "1",
                            "--layers", ",".join(map(str, layers)), "--row-len", "1024", "--per-shard", "16",
                            "--budget", "16384", "--storages", args.storages384, "--clean"]
