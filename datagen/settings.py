@@ -45,6 +45,12 @@ def direct_io() -> bool:
     return os.environ.get("DATAGEN_DIRECT_IO", "1") != "0"
 
 
+def stream_writes() -> bool:
+    """DATAGEN_STREAM_WRITES: 0 to write each shard only once its last row is in, instead of from
+    its start while it fills (for comparisons; the bytes are the same either way)."""
+    return os.environ.get("DATAGEN_STREAM_WRITES", "1") != "0"
+
+
 def gpu_step_times() -> bool:
     """DATAGEN_GPU_STEP_TIMES: 1 to time each engine step's forward and capture on the GPU (CUDA
     events; for profiles, bench/gpu/storage.py --profile). Off by default: it adds events per step."""

@@ -1,12 +1,15 @@
 """The capture's packer (datagen.engines.capture_pack): pieces arrive in any order, each leaves the
-host ring the moment it is in its shard's image (the ring never holds a shard), the image is
-written once its shard closes, byte for byte what ``write_shard`` writes, and a shard whose piece
-is wrong is reported and dropped while the others are written."""
+host ring the moment it is in its shard's image (the ring never holds a shard), the image's final
+prefix streams to its temporary file while the shard fills and the file is in place only once the
+shard closes, byte for byte what ``write_shard`` writes, and a shard whose piece is wrong is
+reported and dropped while the others are written."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +17,7 @@ import torch
 
 from datagen.data.contract import ShardFormat
 from datagen.data.shards.format import FP8, ShardJob
-from datagen.data.shards.image import ImagePool
+from datagen.data.shards.image import ImagePool, Layout, ShardImage, new_buffer
 from datagen.data.shards.kernels import quantize_fp8, token_stats
 from datagen.data.shards.writer import write_shard
 from datagen.engines.capture_host import HostArena, HostBlock
@@ -126,3 +129,138 @@ def test_the_image_pool_waits_for_a_write_but_never_for_a_shard_still_being_fill
     threading.Timer(0.2, pool.give, args=(a,)).start()
     c, waited = pool.take(1, pending=lambda: True)  # a write is on its way: wait for its buffer
     assert c is a and waited >= 0.15
+
+
+def _in_order():
+    """(row, first token, n) of every piece, rows and their pieces in order (the engine's FCFS)."""
+    return [(r, a, min(PIECE, n - a)) for r, n in enumerate(ROWS) for a in range(0, n, PIECE)]
+
+
+def _ref_bytes(tmp_path, job, rows, storage):
+    ref = dataclasses.replace(job, path=str(tmp_path / "ref" / "shard-000000.safetensors"))
+    write_shard(ref, [x for x, _, _ in rows], [st.transpose(1, 2) for _, st, _ in rows],
+                [sc for _, _, sc in rows] if storage == FP8 else None)
+    return Path(ref.path).read_bytes()
+
+
+def _wait_for(cond, timeout=10.0):
+    t0 = time.monotonic()
+    while not cond() and time.monotonic() - t0 < timeout:
+        time.sleep(0.01)
+    return cond()
+
+
+@pytest.mark.parametrize("storage", ["bfloat16", FP8])
+def test_the_final_prefix_ends_at_the_first_token_not_yet_put(storage):
+    job = _job(Path("/nonexistent"), storage)
+    rows = _states(storage)
+    lay = Layout.of(job)
+    image = ShardImage(job, new_buffer(lay.size), lay)
+    hs_start, _ = lay.spans["hidden_states"]
+    per_token = len(LAYERS) * H * (1 if storage == FP8 else 2)
+    first_per_token = lay.spans["hidden_states_scale"][0] if storage == FP8 else hs_start
+    assert image.ready() == first_per_token  # header and the tensors set when the image was made
+    for r in (1, 2):  # rows 1 and 2: row 0's tokens are still missing
+        x, st, sc = rows[r]
+        image.put(r, 0, x, scale=sc, stats=st.transpose(1, 2))
+    assert image.ready() == first_per_token
+    x, st, sc = rows[0]
+    image.put(0, 0, x[:5], scale=None if sc is None else sc[:5], stats=st[:5].transpose(1, 2))
+    # bf16: the states of the first 5 tokens are final; fp8: its scales come first in the file, so
+    # the prefix ends inside them (their first 5 tokens'), before any state, until the last token
+    assert image.ready() == first_per_token + 5 * (len(LAYERS) * 4 if storage == FP8 else per_token)
+    assert storage != FP8 or image.ready() < hs_start
+    image.put(0, 5, x[5:], scale=None if sc is None else sc[5:], stats=st[5:].transpose(1, 2))
+    assert image.ready() == lay.size
+
+
+def test_a_shard_streams_to_its_file_while_it_fills_and_ends_as_write_shards_bytes(tmp_path, monkeypatch):
+    from datagen.data.shards import image as image_mod
+    from datagen.engines import capture_pack
+
+    monkeypatch.setattr(image_mod, "WRITE_PIECE", image_mod.ALIGN)  # stream page by page
+    monkeypatch.setattr(capture_pack, "STREAM_MIN", 0)
+    job = _job(tmp_path, "bfloat16")
+    rows = _states("bfloat16")
+    arena = HostArena(1 << 20, pin=False)
+    packer = Packer(image_budget_bytes=1 << 30, writers=1, stream=True)
+    pieces = _in_order()
+    last_row = [p for p in pieces if p[0] == len(ROWS) - 1]
+    _feed(packer, arena, job, rows, [p for p in pieces if p not in last_row])
+    tmp = lambda: [p for p in (tmp_path / "a").glob(".*.tmp-*")] if (tmp_path / "a").exists() else []
+    hs_start, _ = Layout.of(job).spans["hidden_states"]
+    done_tokens = sum(ROWS[:-1])
+    want = (hs_start + done_tokens * len(LAYERS) * H * 2) // image_mod.ALIGN * image_mod.ALIGN
+    assert _wait_for(lambda: tmp() and tmp()[0].stat().st_size == want)  # the final prefix, page-aligned
+    assert not (tmp_path / "a" / "shard-000000.safetensors").exists()  # not before its last row
+    _feed(packer, arena, job, rows, last_row)
+    packer.close(job)
+    packer.join()
+    done, errors = packer.take()
+    assert errors == [] and [r.index for r in done] == [0]
+    assert packer.streamed_bytes >= want  # (and more, when the last row came in before the close)
+    data = (tmp_path / "a" / "shard-000000.safetensors").read_bytes()
+    assert data == _ref_bytes(tmp_path, job, rows, "bfloat16")
+    assert done[0].sha256 == hashlib.sha256(data).hexdigest()
+    assert tmp() == []
+
+
+def test_an_fp8_shard_is_written_only_once_its_last_token_is_in(tmp_path, monkeypatch):
+    """Its scales lie ahead of its states and end with its last token: nothing of the file past
+    the first page is final before."""
+    from datagen.data.shards import image as image_mod
+    from datagen.engines import capture_pack
+
+    monkeypatch.setattr(image_mod, "WRITE_PIECE", image_mod.ALIGN)
+    monkeypatch.setattr(capture_pack, "STREAM_MIN", 0)
+    job = _job(tmp_path, FP8)
+    rows = _states(FP8)
+    arena = HostArena(1 << 20, pin=False)
+    packer = Packer(image_budget_bytes=1 << 30, writers=1, stream=True)
+    pieces = _in_order()
+    _feed(packer, arena, job, rows, pieces[:-1])  # every token but the last few
+    packer.pieces.join()
+    time.sleep(0.3)
+    assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
+    _feed(packer, arena, job, rows, pieces[-1:])
+    packer.close(job)
+    packer.join()
+    assert (tmp_path / "a" / "shard-000000.safetensors").read_bytes() == _ref_bytes(tmp_path, job, rows, FP8)
+
+
+def test_a_streamed_write_that_fails_is_redone_at_its_place_by_the_close(tmp_path, monkeypatch):
+    """The streamer's write of a piece fails half way (the disk full for a moment): the shard's
+    close writes from the last whole piece, at its offset, and the file is still exact."""
+    import errno
+
+    from datagen.data.shards import image as image_mod
+    from datagen.engines import capture_pack
+
+    monkeypatch.setattr(image_mod, "WRITE_PIECE", image_mod.ALIGN)
+    monkeypatch.setattr(capture_pack, "STREAM_MIN", 0)
+    real, calls = image_mod.os.pwrite, []
+
+    def flaky(fd, data, offset):
+        calls.append(offset)
+        if len(calls) == 2:  # the second piece: half of it lands, then the disk refuses
+            real(fd, bytes(data)[: len(data) // 2], offset)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(image_mod.os, "pwrite", flaky)
+    job = _job(tmp_path, "bfloat16")
+    rows = _states("bfloat16")
+    arena = HostArena(1 << 20, pin=False)
+    packer = Packer(image_budget_bytes=1 << 30, writers=1, stream=True)
+    pieces = _in_order()
+    _feed(packer, arena, job, rows, pieces[:-1])
+    assert _wait_for(lambda: len(calls) >= 2)
+    time.sleep(0.2)  # the streamer has given the image up
+    _feed(packer, arena, job, rows, pieces[-1:])
+    packer.close(job)
+    packer.join()
+    done, errors = packer.take()
+    assert errors == [] and [r.index for r in done] == [0]
+    data = (tmp_path / "a" / "shard-000000.safetensors").read_bytes()
+    assert data == _ref_bytes(tmp_path, job, rows, "bfloat16") and done[0].sha256 == hashlib.sha256(data).hexdigest()
+    assert calls[2] == calls[1]  # the failed piece again, at its own offset

@@ -91,10 +91,10 @@ def test_chunked_states_direct_and_buffered_writes_give_the_same_file(tmp_path, 
 def test_a_filesystem_without_direct_io_gets_buffered_writes(tmp_path, monkeypatch, refuses_at):
     import errno
 
-    from datagen.data.shards import image as writer  # the file image and its write
+    from datagen.data.shards import image_file as writer  # the file image's write
 
     ref = write_shard(job(tmp_path / "a" / "s.safetensors", [33, 9], "bfloat16"), states([33, 9]))
-    real_open, real_write, direct_fds = os.open, os.write, set()
+    real_open, real_write, direct_fds = os.open, os.pwrite, set()
 
     def fake_open(path, flags, *a):
         if flags & os.O_DIRECT and refuses_at == "open":
@@ -103,15 +103,19 @@ def test_a_filesystem_without_direct_io_gets_buffered_writes(tmp_path, monkeypat
         (direct_fds.add if flags & os.O_DIRECT else direct_fds.discard)(fd)
         return fd
 
-    def fake_write(fd, data):
+    refused = []
+
+    def fake_write(fd, data, offset):
         if fd in direct_fds:
+            refused.append(offset)
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real_write(fd, data)
+        return real_write(fd, data, offset)
 
     monkeypatch.setattr(writer.os, "open", fake_open)
-    monkeypatch.setattr(writer.os, "write", fake_write)
+    monkeypatch.setattr(writer.os, "pwrite", fake_write)
     rec = write_shard(job(tmp_path / "b" / "s.safetensors", [33, 9], "bfloat16"), states([33, 9]))
     assert rec.sha256 == ref.sha256 == hashlib.sha256((tmp_path / "b" / "s.safetensors").read_bytes()).hexdigest()
+    assert refused == ([0] if refuses_at == "write" else [])  # refused once, at the start, then buffered
 
 
 def test_shapes_that_do_not_match_the_rows_are_refused(tmp_path):
@@ -178,15 +182,18 @@ def test_states_already_quantized_by_the_engine_are_stored_as_given(tmp_path):
 
 
 def test_the_hash_is_taken_piece_by_piece_while_writing_and_matches_the_file(tmp_path, monkeypatch):
-    from datagen.data.shards import image as writer  # the file image and its write
+    from datagen.data.shards import image_file as writer  # the file image's write
 
     lengths = [300, 257]  # about 130 kB of bfloat16 states: 11 pieces of 12 kB, the last one short
     monkeypatch.setattr(writer, "WRITE_PIECE", 3 * writer.ALIGN)
     seen: list[int] = []
 
     class CountingSha:
-        def __init__(self):
-            self._h = hashlib.new("sha256")
+        def __init__(self, h=None):
+            self._h = h or hashlib.new("sha256")
+
+        def copy(self):
+            return CountingSha(self._h.copy())
 
         def update(self, data):
             seen.append(len(data))
@@ -228,7 +235,7 @@ def test_a_reused_file_image_leaves_no_bytes_of_the_previous_shard(tmp_path):
 def test_a_failed_write_leaves_neither_the_shard_nor_a_temporary(tmp_path, monkeypatch):
     import errno
 
-    from datagen.data.shards import image as writer  # the file image and its write
+    from datagen.data.shards import image_file as writer  # the file image's write
 
     def full_disk(fd):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -1,12 +1,18 @@
 """The capture's packer and writers: each request's pieces into its shard's file image, the
-image to disk once complete.
+image to disk as its bytes become final.
 
 The packer (one thread) takes the pieces in step order: it waits for a piece's device-to-host
 copy, puts it in its shard's ``ShardImage`` (made at the shard's first piece, from an
-``ImagePool`` within a byte budget) and frees its place in the host ring at once. A close (the
-shard's last piece is in) hands the image to the writer threads, which hash, write and rename it
-(``ShardImage.finish``) and give its memory back to the pool. A shard whose piece fails is
-dropped, reported by ``take``, and the run goes on.
+``ImagePool`` within a byte budget) and frees its place in the host ring at once. The streamer
+(one thread) writes each open image's final prefix to its temporary file while the shard still
+fills (``ShardImage.stream``), so the shard's write is mostly done when its last row comes in.
+A close (the shard's last piece is in) hands the image to the writer threads, which write the
+rest, fsync and rename it (``ShardImage.finish``) and give its memory back to the pool. A shard
+whose piece fails is dropped, reported by ``take``, and the run goes on.
+
+A writer's work never waits for packing, so the pool may wait for a writer to give a buffer
+back (``writing``: closed images only) without holding up the pieces that would fill the shard
+a streamer is on: the streamer waits for nothing but the disk.
 """
 
 from __future__ import annotations
@@ -19,12 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
+from datagen import settings
 from datagen.data.contract import ShardRecord
 from datagen.data.shards.format import ShardJob
-from datagen.data.shards.image import ImagePool, Layout, ShardImage
+from datagen.data.shards.image import WRITE_PIECE, ImagePool, Layout, ShardImage
 from datagen.engines.capture_host import HostBlock
 
 _NEW = object()  # a shard the packer has not seen yet
+STREAM_MIN = WRITE_PIECE // 4  # the streamer writes once this much of an image's prefix is final
 
 
 @dataclass
@@ -40,7 +48,8 @@ class Chunk:
 class Packer:
     """One rank's packer thread and writer threads."""
 
-    def __init__(self, image_budget_bytes: int, writers: int):
+    def __init__(self, image_budget_bytes: int, writers: int, *, stream: bool | None = None):
+        """``stream``: write images while their shards fill (default: ``settings.stream_writes()``)."""
         self.done: list[ShardRecord] = []
         self.errors: list[str] = []
         self.lock = threading.Lock()
@@ -53,7 +62,12 @@ class Packer:
         self.writes: queue.Queue = queue.Queue()
         self.writing = 0  # images handed to the writers, not yet written
         self.image_wait_s = 0.0  # the packer's waits for an image (the budget spent)
+        self.streaming: list[ShardImage] = []  # open images the streamer writes (under ``lock``)
+        self.streamed_bytes = 0  # written by the streamer, before their shards closed
+        self._more = threading.Event()  # an image's prefix may have grown
         threads = [("packer", self._pack_loop)] + [(f"writer-{i}", self._write_loop) for i in range(writers)]
+        if settings.stream_writes() if stream is None else stream:
+            threads.append(("streamer", self._stream_loop))
         self.threads = [threading.Thread(target=fn, name=f"datagen-{name}", daemon=True) for name, fn in threads]
         for t in self.threads:
             t.start()
@@ -112,12 +126,17 @@ class Packer:
                 except BaseException:
                     self.images.give(buf)
                     raise
+                with self.lock:
+                    self.streaming.append(image)
             if image is not None and chunk is not None:
                 image.put(row, at, chunk.host, scale=chunk.scale, stats=chunk.stats.transpose(1, 2))
+                self._more.set()
         except Exception as e:  # the shard is lost (reported on the driver's next collect); the run goes on
             self._failed(job, e)
             image = self.open.get(k)
             if image:
+                self._unstream(image)
+                image.abandon()  # the streamer is off it and its temporary file gone: the buffer may go back
                 self.images.give(image.buf)
             self.open[k] = None
         finally:
@@ -127,9 +146,34 @@ class Packer:
             image = self.open.pop(k)
             if image is None:
                 return
+            self._unstream(image)
             with self.lock:
                 self.writing += 1
             self.writes.put(image)
+
+    def _unstream(self, image: ShardImage) -> None:
+        with self.lock:
+            if image in self.streaming:
+                self.streaming.remove(image)
+                self.streamed_bytes += image.streamed()
+
+    def _stream_loop(self) -> None:
+        """Write the open images' final prefixes, oldest image first, while their shards fill. An
+        image that closes meanwhile is the writers' (``stream`` then does nothing)."""
+        _off_model_cores()
+        while True:
+            self._more.wait(0.1)
+            self._more.clear()
+            with self.lock:
+                images = list(self.streaming)
+            for image in images:
+                try:
+                    while image.stream(STREAM_MIN):
+                        pass
+                except Exception:  # left to ``finish``, which writes what is left and reports a failure
+                    with self.lock:
+                        if image in self.streaming:
+                            self.streaming.remove(image)
 
     def _write_loop(self) -> None:
         _off_model_cores()

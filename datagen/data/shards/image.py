@@ -1,13 +1,22 @@
-"""A shard's file image, filled as its states arrive and written once it is complete.
+"""A shard's file image, filled as its states arrive, and written from its start as its bytes
+become final.
 
 A shard's layout is known before any of its states exist: every row's token count is fixed at
 plan time, so the safetensors header, each tensor's place in the file and the small tensors
 (token ids, loss mask, sample index and offsets) are written into the image when it is made.
 The states then go straight to their place, piece by piece, in whatever order the engine
 produces them (``ShardImage.put``); nothing holds a shard's pieces until its last row is in.
-``finish`` adds up the statistics, writes the image once (``write_image``: direct I/O,
-hashed from the same memory while the writes run, fsynced), renames it into place and returns
-its record. The bytes are those ``safetensors.torch.save_file`` writes (tests/test_shards.py).
+
+The file's bytes are final from its start up to ``ShardImage.ready()``: the tensors set when
+the image is made, then the states (token-major) up to the first token not yet put. While the
+shard fills, ``stream`` writes and hashes that final prefix to the shard's temporary file
+(``ImageFile``: direct I/O, sequential, hashed from the same memory), so that when the last
+row comes in only the bytes after the prefix are left to write. ``finish`` adds up the
+statistics, writes the rest, fsyncs once, renames the file into place and returns its record.
+fp8 shards keep their scales ahead of the states in the file (safetensors orders tensors by
+alignment), so their prefix is final only once every token is in: they are written whole by
+``finish``. The bytes are those ``safetensors.torch.save_file`` writes (tests/test_shards.py),
+however much was streamed.
 
 ``ImagePool`` hands the capture its images: page-aligned anonymous memory, reused from shard to
 shard (fresh memory costs a page fault per page on first touch), within a byte budget.
@@ -15,8 +24,6 @@ shard (fresh memory costs a page fault per page on first touch), within a byte b
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import json
 import mmap
 import os
@@ -33,10 +40,9 @@ from datagen import settings
 from datagen.data.contract import ShardRecord
 from datagen.data.files import fsync_dir
 from datagen.data.shards.format import FP8, SCALE_TENSOR, SHARD_FORMAT, STORAGE_DTYPES, ShardJob, safetensors_layout
+from datagen.data.shards.image_file import ALIGN, WRITE_PIECE, ImageFile
 from datagen.data.shards.kernels import fp8_token_stats, layer_stats, token_stats
 
-ALIGN = 4096  # direct I/O: buffer address, length and file offset aligned to this
-WRITE_PIECE = 64 << 20  # bytes per write call (and per hash update)
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,15 @@ class ShardImage:
         self.views["sample_offsets"].copy_(torch.from_numpy(lay.offsets))
         self.stats: torch.Tensor | None = None  # [T, L, 3] per-token statistics, when the pieces bring them
         self.filled = 0  # tokens put
+        self._have = np.zeros(T, dtype=bool)  # tokens put
+        self._first_missing = 0  # every token before it is put
+        self._file: ImageFile | None = None  # the temporary file, once ``stream`` has opened it
+        self._io = threading.Lock()  # ``stream`` against ``finish``/``abandon``
+        self._ended = False  # ``finish`` or ``abandon`` has begun: ``stream`` touches nothing more
+        # the file in order: per span, its start, its end and its bytes per token (0: final when made)
+        per_token = {"hidden_states", SCALE_TENSOR}
+        self._spans = sorted((a, b, (b - a) // T if name in per_token and T else 0)
+                             for name, (a, b) in lay.spans.items())
 
     @property
     def tokens(self) -> int:
@@ -133,6 +148,53 @@ class ShardImage:
                 self.stats = torch.empty((self.tokens, L, 3), dtype=torch.float32)
             self.stats[t:t + n].copy_(stats)
         self.filled += n
+        self._have[t:t + n] = True
+        if t <= self._first_missing < t + n:
+            rest = np.flatnonzero(~self._have[t + n:])
+            self._first_missing = t + n + int(rest[0]) if rest.size else self.tokens
+
+    def ready(self) -> int:
+        """Bytes of the file, from its start, that are final: the spans set when the image was made,
+        and the per-token spans up to the first token not yet put (where such a span ends early,
+        the prefix ends there)."""
+        pos, k = len(self.layout.head), self._first_missing
+        for a, b, per_token in self._spans:
+            if per_token and k < self.tokens:
+                return a + k * per_token
+            pos = b
+        return pos
+
+    def stream(self, min_bytes: int = 0) -> bool:
+        """Write (and hash) the next piece of the file's final prefix to its temporary file, if at
+        least ``min_bytes`` of it (and one aligned piece) is waiting. True if it wrote. Safe to call
+        from one thread while another puts; does nothing once ``finish`` or ``abandon`` has begun."""
+        with self._io:
+            if self._ended:
+                return False
+            done = self._file.pos if self._file else 0
+            end = min(self.ready(), done + WRITE_PIECE) // ALIGN * ALIGN
+            if end >= self.layout.size or end <= done or end - done < min(min_bytes, WRITE_PIECE):
+                return False  # the last piece (and the padding after it) is ``finish``'s
+            if self._file is None:
+                self._file = ImageFile(self._tmp_path(), self.buf, direct=settings.direct_io())
+            self._file.write(end)
+            return True
+
+    def streamed(self) -> int:
+        """Bytes already in the temporary file."""
+        return self._file.pos if self._file else 0
+
+    def abandon(self) -> None:
+        """The shard is dropped: stop streaming, remove its temporary file. The buffer may then go back."""
+        with self._io:
+            self._ended = True
+            if self._file is not None:
+                self._file.discard()
+
+    def _tmp_path(self) -> Path:
+        final = Path(self.job.path)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        return final.with_name(f".{final.name}.tmp-{os.getpid()}")
 
     def finish(self) -> ShardRecord:
         """Write the complete image atomically (temporary name, fsync, rename) and return its record.
@@ -141,7 +203,11 @@ class ShardImage:
             RuntimeError: tokens are missing.
         """
         job, T = self.job, self.tokens
+        with self._io:  # a ``stream`` under way ends its piece first; none starts after
+            self._ended = True
         if self.filled != T:
+            if self._file is not None:
+                self._file.discard()
             raise RuntimeError(f"shard {job.index}: {self.filled} of its {T} tokens' states were put")
         hs = self.views["hidden_states"]
         per_token = self.stats
@@ -150,15 +216,18 @@ class ShardImage:
         record_stats = layer_stats(hs, job.layer_ids, per_token)
         self.views = {}  # the buffer goes back to its pool: no view of it may outlive the write
         final = Path(job.path)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
         size = self.layout.size
+        f = self._file
         try:
-            digest, _ = write_image(tmp, self.buf, size, direct=settings.direct_io())
+            if f is None:
+                f = ImageFile(self._tmp_path(), self.buf, direct=settings.direct_io())
+            f.write(size, final=True)
+            digest = f.close()
         except BaseException:
-            tmp.unlink(missing_ok=True)  # a full disk must not keep the half-written file
+            if f is not None:
+                f.discard()  # a full disk must not keep the half-written file
             raise
-        os.replace(tmp, final)
+        os.replace(f.tmp, final)
         fsync_dir(final.parent)
         return ShardRecord(
             index=job.index,
@@ -172,67 +241,6 @@ class ShardImage:
             shard_key=job.shard_key,
             layer_stats=record_stats,
         )
-
-
-def _open_tmp(tmp: Path, direct: bool) -> tuple[int, bool]:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
-    if direct and hasattr(os, "O_DIRECT"):
-        try:
-            return os.open(tmp, flags | os.O_DIRECT, 0o644), True
-        except OSError as e:
-            if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-                raise
-    return os.open(tmp, flags, 0o644), False
-
-
-def write_image(tmp: Path, buf: mmap.mmap, size: int, *, direct: bool = True) -> tuple[str, bool]:
-    """Write ``buf[:size]`` to ``tmp`` (created) and fsync it once; its sha256 is computed from the
-    same memory by a thread of its own while the writes run (never read back from the file).
-
-    Direct I/O (O_DIRECT) where the filesystem takes it: the pages go from the image to the
-    device, not through the page cache. The last piece is padded to the alignment and the
-    file truncated to ``size``. Filesystems without it (tmpfs, some network ones) get buffered
-    writes. Returns the sha256 and whether direct I/O was used.
-    """
-    h = hashlib.sha256()
-    mv = memoryview(buf)
-
-    def hash_all() -> None:  # alongside the writes: both release the GIL, so they overlap
-        for a in range(0, size, WRITE_PIECE):
-            h.update(mv[a:min(size, a + WRITE_PIECE)])
-
-    hasher = threading.Thread(target=hash_all, name="datagen-shard-hash", daemon=True)
-    hasher.start()
-    fd, used_direct = _open_tmp(tmp, direct)
-    try:
-        pos = 0
-        while pos < size:
-            end = min(size, pos + WRITE_PIECE)
-            wend = -(-end // ALIGN) * ALIGN if used_direct else end
-            if wend > end:
-                buf[end:wend] = bytes(wend - end)  # zero the padding of a reused image
-            while pos < wend:
-                try:
-                    n = os.write(fd, mv[pos:wend])
-                except OSError as e:
-                    if not used_direct or e.errno != errno.EINVAL or pos != 0:
-                        raise
-                    # the filesystem accepted O_DIRECT at open but not this alignment: start over buffered
-                    os.close(fd)
-                    fd, used_direct = _open_tmp(tmp, False)
-                    wend = end
-                    continue
-                pos += n
-            pos = end
-        if used_direct and size % ALIGN:
-            os.ftruncate(fd, size)
-        os.fchmod(fd, 0o644)  # readable by others whatever the umask
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-        hasher.join()
-        mv.release()
-    return h.hexdigest(), used_direct
 
 
 def new_buffer(size: int) -> mmap.mmap:
