@@ -3,6 +3,7 @@ with each shard written once its last row is in ("at close") against written fro
 while it fills ("streamed").
 
     python -m bench.stream_tail                    # table + bench/results/stream_tail.{json,md,png}
+    python -m bench.stream_tail --rate-of-disk 0.5    # ... bench/results/stream_tail-0.50.*
     python -m bench.stream_tail --shard-mib 512 --shards 4 --repeats 3
 
 An engine that makes states at a rate R hands the packer one step's pieces at a time
@@ -79,6 +80,7 @@ def one_run(out: Path, shards: int, rows_per_shard: int, rate: float, stream: bo
     t_last = time.perf_counter()
     packer.join()
     t_end = time.perf_counter()
+    packer.images.close()  # its images' memory back (the product's packer keeps them for the engine's life)
     done, errors = packer.take()
     if errors or len(done) != shards:
         raise RuntimeError(f"{len(done)} of {shards} shards written; errors: {errors}")
@@ -163,7 +165,8 @@ def main() -> None:
     rec = run(args.shard_mib, args.shards, args.repeats, args.rate_of_disk, work)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_results(out, "stream_tail", rec, table(rec), plot)
+    stem = "stream_tail" if args.rate_of_disk == 0.95 else f"stream_tail-{args.rate_of_disk:.2f}"
+    write_results(out, stem, rec, table(rec), plot)
     shutil.rmtree(work, ignore_errors=True)
 
 
