@@ -171,9 +171,7 @@ class Packer:
                     while image.stream(STREAM_MIN):
                         pass
                 except Exception:  # left to ``finish``, which writes what is left and reports a failure
-                    with self.lock:
-                        if image in self.streaming:
-                            self.streaming.remove(image)
+                    self._unstream(image)
 
     def _write_loop(self) -> None:
         _off_model_cores()

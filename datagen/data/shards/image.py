@@ -206,8 +206,7 @@ class ShardImage:
         with self._io:  # a ``stream`` under way ends its piece first; none starts after
             self._ended = True
         if self.filled != T:
-            if self._file is not None:
-                self._file.discard()
+            self.abandon()
             raise RuntimeError(f"shard {job.index}: {self.filled} of its {T} tokens' states were put")
         hs = self.views["hidden_states"]
         per_token = self.stats
