@@ -244,7 +244,10 @@ def _trainer(model, recipe: Recipe, device: Device, loader, save_path: Path):
 
 
 def _save(model, out: Path) -> None:
-    """speculators' checkpoint format (its checkpointer's model half): bf16 weights, config dtype patched."""
+    """speculators' checkpoint format (its checkpointer's model half): bf16 weights, config dtype patched.
+    As its checkpointer does, the weights are cast where they are and each bf16 tensor moves to the host
+    as it is written (moving the float32 model to the host first made the save take 17 s at Kimi's
+    width on an H100, 2 s of it writing, against 8 s for speculators' checkpoint)."""
     from speculators.train.checkpointer import convert_float_dtype, patch_config_dtype
 
     model.save_pretrained(out, state_dict=convert_float_dtype(model.state_dict(), torch.bfloat16))
@@ -332,7 +335,7 @@ def _write(model, lineage: DraftLineage, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        _save(model.to("cpu"), tmp)
+        _save(model, tmp)
         (tmp / LINEAGE_NAME).write_text(lineage.model_dump_json(indent=1) + "\n")
         os.replace(tmp, out)
     except BaseException:
