@@ -53,8 +53,16 @@ def stream_writes() -> bool:
 
 def gpu_step_times() -> bool:
     """DATAGEN_GPU_STEP_TIMES: 1 to time each engine step's forward and capture on the GPU (CUDA
-    events; for profiles, bench/gpu/storage.py --profile). Off by default: it adds events per step."""
+    events; for profiles, with DATAGEN_STEP_TRACE). Off by default: it adds events per step."""
     return os.environ.get("DATAGEN_GPU_STEP_TIMES", "0") == "1"
+
+
+def step_trace_path() -> Path | None:
+    """DATAGEN_STEP_TRACE: a file the vLLM engine writes its steps to when the run's rows are done,
+    for profiles (``bench/gpu/run.py --trace``): each step's start and end, its tokens and the end of
+    its capture, on the wall clock (datagen.engines.step_trace). Unset: no file."""
+    raw = os.environ.get("DATAGEN_STEP_TRACE")
+    return Path(raw) if raw else None
 
 
 def capture_runner_v2(environ: Mapping[str, str] | None = None) -> bool | None:

@@ -152,6 +152,22 @@ def test_rows_longer_than_the_step_budget_were_chunked_and_captured_whole(llama_
     assert sum(1 for n in lengths if n > BUDGET) == 3
 
 
+def test_the_step_trace_holds_every_stored_token_once_on_the_wall_clock(llama_vllm):
+    """DATAGEN_STEP_TRACE (set for the shared run): the engine's steps in order, each within the
+    step budget, every stored token computed in exactly one of them, on the clock the shard files'
+    times are on (the first file after the first step, the last after the last capture)."""
+    out, _ = llama_vllm
+    steps = json.loads((out.parent / "steps.json").read_text())["steps"]
+    m = Manifest.model_validate_json((out / MANIFEST_NAME).read_text())
+    assert sum(s["tokens"] for s in steps) == m.totals["tokens"]
+    assert all(0 < s["tokens"] <= BUDGET for s in steps)
+    assert [s["start"] for s in steps] == sorted(s["start"] for s in steps)
+    assert all(s["start"] <= s["end"] <= s["captured"] for s in steps)
+    assert all(s["forward_gpu_ms"] is None for s in steps)  # CUDA events only (DATAGEN_GPU_STEP_TIMES)
+    written = sorted((out / s.path).stat().st_mtime for s in m.shards)
+    assert steps[0]["start"] < written[0] and steps[-1]["captured"] <= written[-1] + 0.01
+
+
 def test_manifest_records_skipped_and_truncated_rows(llama_vllm):
     out, _ = llama_vllm
     m = Manifest.model_validate_json((out / MANIFEST_NAME).read_text())

@@ -15,6 +15,11 @@ On the GPU machine (bench/gpu/README.md says how vLLM gets there), each in a cal
 
 Anywhere, on the CPU engine: ``--shape tiny --rows 8 --row-len 64`` (the smoke).
 
+``run --trace``: the product's commands also write their engine's steps (DATAGEN_STEP_TRACE, with
+DATAGEN_GPU_STEP_TIMES=1 for the GPU times), and each record gets ``start``: where the run's start
+went (the "engine started" line to the first step, the first steps against the run's median step,
+the first shard's rows computed, its file written).
+
 Stages (each in a process of its own, under a timeout; a failure is recorded with its log tail):
 
   cli-bf16, cli-fp8  ``python -m datagen extract --model M --dataset D --out O`` and nothing else but
@@ -187,6 +192,7 @@ def _measure(runs: list[dict], out_dir: Path, tokens: int) -> dict:
         if rec.get("bytes"):
             rec["bytes_per_s_driver"] = rec["bytes"] / max(t_last - t_first, 1e-6)
         rec.update(_past_fill(out_dir, shards))
+        rec.update(_start(out_dir, t_first, shards))
     if prog:
         last = prog[-1][1]
         rates = list(RATE.finditer(last))
@@ -229,6 +235,54 @@ def _env() -> dict:
     return {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
+TRACE = False  # stage --trace: the product's commands write their engine's steps
+
+
+def _traced(env: dict, out: Path) -> dict:
+    """``env`` with the step trace asked for, beside ``out`` (which the stage removes), under ``--trace``."""
+    if not TRACE:
+        return env
+    _trace_file(out).unlink(missing_ok=True)
+    return {**env, "DATAGEN_STEP_TRACE": str(_trace_file(out)), "DATAGEN_GPU_STEP_TIMES": "1"}
+
+
+def _same(env: dict, out: Path) -> dict:  # a deployment's later ranges: the first range's steps are the start's
+    return env
+
+
+def _trace_file(out: Path) -> Path:
+    return out.with_name(out.name + ".steps.json")
+
+
+def _start(out_dir: Path, t_first: float, shards: list[Path]) -> dict:
+    """Where the run's start went, from its engine's steps (``--trace``), in seconds after the
+    product's "engine started" line: its first step, the first shard's rows computed (the steps'
+    tokens counted up to the first shard's, the rows being scheduled in their order), and the first
+    shard's file written; the first 5 steps' seconds beside the run's median step."""
+    try:
+        steps = json.loads(_trace_file(out_dir).read_text())["steps"]
+        listed = json.loads((out_dir / "manifest.json").read_text())["shards"]
+    except (OSError, KeyError, ValueError):
+        return {}
+    first = min(listed, key=lambda x: x["index"])
+    files = {p.name: p for p in shards}
+    if not steps or Path(first["path"]).name not in files:
+        return {}
+    done, n = None, 0
+    for st in steps:
+        n += st["tokens"]
+        if n >= first["tokens"]:
+            done = st["captured"]
+            break
+    secs = [st["end"] - st["start"] for st in steps]
+    return {"start": {"first_step_s": round(steps[0]["start"] - t_first, 3),
+                      "first_shard_rows_computed_s": round(done - t_first, 3) if done else None,
+                      "first_shard_written_s": round(files[Path(first["path"]).name].stat().st_mtime - t_first, 3),
+                      "first_shard_tokens": first["tokens"], "first_steps_s": [round(x, 4) for x in secs[:5]],
+                      "step_median_s": round(statistics.median(secs), 4), "steps": len(steps),
+                      "first_steps_forward_gpu_ms": [st["forward_gpu_ms"] for st in steps[:5]]}}
+
+
 def _tp() -> int:
     try:
         import torch
@@ -250,7 +304,7 @@ def stage_cli(work: Path, shape: str, dtype: str, log, timeout: float) -> dict:
         cmd += ["--storage-dtype", FP8]
     if _tp() > 1:
         cmd += ["--tensor-parallel-size", str(_tp())]
-    r = _run_cmd(cmd, _env(), log, timeout)
+    r = _run_cmd(cmd, _traced(_env(), out), log, timeout)
     rec = {"command": " ".join(["datagen", *cmd[3:]]), "rows_file": rows.name, **_measure([r], out, _row_tokens(rows))}
     if r["rc"] != 0:
         rec["error_tail"] = [l for _, l in r["lines"][-25:]]
@@ -326,7 +380,7 @@ def stage_deploy(work: Path, shape: str, dtype: str, log, timeout: float) -> dic
     for a, b in ranges:
         rs = sdir / f"{shape}-{dtype}-{a}-{b}.json"
         rs.write_text(json.dumps({"plan": made, "shards": [a, b]}))
-        runs.append(_run_cmd([*py, "extract", "--spec", str(rs)], {**_env(), **doc["range_env"]}, log,
+        runs.append(_run_cmd([*py, "extract", "--spec", str(rs)], (_traced if a == 0 else _same)({**_env(), **doc["range_env"]}, out), log,
                              t_end - time.time()))
     fin = sdir / f"{shape}-{dtype}-finalize.json"
     fin.write_text(json.dumps({"plan": made}))
@@ -411,6 +465,8 @@ def stage_disk(work: Path, shape: str, args) -> dict:
 
 def stage(args) -> None:
     """One stage in this process; its record to --record."""
+    global TRACE
+    TRACE = args.trace
     work = Path(args.work)
     with open(args.log, "a") as log:
         name = args.name
@@ -460,7 +516,7 @@ def run_all(args) -> None:
         log = out / f"{args.shape}-{name}.log"
         cmd = [sys.executable, __file__, "stage", name, "--shape", args.shape, "--work", str(work), "--record", str(path),
                "--log", str(log), "--timeout", str(max(30.0, left - 15)), "--repeats", str(args.repeats),
-               "--disk-mib", str(args.disk_mib)]
+               "--disk-mib", str(args.disk_mib)] + (["--trace"] if args.trace else [])
         print(f"{name}: started ({left:.0f} s left)", flush=True)
         t0 = time.time()
         with log.open("a") as lf:
@@ -534,6 +590,12 @@ def report(args) -> None:
                      f"| {_fmt(r['cli_past_fill'])} ({_fr(r['cli_past_fill_vs_min'])}) |")
     dev = next((r.get("device") for r in recs.values() if r.get("device")), {})
     lines += ["", f"device: {', '.join(dev.get('gpus', []))}; vLLM {dev.get('vllm')}"]
+    traced = [(k, r["start"]) for k, r in sorted(recs.items()) if r.get("start")]
+    if traced:  # run --trace: seconds after the "engine started" line
+        lines += ["", "| shape | stage | first step s | first shard's rows computed s | first shard written s "
+                      "| first 5 steps s | median step s |", "| --- " * 7 + "|"]
+        lines += [f"| {s} | {n} | {t['first_step_s']} | {t['first_shard_rows_computed_s']} | {t['first_shard_written_s']} "
+                  f"| {' / '.join(str(x) for x in t['first_steps_s'])} | {t['step_median_s']} |" for (s, n), t in traced]
     (res / "table.md").write_text("\n".join(lines) + "\n")
     (res / "table.json").write_text(json.dumps(rows, indent=1))
     print("\n".join(lines))
@@ -611,6 +673,8 @@ def main() -> None:
         p.add_argument("--row-len", type=int, default=1024)
         p.add_argument("--repeats", type=int, default=2, help="timed passes of plain prefill")
         p.add_argument("--disk-mib", type=int, default=8192, help="MiB dd writes")
+        p.add_argument("--trace", action="store_true", help="the product's commands write their engine's steps; "
+                       "each record gets where its start went")
         if name == "run":
             p.add_argument("--out", default=os.environ.get("OUT", "."))
             p.add_argument("--stages", default="disk,cli-fp8,plain,cli-bf16,deploy")

@@ -26,10 +26,11 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from datagen import settings
 from datagen.data.contract import ShardRecord
 from datagen.data.shards.format import ShardJob
 from datagen.specs.extraction import MlaBackend
-from datagen.engines import patches
+from datagen.engines import patches, step_trace
 from datagen.engines.base import Engine, Handout
 from datagen.engines.capture_paths import RunnerChoice, runner_choice, runner_version, verified_v2_runs
 from datagen.engines.messages import CaptureReply
@@ -375,6 +376,8 @@ class VllmEngine(Engine):
         stuck = sorted(k for r in self._replies for k in r.pending_shards)
         if stuck:
             raise RuntimeError(f"shards {stuck}: their requests finished but were not all captured")
+        if (trace := settings.step_trace_path()) is not None:
+            step_trace.dump(self.llm, trace)
         return self.completed()
 
     def close(self) -> None:

@@ -216,8 +216,8 @@ class CaptureExtension:
         """The engine steps since the last call (rank 0), for profiles: (start, end of execute_model,
         tokens, end of the capture, GPU ms of the forward, GPU ms of the capture's kernels); the
         times are this process's perf_counter, the GPU times None unless
-        DATAGEN_GPU_STEP_TIMES=1 (CUDA)."""
-        capture = self._datagen()
+        DATAGEN_GPU_STEP_TIMES=1 (CUDA); None without the internal capture (the public path)."""
+        capture = getattr(self.model_runner, "_datagen_capture", None)
         if capture is None or capture.rank != 0:
             return None
         out = []

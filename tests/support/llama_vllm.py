@@ -41,10 +41,12 @@ def llama_rows(tmp_path_factory) -> Path:
 
 
 def llama_vllm(tmp_path_factory, tiny_llama: Path) -> tuple[Path, dict]:
-    """(output, result line) of the eager internal-capture extraction of ``llama_rows``."""
+    """(output, result line) of the eager internal-capture extraction of ``llama_rows``; its engine's
+    steps are written beside the output (``steps.json``, DATAGEN_STEP_TRACE), which changes no byte."""
     if "vllm" not in _built:
         out = tmp_path_factory.mktemp("vllm") / "ds"
-        proc = run_datagen(*extract_args(tiny_llama, llama_rows(tmp_path_factory), out), env=EAGER)
+        env = {**EAGER, "DATAGEN_STEP_TRACE": str(out.parent / "steps.json")}
+        proc = run_datagen(*extract_args(tiny_llama, llama_rows(tmp_path_factory), out), env=env)
         assert proc.returncode == 0, proc.stderr[-4000:]
         _built["vllm"] = (out, result_of(proc))
     return _built["vllm"]
