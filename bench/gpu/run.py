@@ -191,8 +191,12 @@ def _measure(runs: list[dict], out_dir: Path, tokens: int) -> dict:
         rec["steady_driver"] = tokens / max(t_last - t_first, 1e-6)
         if rec.get("bytes"):
             rec["bytes_per_s_driver"] = rec["bytes"] / max(t_last - t_first, 1e-6)
-        rec.update(_past_fill(out_dir, shards))
-        rec.update(_start(out_dir, t_first, shards))
+        try:
+            listed = json.loads((out_dir / "manifest.json").read_text())["shards"]
+        except (OSError, KeyError, ValueError):
+            listed = []
+        rec.update(_past_fill(listed, shards))
+        rec.update(_start(out_dir, t_first, listed, shards))
     if prog:
         last = prog[-1][1]
         rates = list(RATE.finditer(last))
@@ -211,16 +215,12 @@ def _measure(runs: list[dict], out_dir: Path, tokens: int) -> dict:
     return rec
 
 
-def _past_fill(out_dir: Path, shards: list[Path]) -> dict:
+def _past_fill(listed: list[dict], shards: list[Path]) -> dict:
     """The rate past the pipeline's fill: the tokens of every shard but the first written, over the
     time from the first shard file written to the last (their modification times; each shard's
     tokens from the manifest). The steady window from the engine's start opens with the fill (no
     token counts until the first shard's rows are computed and written), which a short run pays in
-    full and a long one not at all."""
-    try:
-        listed = json.loads((out_dir / "manifest.json").read_text())["shards"]
-    except (OSError, KeyError, ValueError):
-        return {}
+    full and a long one not at all. ``listed``: the manifest's shards."""
     tokens = {Path(s["path"]).name: s["tokens"] for s in listed}
     written = sorted((p.stat().st_mtime, tokens[p.name]) for p in shards if p.name in tokens)
     if len(written) < 3:
@@ -238,31 +238,29 @@ def _env() -> dict:
 TRACE = False  # stage --trace: the product's commands write their engine's steps
 
 
-def _traced(env: dict, out: Path) -> dict:
-    """``env`` with the step trace asked for, beside ``out`` (which the stage removes), under ``--trace``."""
-    if not TRACE:
+def _traced(env: dict, out: Path, start: bool = True) -> dict:
+    """``env`` with the step trace asked for, beside ``out`` (which the stage removes), under ``--trace``
+    for the command that holds the run's start (a deployment's first range)."""
+    if not (TRACE and start):
         return env
     _trace_file(out).unlink(missing_ok=True)
     return {**env, "DATAGEN_STEP_TRACE": str(_trace_file(out)), "DATAGEN_GPU_STEP_TIMES": "1"}
-
-
-def _same(env: dict, out: Path) -> dict:  # a deployment's later ranges: the first range's steps are the start's
-    return env
 
 
 def _trace_file(out: Path) -> Path:
     return out.with_name(out.name + ".steps.json")
 
 
-def _start(out_dir: Path, t_first: float, shards: list[Path]) -> dict:
+def _start(out_dir: Path, t_first: float, listed: list[dict], shards: list[Path]) -> dict:
     """Where the run's start went, from its engine's steps (``--trace``), in seconds after the
     product's "engine started" line: its first step, the first shard's rows computed (the steps'
     tokens counted up to the first shard's, the rows being scheduled in their order), and the first
     shard's file written; the first 5 steps' seconds beside the run's median step."""
     try:
         steps = json.loads(_trace_file(out_dir).read_text())["steps"]
-        listed = json.loads((out_dir / "manifest.json").read_text())["shards"]
     except (OSError, KeyError, ValueError):
+        return {}
+    if not listed:
         return {}
     first = min(listed, key=lambda x: x["index"])
     files = {p.name: p for p in shards}
@@ -380,7 +378,7 @@ def stage_deploy(work: Path, shape: str, dtype: str, log, timeout: float) -> dic
     for a, b in ranges:
         rs = sdir / f"{shape}-{dtype}-{a}-{b}.json"
         rs.write_text(json.dumps({"plan": made, "shards": [a, b]}))
-        runs.append(_run_cmd([*py, "extract", "--spec", str(rs)], (_traced if a == 0 else _same)({**_env(), **doc["range_env"]}, out), log,
+        runs.append(_run_cmd([*py, "extract", "--spec", str(rs)], _traced({**_env(), **doc["range_env"]}, out, a == 0), log,
                              t_end - time.time()))
     fin = sdir / f"{shape}-{dtype}-finalize.json"
     fin.write_text(json.dumps({"plan": made}))
