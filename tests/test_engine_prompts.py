@@ -105,3 +105,46 @@ def test_only_a_few_prompts_are_made_ahead_of_the_one_taken(tmp_path, monkeypatc
     assert 2 <= len(loaded) <= 1 + 2 * 2 + 1, f"{len(loaded)} images loaded for one prompt taken"
     rest = list(gen)
     assert len(rest) == 19 and len(loaded) == 20
+
+
+@pytest.mark.parametrize("concurrent", [True, False], ids=["checkpoint-processor", "numba-processor"])
+def test_the_render_runs_on_the_pool_only_where_the_processor_allows_it(tmp_path, monkeypatch, concurrent):
+    """vLLM's processor renders on the decode pool where it may run on several threads (the
+    checkpoint's own, vLLM 0.24), else one by one on the taker's thread (vLLM 0.32's numba kernels
+    abort on a second thread); either way the renders come in order, each of its own prompt."""
+    from datagen.engines import vllm_requests
+
+    monkeypatch.setattr(vllm_requests, "renders_concurrently", lambda: concurrent)
+    requests = [_sample(tmp_path, i, n) for i, n in enumerate([1, 2, 0, 1, 2, 1, 1, 2])]
+    where = []
+
+    def render(p):
+        where.append(threading.current_thread().name)
+        time.sleep(0.05)  # long enough that renders on a pool overlap
+        return {"rendered": p["prompt_token_ids"]}
+
+    got = list(prompts(requests, render))
+    assert [g["rendered"] for g in got] == [prompt(t, im)["prompt_token_ids"] for t, im in requests]
+    if concurrent:
+        assert all(n.startswith("datagen-decode") for n in where) and len(set(where)) > 1, where
+    else:
+        assert set(where) == {threading.current_thread().name}, where
+
+
+def test_a_failed_render_is_raised_in_order_after_the_renders_before_it(tmp_path, monkeypatch):
+    from datagen.engines import vllm_requests
+
+    monkeypatch.setattr(vllm_requests, "renders_concurrently", lambda: True)
+    requests = [_sample(tmp_path, i, 1) for i in range(6)]
+
+    def render(p):
+        first = p["prompt_token_ids"][0]
+        if first in (102, 104):
+            time.sleep(0.1 if first == 102 else 0)  # the later failure is made first
+            raise ValueError(f"row {first - 100} cannot be rendered")
+        return first
+
+    gen = prompts(requests, render)
+    assert [next(gen), next(gen)] == [100, 101]
+    with pytest.raises(ValueError, match="row 2 cannot"):
+        next(gen)

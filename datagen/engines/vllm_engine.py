@@ -54,7 +54,7 @@ class VllmEngine(Engine):
     name = "vllm"
     # the render thread's state (set as groups run)
     _running: tuple[list[ShardJob], int] | None = None  # the group in the engine, its requests added
-    _render_pool: ThreadPoolExecutor | None = None  # renders the next group's requests (one thread)
+    _render_pool: ThreadPoolExecutor | None = None  # renders the next group's requests (its driver)
     groups_behind = 0  # groups started while another was in the engine
     rendered_ahead = 0  # of those, the groups rendered before the group ahead of them finished
     render_wait_s = 0.0  # time the driver waited for a request not rendered yet
@@ -242,8 +242,8 @@ class VllmEngine(Engine):
 
     def _render_one(self, prompt_):
         """A request as vLLM's engine input: what ``LLM.generate`` makes of a prompt
-        (``Renderer.render_cmpl``), here on the render thread. Requests are rendered and added in
-        the same order, so the multimodal processor's cache and the engine core's agree."""
+        (``Renderer.render_cmpl``), on the render thread or the pool of ``vllm_requests.prompts``;
+        added in order. The processor cache is off for image rows (media_processor.engine_kwargs)."""
         from vllm.renderers.inputs.preprocess import parse_model_prompt
 
         renderer = self.llm.renderer

@@ -1,6 +1,7 @@
 """The vLLM engine's requests: a row's prompt (its token ids, its images as vLLM multimodal inputs),
-a group's prompts with their images decoded on a pool of threads, and a group's requests rendered
-in order on the engine's render thread (``VllmEngine``)."""
+a group's prompts with their images decoded (and, where the image processor allows, rendered) on a
+pool of threads, and a group's requests taken in order from the engine's render thread
+(``VllmEngine``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import queue
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from functools import cache
 from itertools import islice
 
 DECODE_THREADS = 16  # at most this many threads read and decode a group's images (prompts())
@@ -25,37 +27,58 @@ def prompt(tokens, images=()):
     return TokensPrompt(**engine_prompt(tokens, images))
 
 
-def prompts(requests):
-    """The prompts of ``(tokens, images)`` pairs, yielded in order. Where two or more have images,
-    the images are read, checked (sha256) and decoded on a pool of threads, which PIL's decoders
-    and hashlib run outside the GIL: done one after another, this host work left the GPU idle for
-    longer than the group's own steps took (docs/datasets-media.md, "Throughput at Kimi's width").
-    At most two prompts per thread are made ahead of the one taken, so a group's decoded images are
-    never all in memory at once. The first failure in order is raised where its prompt is taken,
-    as the loop one by one raised it."""
+@cache
+def renders_concurrently() -> bool:
+    """Whether vLLM's multimodal processing may run on several threads at once in this process: where
+    the image processor is the checkpoint's own (vLLM 0.24, which itself runs that processing on a
+    pool of ``renderer_num_workers`` threads once its processor cache is off, as the engine's is). Not
+    vLLM 0.32's own Kimi-K2.5 processor: its numba kernels abort on a second thread ("Concurrent
+    access has been detected"), and 0.32 keeps that processing on one thread."""
+    from datagen.data.media_processor import fused_processor_class
+
+    return fused_processor_class() is None
+
+
+def _made(request, render):
+    made = prompt(*request)
+    return made if render is None else render(made)
+
+
+def prompts(requests, render=None):
+    """The prompts of ``(tokens, images)`` pairs, yielded in order; with ``render``, what ``render``
+    makes of each (vLLM's engine input). Where two or more have images, the images are read, checked
+    (sha256) and decoded on a pool of threads, which PIL's decoders and hashlib run outside the GIL:
+    done one after another, this host work left the GPU idle for longer than the group's own steps
+    took (docs/datasets-media.md, "Throughput at Kimi's width"). The pool renders them too where the
+    image processor allows it (``renders_concurrently``): vLLM's processor (resize, normalize, cut
+    into patches) was the larger part of that work, and a run's first group waits for all of its own
+    (docs/performance.md, "The image rows' first group"). At most two prompts per thread are made
+    ahead of the one taken, so a group's decoded images are never all in memory at once. The first
+    failure in order is raised where its prompt is taken, as the loop one by one raised it."""
     with_images = sum(1 for _, images in requests if images)
     if with_images < 2:
-        yield from (prompt(tokens, images) for tokens, images in requests)
+        yield from (_made(r, render) for r in requests)
         return
+    pooled_render = render if render is not None and renders_concurrently() else None
     workers = min(with_images, max(2, os.cpu_count() or 1), DECODE_THREADS)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="datagen-decode")
     try:
         ahead = iter(requests)
-        pending = deque(pool.submit(prompt, *r) for r in islice(ahead, 2 * workers))
+        pending = deque(pool.submit(_made, r, pooled_render) for r in islice(ahead, 2 * workers))
         while pending:
             done = pending.popleft().result()
             for r in islice(ahead, 1):
-                pending.append(pool.submit(prompt, *r))
-            yield done
+                pending.append(pool.submit(_made, r, pooled_render))
+            yield done if render is None or pooled_render is not None else render(done)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
 class Rendered:
-    """A group's engine inputs, made in order on the render thread (``render`` of each prompt of
-    ``pairs``, images decoded by ``prompts``) and taken in order as they are made: a group rendered
-    ahead is added at once, one that is not is added as it renders. A render's failure is raised
-    where its input is taken."""
+    """A group's engine inputs, made in order from the render thread (``render`` of each prompt of
+    ``pairs``, by ``prompts``: on its pool where it may) and taken in order as they are made: a group
+    rendered ahead is added at once, one that is not is added as it renders. A render's failure is
+    raised where its input is taken."""
 
     def __init__(self, pool: ThreadPoolExecutor, render, pairs: list):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -65,8 +88,8 @@ class Rendered:
 
     def _run(self, render, pairs) -> None:
         try:
-            for p in prompts(pairs):
-                self._queue.put((render(p), None))
+            for item in prompts(pairs, render):
+                self._queue.put((item, None))
         except BaseException as e:  # noqa: BLE001 (handed to the taker, raised there)
             self._queue.put((None, e))
 
