@@ -479,6 +479,7 @@ def bench(args) -> None:
     print(f"extraction engine started in {res['extract_start_s']} s, {at()}", flush=True)
     res["engine"] = eng.describe()
     order: list[str] = []
+    began, waited = [], []  # the render's wait: the engine's total as each pass began (after shard 0), each pass's
 
     def plans():
         for i in range(args.repeats):
@@ -488,16 +489,20 @@ def bench(args) -> None:
                 order.append(name)
                 planned = plan(spec(data, work / f"run-{name}-{i}"))
                 print(f"extract {name} (pass {len(order)}): planned, {planned.num_shards} shards, {at()}", flush=True)
+                began.append(eng.render_wait_s)
                 yield planned
 
     def say(i, rate, wrote):
-        print(f"extract {order[i]} (pass {i + 1}): {rate:,.0f} tokens/s, {wrote / 1e9:.2f} GB/s, {at()}", flush=True)
+        waited.append(round(eng.render_wait_s - began[i], 2))
+        print(f"extract {order[i]} (pass {i + 1}): {rate:,.0f} tokens/s, {wrote / 1e9:.2f} GB/s, waited "
+              f"{waited[-1]} s for rendered requests, {at()}", flush=True)
 
     rates, written = extraction(eng, img, plans(), tokens=tokens, say=say)
     eng.close()
     # the render thread: groups rendered while the group before them computed, of those that had one
     res["render"] = {"groups_behind": eng.groups_behind, "rendered_ahead": eng.rendered_ahead,
-                     "render_wait_s": round(eng.render_wait_s, 2)}
+                     "render_wait_s": round(eng.render_wait_s, 2),
+                     "render_wait_s_by_pass": dict(zip((f"{o} {k + 1}" for k, o in enumerate(order)), waited))}
     for name in ("images", "text"):
         res[f"extract_{name}_tokens_per_s"] = [r for r, o in zip(rates, order) if o == name]
         res[f"extract_{name}_bytes_per_s"] = [b for b, o in zip(written, order) if o == name]
