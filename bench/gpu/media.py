@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -380,11 +381,93 @@ def stage_experts384(args, work: Path, out: Path) -> dict:
             "bench": bench, "wall_s": round(time.monotonic() - t0, 1)}
 
 
-STAGES = {"tiny": stage_tiny, "wide": stage_wide, "wide-bench": stage_wide_bench, "experts384": stage_experts384}
+def stage_render(args, work: Path, out: Path) -> dict:
+    """vLLM's renderer (``Renderer.render_cmpl``, what ``VllmEngine`` adds) on the tiny dataset's rows,
+    one by one and as the engine renders a group (``vllm_requests.prompts``: on the decode pool where
+    ``renders_concurrently``): every engine input must be the same, field for field. No engine starts."""
+    import numpy as np
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.renderers import renderer_from_config
+    from vllm.renderers.inputs.preprocess import parse_model_prompt
+
+    from datagen.data.media_processor import engine_kwargs as media_kwargs
+    from datagen.engines import vllm_requests
+
+    model = make_tiny(work / "tiny", "none" if args.smoke else "int4")
+    data, _ = tiny_rows(work / "tiny" / "data")
+    prepared = _prepared(model, data, TINY_VOCAB, 512)
+    rows = [prepared.samples[r] for r in sorted(prepared.samples)]
+    pairs = [(np.asarray(s.input_ids), s.media) for s in rows] * 8  # enough image rows for a pool of several
+    config = EngineArgs(model=str(model), trust_remote_code=True, max_model_len=513,
+                        **media_kwargs(str(model), trust_remote_code=True)).create_engine_config()
+    renderer = renderer_from_config(config)
+
+    def render(p):
+        return renderer.render_cmpl([parse_model_prompt(config.model_config, p)], renderer.default_cmpl_tok_params)[0]
+
+    t0 = time.monotonic()
+    one_by_one = [render(vllm_requests.prompt(t, im)) for t, im in pairs]
+    t1 = time.monotonic()
+    pooled = list(vllm_requests.prompts(pairs, render))
+    t2 = time.monotonic()
+    differ = [i for i, (a, b) in enumerate(zip(one_by_one, pooled)) if not _same_input(a, b)]
+    if differ or len(pooled) != len(pairs):
+        raise RuntimeError(f"the pooled render differs from the one-by-one render at requests {differ[:10]} "
+                           f"({len(pooled)} of {len(pairs)} made): {_first_difference(one_by_one[differ[0]], pooled[differ[0]]) if differ else ''}")
+    return {"requests": len(pairs), "image_rows": sum(1 for _, im in pairs if im),
+            "renders_concurrently": vllm_requests.renders_concurrently(), "equal": True,
+            "one_by_one_s": round(t1 - t0, 2), "pooled_s": round(t2 - t1, 2),
+            "input_keys": sorted(one_by_one[0]) if isinstance(one_by_one[0], dict) else type(one_by_one[0]).__name__}
+
+
+_VARIES = {"arrival_time"}  # when the request was made: each render's own
+# with the processor cache off, vLLM names a request's images by its renderer's counter of requests
+# ("renderer0-mm-41-vision_chunk-0"): unique per render, whatever the thread, and no two renders alike
+_REQUEST_SCOPED = re.compile(r"(renderer\d+-mm-)\d+")
+
+
+def _same_input(a, b) -> bool:
+    return _first_difference(a, b) is None
+
+
+def _first_difference(a, b, where: str = "input"):
+    """Where two engine inputs differ (None: nowhere): tensors by value, containers by item."""
+    import numpy as np
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        same = (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(a, b))
+        return None if same else where
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return None if np.array_equal(a, b) else where
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return f"{where}: keys {sorted(set(a) ^ set(b))}"
+        return next((d for k in a if k not in _VARIES for d in [_first_difference(a[k], b[k], f"{where}.{k}")] if d), None)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return f"{where}: {len(a)} items against {len(b)}"
+        return next((d for i, (x, y) in enumerate(zip(a, b)) for d in [_first_difference(x, y, f"{where}[{i}]")] if d),
+                    None)
+    if type(a) is not type(b):
+        return f"{where}: {type(a).__name__} against {type(b).__name__}"
+    if hasattr(a, "__dict__") and not isinstance(a, type):
+        return _first_difference(vars(a), vars(b), where)
+    if hasattr(a, "__slots__"):
+        return _first_difference({k: getattr(a, k, None) for k in a.__slots__},
+                                 {k: getattr(b, k, None) for k in b.__slots__}, where)
+    if isinstance(a, str):
+        a, b = _REQUEST_SCOPED.sub(r"\1#", a), _REQUEST_SCOPED.sub(r"\1#", b)
+    return None if a == b else f"{where}: {a!r:.80} against {b!r:.80}"
+
+
+STAGES = {"tiny": stage_tiny, "wide": stage_wide, "wide-bench": stage_wide_bench, "experts384": stage_experts384,
+          "render": stage_render}
 # rough seconds each stage needs on the H200 (compiled), to skip what the budget cannot hold (2026-12-03/04:
 # wide's extraction 161 s and parity 42 s; wide-bench 434 s; experts384: each compiled engine of the 33 GB
 # checkpoint starts in about 185 s (load 20-25 s, init 135 s), so plain and one storage dtype take a call)
-NEEDS = {"tiny": 100, "wide": 520, "wide-bench": 460, "experts384": 480}
+NEEDS = {"tiny": 100, "wide": 520, "wide-bench": 460, "experts384": 480, "render": 60}
 
 
 # --- the bench (its own process: engines started and shut down in turn) ---------------------------
