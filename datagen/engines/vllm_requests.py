@@ -30,8 +30,8 @@ def prompt(tokens, images=()):
 @cache
 def renders_concurrently() -> bool:
     """Whether vLLM's multimodal processing may run on several threads at once in this process: where
-    the image processor is the checkpoint's own (vLLM 0.24, which itself runs that processing on a
-    pool of ``renderer_num_workers`` threads once its processor cache is off, as the engine's is). Not
+    the image processor is the checkpoint's own (vLLM 0.24, which itself lets that processing run on
+    a pool of ``renderer_num_workers`` threads when its processor cache is off, as the engine's is). Not
     vLLM 0.32's own Kimi-K2.5 processor: its numba kernels abort on a second thread ("Concurrent
     access has been detected"), and 0.32 keeps that processing on one thread."""
     from datagen.data.media_processor import fused_processor_class
