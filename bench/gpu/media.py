@@ -410,10 +410,11 @@ def stage_render(args, work: Path, out: Path) -> dict:
     t1 = time.monotonic()
     pooled = list(vllm_requests.prompts(pairs, render))
     t2 = time.monotonic()
-    differ = [i for i, (a, b) in enumerate(zip(one_by_one, pooled)) if not _same_input(a, b)]
+    differ = [(i, d) for i, (a, b) in enumerate(zip(one_by_one, pooled)) if (d := _first_difference(a, b))]
     if differ or len(pooled) != len(pairs):
-        raise RuntimeError(f"the pooled render differs from the one-by-one render at requests {differ[:10]} "
-                           f"({len(pooled)} of {len(pairs)} made): {_first_difference(one_by_one[differ[0]], pooled[differ[0]]) if differ else ''}")
+        raise RuntimeError(f"the pooled render differs from the one-by-one render at requests "
+                           f"{[i for i, _ in differ[:10]]} ({len(pooled)} of {len(pairs)} made): "
+                           f"{differ[0][1] if differ else ''}")
     return {"requests": len(pairs), "image_rows": sum(1 for _, im in pairs if im),
             "renders_concurrently": vllm_requests.renders_concurrently(), "equal": True,
             "one_by_one_s": round(t1 - t0, 2), "pooled_s": round(t2 - t1, 2),
@@ -424,10 +425,6 @@ _VARIES = {"arrival_time"}  # when the request was made: each render's own
 # with the processor cache off, vLLM names a request's images by its renderer's counter of requests
 # ("renderer0-mm-41-vision_chunk-0"): unique per render, whatever the thread, and no two renders alike
 _REQUEST_SCOPED = re.compile(r"(renderer\d+-mm-)\d+")
-
-
-def _same_input(a, b) -> bool:
-    return _first_difference(a, b) is None
 
 
 def _first_difference(a, b, where: str = "input"):

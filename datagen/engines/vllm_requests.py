@@ -59,17 +59,18 @@ def prompts(requests, render=None):
     if with_images < 2:
         yield from (_made(r, render) for r in requests)
         return
-    pooled_render = render if render is not None and renders_concurrently() else None
+    # the render on the pool where the processor may run on several threads, else here, in order
+    pooled, here = (render, None) if render is not None and renders_concurrently() else (None, render)
     workers = min(with_images, max(2, os.cpu_count() or 1), DECODE_THREADS)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="datagen-decode")
     try:
         ahead = iter(requests)
-        pending = deque(pool.submit(_made, r, pooled_render) for r in islice(ahead, 2 * workers))
+        pending = deque(pool.submit(_made, r, pooled) for r in islice(ahead, 2 * workers))
         while pending:
             done = pending.popleft().result()
             for r in islice(ahead, 1):
-                pending.append(pool.submit(_made, r, pooled_render))
-            yield done if render is None or pooled_render is not None else render(done)
+                pending.append(pool.submit(_made, r, pooled))
+            yield done if here is None else here(done)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
