@@ -75,6 +75,8 @@ def _rows(kind: str) -> list[tuple[int, list[tuple[int, int]]]]:
 
 
 def _steps(cfg, rows, mode: str, seed: int) -> tuple[list[tuple], int]:
+    """Every step's batch, ((request, tokens), ...), of one group added ``mode``-wise, requests
+    arriving as the ``seed``'s random stream says; and how many times no step could run."""
     import torch
     from vllm import SamplingParams
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
