@@ -12,6 +12,7 @@ kimi-mini's end-to-end run's (tests/flows/test_kimi_mini_e2e.py), not this modul
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -93,3 +94,32 @@ def test_the_manifest_reader_and_export_say_which_rows_had_images_and_their_toke
     assert done["samples"] == len(reader)
     assert [(e["index"], e["row"]) for e in record["media"]] == [(0, 0), (2, 2), (3, 4)]
     assert {e["row"]: e["images"] for e in record["media"]} == want
+
+
+def test_image_rows_are_written_the_same_when_their_requests_arrive_slowly(tmp_path, tmp_path_factory):
+    """The window in vLLM's scheduler (datagen.engines.vllm_window): the same spec again with every
+    request rendered 0.4 s late, so that a group's requests reach the engine core one by one, runs
+    the same steps (tokens per step, DATAGEN_STEP_TRACE) and writes the same shards, byte for byte.
+    Let into vLLM's plain scheduler as they came, the first request of each group would run alone."""
+    import subprocess
+
+    from tests.builders import REPO
+    from tests.support.media_extraction import write_spec
+    from tests.support.slow_datagen import slow_datagen_cmd
+
+    run = media_extraction(tmp_path_factory)
+    data = json.loads(run.spec.read_text())["dataset"]
+    out = tmp_path / "out"
+    spec = write_spec(tmp_path, run.kimi.model, data, out, "slow")
+    env = {**os.environ, "DATAGEN_ENFORCE_EAGER": "1", "DATAGEN_STEP_TRACE": str(tmp_path / "steps.json"),
+           "RENDER_DELAY_S": "0.4"}
+    proc = subprocess.run(slow_datagen_cmd(0, "extract", "--spec", str(spec)), capture_output=True, text=True,
+                          env=env, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    def steps(path):
+        return [s["tokens"] for s in json.loads(path.read_text())["steps"]]
+
+    assert steps(tmp_path / "steps.json") == steps(run.root / "steps.json")
+    want, got = (json.loads((o / "manifest.json").read_text())["shards"] for o in (run.out, out))
+    assert [(s["path"], s["sha256"]) for s in got] == [(s["path"], s["sha256"]) for s in want]

@@ -83,7 +83,9 @@ def media_extraction(tmp_path_factory) -> MediaExtraction:
     data = write_jsonl(root / "rows.jsonl", rows)
     out = root / "out"
     spec = write_spec(root, p.model, data, out, "spec")
-    proc = run_datagen("extract", "--spec", str(spec), env={"DATAGEN_ENFORCE_EAGER": "1"}, timeout=900)
+    # the engine's steps beside the output (DATAGEN_STEP_TRACE changes no byte)
+    proc = run_datagen("extract", "--spec", str(spec), timeout=900,
+                       env={"DATAGEN_ENFORCE_EAGER": "1", "DATAGEN_STEP_TRACE": str(root / "steps.json")})
     assert proc.returncode == 0, proc.stderr[-4000:]
     plan = prepare_dataset(data, load_tokenizer=lambda: load_tokenizer(p.model, trust_remote_code=True),
                            vocab_size=VOCAB, max_seq_len=512, workers=1)

@@ -1,12 +1,15 @@
 """``datagen`` slowed down: a pause after each shard the extraction submits to its engine, a window
-for the fault tests to kill a run in the middle of its extraction (the product has no such switch).
+for the fault tests to kill a run in the middle of its extraction (the product has no such switch);
+with RENDER_DELAY_S in the environment, also a pause before each request the vLLM engine renders, so
+that a group's requests reach the engine core slowly.
 
-    python -m tests.support.slow_datagen SECONDS <datagen arguments...>
+    [RENDER_DELAY_S=0.5] python -m tests.support.slow_datagen SECONDS <datagen arguments...>
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import time
 
@@ -47,10 +50,25 @@ def pause_after_each_shard(seconds: float) -> None:
     Engine.__init_subclass__ = classmethod(init_subclass)
 
 
+def pause_before_each_render(seconds: float) -> None:
+    """The vLLM engine pauses ``seconds`` before it renders each request (on its render thread)."""
+    from datagen.engines.vllm_engine import VllmEngine
+
+    render = VllmEngine._render_one
+
+    def render_later(self, prompt):
+        time.sleep(seconds)
+        return render(self, prompt)
+
+    VllmEngine._render_one = render_later
+
+
 def main(argv: list[str]) -> int:
     seconds, *args = argv
     if float(seconds) > 0:
         pause_after_each_shard(float(seconds))
+    if float(os.environ.get("RENDER_DELAY_S", 0)) > 0:
+        pause_before_each_render(float(os.environ["RENDER_DELAY_S"]))
     from datagen.cli import main as datagen_main
 
     return datagen_main(args)
