@@ -64,6 +64,9 @@ class WindowScheduler(Scheduler):
     def _window(self) -> None:
         """Show the kept requests, in order, until the waiting ones' unscheduled tokens reach a step's
         budget; hold while they do not and the group's last request has not arrived."""
+        if not self._kept and not self._open:  # the whole group is shown: nothing to count each step
+            self._held = False
+            return
         budget = self.max_num_scheduled_tokens
         waiting = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
         while self._kept and waiting < budget:
